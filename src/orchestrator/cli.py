@@ -1,0 +1,84 @@
+"""The ``orchestrator`` command line: a thin entry point.
+
+Each subcommand lives in ``orchestrator.commands.<name>`` and exposes ``HELP`` (one line),
+``add_arguments(parser)`` and ``main(args) -> int``. Command modules import their heavy dependencies
+inside ``main`` so ``orchestrator check`` and ``--help`` stay fast. Logging handlers are set here only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from orchestrator.errors import ConfigError
+
+T = TypeVar("T")
+
+# subcommand -> module under orchestrator.commands
+COMMANDS = {
+    "check": "check",
+}
+
+EXIT_CONFIG = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="orchestrator",
+        description="Rollout orchestrator for LLM reinforcement learning.",
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(f"orchestrator.commands.{module_name}")
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p.add_argument("--log-level", default=argparse.SUPPRESS,
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default: INFO)")
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a long-running command's coroutine on uvloop (the default asyncio loop where uvloop is missing)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; kept for odd platforms
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return int(args._module.main(args))
+    except ConfigError as e:
+        print(f"config error ({len(e.problems)} problem{'s' if len(e.problems) != 1 else ''}):",
+              file=sys.stderr)
+        for p in e.problems:
+            print(f"  {p}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the ``orchestrator`` CLI, one module each (see orchestrator.cli)."""

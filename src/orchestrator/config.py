@@ -1,0 +1,489 @@
+"""The job's configuration: TOML in, a frozen typed tree out.
+
+One TOML file per job. Each section is a frozen dataclass below; every field has a documented default or
+is required. ``[[env]]`` tables (one per environment) may live in the job file or in per-env files named by
+a top-level ``include = ["envs/a.toml", ...]`` (paths relative to the including file).
+
+Validation only checks: a config that loads is exactly what the user wrote plus the defaults documented
+here. Every problem names the file (or ``--set``) and the full key path, and all problems are reported at
+once. The only conversion is TOML's integer to a float field (``1`` for ``1.0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from orchestrator.errors import ConfigError
+
+
+def opt(
+    default: Any = dataclasses.MISSING,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    doc: str = "",
+) -> Any:
+    """A config field with optional numeric bounds (checked, never clamped) and a one-line description."""
+    meta = {"ge": ge, "gt": gt, "le": le, "doc": doc}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = opt("run", doc="run id, stamped on every batch sent to the trainer")
+    output_dir: str = opt("outputs/run", doc="rollouts.jsonl, metrics.jsonl, dumps and state go here")
+    seed: int = opt(0, ge=0, doc="seeds task order and the simulated servers")
+    max_steps: int = opt(100, ge=1, doc="steps to run before a clean exit")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = opt("sim-model", doc="model name sent to the inference servers")
+    tokenizer: str | None = opt(None, doc="tokenizer directory; unset means the small built-in tokenizer")
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    servers: tuple[str, ...] = opt(doc="base URLs of vLLM-compatible servers, e.g. http://127.0.0.1:8000/v1")
+    request_timeout_s: float = opt(120.0, gt=0, doc="per-request timeout")
+    max_retries: int = opt(1, ge=0, doc="retries of a failed request on the same server")
+    failures_to_evict: int = opt(3, ge=1, doc="consecutive failures that take a server out of rotation")
+    probe_interval_s: float = opt(1.0, gt=0, doc="how often servers out of rotation are probed")
+    weight_sync_timeout_s: float = opt(120.0, gt=0, doc="timeout of each pause/update/resume call")
+    no_server_warn_interval_s: float = opt(10.0, gt=0, doc="warning interval while no server is in rotation")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The built-in simulated inference server (demo, tests, benchmarks); flags of `sim-inference` match."""
+
+    servers: int = opt(2, ge=1, doc="simulated servers the demo starts")
+    seed: int = opt(0, ge=0, doc="seeds sampled tokens and injected faults")
+    latency_ms: float = opt(0.0, ge=0, doc="added latency per request (lower bound of the range)")
+    latency_max_ms: float | None = opt(None, ge=0, doc="upper bound of a random latency range")
+    error_rate: float = opt(0.0, ge=0, le=1, doc="fraction of requests answered with HTTP 500")
+    hang_rate: float = opt(0.0, ge=0, le=1, doc="fraction of requests never answered")
+    malformed_rate: float = opt(0.0, ge=0, le=1, doc="fraction of malformed replies")
+    drop_rate: float = opt(0.0, ge=0, le=1, doc="fraction of connections dropped without a reply")
+    layers: int = opt(0, ge=0, doc="MoE layers for routed experts (0: no routed experts)")
+    top_k: int = opt(0, ge=0, doc="experts per token for routed experts")
+    num_experts: int = opt(64, ge=1, le=256, doc="experts per layer (ids fit uint8)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    batch_size: int | None = opt(None, ge=1, doc="rollouts per step (set this or token_budget)")
+    token_budget: int | None = opt(None, ge=1, doc="tokens per step (set this or batch_size)")
+    max_inflight: int = opt(64, ge=1, doc="rollouts running at once")
+    max_async_level: int = opt(1, ge=0, doc="a batch for step s takes rollouts sampled at step >= s - this")
+    max_off_policy_steps: int = opt(4, ge=0, doc="in-flight rollouts this many steps old are cancelled")
+    group_timeout_s: float = opt(600.0, gt=0, doc="a group still running after this long is failed")
+    max_buffered_rollouts: int = opt(1024, ge=1, doc="finished rollouts not in a step yet; full: no new work")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    kind: Literal["zmq", "shm", "filesystem"] = opt("zmq", doc="how batches reach the trainer")
+    format: Literal["native", "prime-rl"] = opt("native", doc="wire layout of a batch")
+    address: str | None = opt(None, doc="ZMQ address to bind; unset means ipc:// in output_dir")
+    send_hwm: int = opt(2, ge=1, doc="batches queued in ZMQ before sends wait (back-pressure)")
+    checkpoint_source: Literal["zmq", "marker"] = opt("zmq", doc="how the trainer announces checkpoints")
+    marker_dir: str | None = opt(None, doc="checkpoint marker files' directory (checkpoint_source = marker)")
+    directory: str | None = opt(None, doc="batch directory (kind = filesystem)")
+    shm_pool_mb: int = opt(4096, ge=1, doc="shared-memory pool size (kind = shm)")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    lag_interval_s: float = opt(0.1, gt=0, le=10, doc="event-loop-lag sampling interval")
+    lag_window: int = opt(4096, ge=16, doc="lag samples kept per step (oldest dropped first)")
+    lag_warn_ms: float = opt(50.0, gt=0, doc="a stall longer than this is logged as a warning")
+    lag_error_ms: float = opt(500.0, gt=0, doc="a stall longer than this is logged as an error")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    advantage: str = opt("default", doc="'default' or module:function(group, **kwargs) -> list[float]")
+    advantage_kwargs: dict[str, Any] = opt({}, doc="keyword arguments of the advantage function")
+    std_normalize: bool = opt(False, doc="default advantage: divide by the group's reward std")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int = opt(256, ge=1, doc="tokens sampled per turn")
+    temperature: float = opt(1.0, ge=0, doc="sampling temperature")
+    top_p: float = opt(1.0, gt=0, le=1, doc="nucleus sampling")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    name: str | None = opt(None, doc="name in logs and metrics; unset means the taskset id")
+    taskset: str = opt(doc="verifiers taskset id or importable module, e.g. orchestrator.envs.arithmetic")
+    args: dict[str, Any] = opt({}, doc="arguments of the taskset")
+    group_size: int = opt(8, ge=1, doc="rollouts per task (one group)")
+    weight: float = opt(1.0, gt=0, doc="mixing weight among environments")
+    workers: int = opt(1, ge=0, doc="env worker processes; 0 runs in-process (debugging only)")
+    max_concurrent: int | None = opt(None, ge=1, doc="rollouts of this env running at once")
+    group_scoring: bool = opt(False, doc="the env scores whole groups: any failure drops the group")
+    sampling: SamplingConfig = opt(SamplingConfig(), doc="sampling parameters")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.taskset
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    run: RunConfig = opt(RunConfig(), doc="run identity and output")
+    model: ModelConfig = opt(ModelConfig(), doc="model and tokenizer")
+    inference: InferenceConfig = opt(doc="inference servers")
+    scheduler: SchedulerConfig = opt(SchedulerConfig(), doc="rollout scheduling")
+    transport: TransportConfig = opt(TransportConfig(), doc="batches to the trainer")
+    monitor: MonitorConfig = opt(MonitorConfig(), doc="event-loop-lag monitor")
+    pipeline: PipelineConfig = opt(PipelineConfig(), doc="advantages and filters")
+    sim: SimConfig = opt(SimConfig(), doc="simulated inference servers (demo and tests)")
+    env: tuple[EnvConfig, ...] = opt(doc="one [[env]] table per environment")
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read ``path`` (and its includes), apply ``--set key=value`` overrides, and validate.
+
+    Raises ConfigError listing every problem found, each naming its file (or ``--set``) and key path.
+    """
+    path = Path(path)
+    raw, env_files = _read_with_includes(path)
+    set_keys: set[str] = set()
+    for item in overrides:
+        key = _apply_override(raw, item)
+        set_keys.add(key)
+
+    def source(key: str) -> str:
+        for k in set_keys:
+            if key == k or key.startswith((k + ".", k + "[")):
+                return f"--set {k}"
+        if key.startswith("env[") and "]" in key:
+            i = int(key[4 : key.index("]")])
+            if i < len(env_files):
+                f, j = env_files[i]
+                return f"{f}: env[{j}]" if f != str(path) else str(path)
+        return str(path)
+
+    problems: list[str] = []
+    cfg = _build(JobConfig, raw, "", problems, source)
+    if not problems:
+        problems.extend(_cross_checks(typing.cast(JobConfig, cfg), source))
+    if problems:
+        raise ConfigError(problems)
+    return typing.cast(JobConfig, cfg)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: file not found"]) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
+
+
+def _read_with_includes(path: Path) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+    """The job file's tables with every included file's ``[[env]]`` tables appended.
+
+    Also returns, for each env entry, the file it came from and its index there (for error messages).
+    """
+    raw = _read_toml(path)
+    envs = raw.get("env", [])
+    if not isinstance(envs, list):
+        raise ConfigError([f"{path}: env: expected [[env]] tables, got {_type_name(envs)}"])
+    origins = [(str(path), i) for i in range(len(envs))]
+    includes = raw.pop("include", [])
+    if not isinstance(includes, list) or not all(isinstance(x, str) for x in includes):
+        raise ConfigError([f"{path}: include: expected a list of file paths, got {includes!r}"])
+    for inc in includes:
+        inc_path = path.parent / inc
+        inc_raw = _read_toml(inc_path)
+        extra = sorted(set(inc_raw) - {"env"})
+        if extra:
+            raise ConfigError([f"{inc_path}: {k}: unknown key (an included file holds only [[env]] tables)"
+                               for k in extra])
+        inc_envs = inc_raw.get("env", [])
+        if not isinstance(inc_envs, list):
+            raise ConfigError([f"{inc_path}: env: expected [[env]] tables, got {_type_name(inc_envs)}"])
+        origins += [(str(inc_path), i) for i in range(len(inc_envs))]
+        envs = envs + inc_envs
+    if envs or "env" in raw:
+        raw["env"] = envs
+    return raw, origins
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> str:
+    """Apply one ``a.b.c=value`` override (value parsed as TOML, else taken as a string); return the key."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError([f"--set {item}: expected KEY=VALUE, e.g. --set scheduler.max_inflight=32"])
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    parts = key.replace("[", ".").replace("]", "").split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError([f"--set {key}: index {part} out of range ({len(node)} entries)"])
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, [] if nxt.isdigit() else {})
+        if not isinstance(node, dict | list):
+            raise ConfigError([f"--set {key}: {'.'.join(parts[: i + 1])} is not a table"])
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError([f"--set {key}: index {last} out of range ({len(node)} entries)"])
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return ".".join(f"[{p}]" if p.isdigit() else p for p in parts).replace(".[", "[")
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a float"}.get(type(value), type(value).__name__)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if tp is bool:
+        return "true or false"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"an array of {_describe(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a table"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    return str(tp)
+
+
+def _build(tp: Any, value: Any, key: str, problems: list[str], source: Any) -> Any:
+    """Check ``value`` against type ``tp``; return the typed value (or None after recording a problem)."""
+
+    def bad(msg: str) -> None:
+        problems.append(f"{source(key)}: {key or '(top level)'}: {msg}")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _build(args[0], value, key, problems, source)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            bad(f"expected a table, got {_type_name(value)}")
+            return None
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp)}
+        for k in value:
+            if k not in fields:
+                close = [n for n in fields if n.startswith(k[:3])]
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problems.append(f"{source(_join(key, k))}: {_join(key, k)}: unknown key{hint}; "
+                                f"valid keys: {', '.join(fields)}")
+        kwargs: dict[str, Any] = {}
+        for name, f in fields.items():
+            sub = _join(key, name)
+            if name not in value:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    problems.append(f"{source(sub)}: {sub}: missing required key; "
+                                    f"expected {_describe(hints[name])} ({f.metadata.get('doc', '')})")
+                continue
+            v = value[name]
+            if dataclasses.is_dataclass(hints[name]) and v is None:
+                bad(f"{name}: expected a table")
+                continue
+            built = _build(hints[name], v, sub, problems, source)
+            if built is not None:
+                _check_bounds(built, f.metadata, sub, problems, source)
+                kwargs[name] = built
+        try:
+            return typing.cast(Any, tp)(**kwargs)
+        except TypeError:
+            return None  # a required field was missing: already reported
+    if origin is tuple:
+        if not isinstance(value, list):
+            bad(f"expected {_describe(tp)}, got {_type_name(value)}")
+            return None
+        (item_tp, _) = typing.get_args(tp)
+        items = [_build(item_tp, v, f"{key}[{i}]", problems, source) for i, v in enumerate(value)]
+        return tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            bad(f"expected a table, got {_type_name(value)}")
+            return None
+        return dict(value)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            bad(f"expected {_describe(tp)}, got {value!r}")
+            return None
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            bad(f"expected true or false, got {_type_name(value)} {value!r}")
+            return None
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            bad(f"expected an integer, got {_type_name(value)} {value!r}")
+            return None
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            bad(f"expected a number, got {_type_name(value)} {value!r}")
+            return None
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            bad(f"expected a string, got {_type_name(value)} {value!r}")
+            return None
+        return value
+    if tp is Any:
+        return value
+    raise TypeError(f"config schema uses an unsupported type {tp!r} at {key}")  # a bug in this module
+
+
+def _check_bounds(value: Any, meta: Mapping[str, Any], key: str, problems: list[str], source: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return
+    for name, word in (("ge", ">="), ("gt", ">"), ("le", "<=")):
+        bound = meta.get(name)
+        if bound is None:
+            continue
+        ok = value >= bound if name == "ge" else value > bound if name == "gt" else value <= bound
+        if not ok:
+            problems.append(f"{source(key)}: {key}: expected a value {word} {bound}, got {value!r}")
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else name
+
+
+def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
+    """Combinations that cannot work, each named by the key to change."""
+    s = cfg.scheduler
+    if (s.batch_size is None) == (s.token_budget is None):
+        yield (f"{source('scheduler.batch_size')}: scheduler.batch_size / scheduler.token_budget: "
+               "set exactly one of them (a step is batch_size rollouts or token_budget tokens)")
+    if s.max_off_policy_steps < s.max_async_level:
+        yield (f"{source('scheduler.max_off_policy_steps')}: scheduler.max_off_policy_steps: must be >= "
+               f"scheduler.max_async_level ({s.max_off_policy_steps} < {s.max_async_level}), or rollouts "
+               "still usable would be cancelled")
+    if s.batch_size is not None and s.max_buffered_rollouts < s.batch_size:
+        yield (f"{source('scheduler.max_buffered_rollouts')}: scheduler.max_buffered_rollouts: must be >= "
+               f"scheduler.batch_size ({s.max_buffered_rollouts} < {s.batch_size}), or no step can fill")
+    if not cfg.env:
+        yield f"{source('env')}: env: at least one [[env]] table is required"
+    labels: dict[str, int] = {}
+    for i, env in enumerate(cfg.env):
+        if env.group_size > s.max_inflight:
+            yield (f"{source(f'env[{i}].group_size')}: env[{i}].group_size: {env.group_size} is larger than "
+                   f"scheduler.max_inflight ({s.max_inflight}); a group must fit in flight at once")
+        if env.max_concurrent is not None and env.group_size > env.max_concurrent:
+            yield (f"{source(f'env[{i}].max_concurrent')}: env[{i}].max_concurrent: must be >= "
+                   f"group_size ({env.max_concurrent} < {env.group_size})")
+        if env.label in labels:
+            yield (f"{source(f'env[{i}].name')}: env[{i}].name: {env.label!r} is already used by "
+                   f"env[{labels[env.label]}]; give each environment a distinct name")
+        labels.setdefault(env.label, i)
+    if not cfg.inference.servers:
+        yield f"{source('inference.servers')}: inference.servers: at least one server URL is required"
+    for i, url in enumerate(cfg.inference.servers):
+        if not url.startswith(("http://", "https://")):
+            yield (f"{source(f'inference.servers[{i}]')}: inference.servers[{i}]: expected an http:// or "
+                   f"https:// URL, got {url!r}")
+    t = cfg.transport
+    if t.format == "prime-rl" and t.kind != "zmq":
+        yield (f"{source('transport.format')}: transport.format: 'prime-rl' works only with "
+               f"transport.kind = 'zmq' (got {t.kind!r})")
+    if t.checkpoint_source == "marker" and t.marker_dir is None:
+        yield (f"{source('transport.marker_dir')}: transport.marker_dir: required when "
+               "checkpoint_source = 'marker'")
+    if t.kind == "filesystem" and t.directory is None:
+        yield f"{source('transport.directory')}: transport.directory: required when kind = 'filesystem'"
+    sim = cfg.sim
+    if (sim.layers == 0) != (sim.top_k == 0):
+        yield f"{source('sim.top_k')}: sim.layers / sim.top_k: set both (routed experts) or neither"
+    if sim.latency_max_ms is not None and sim.latency_max_ms < sim.latency_ms:
+        yield f"{source('sim.latency_max_ms')}: sim.latency_max_ms: must be >= sim.latency_ms"
+    m = cfg.monitor
+    if m.lag_error_ms < m.lag_warn_ms:
+        yield (f"{source('monitor.lag_error_ms')}: monitor.lag_error_ms: must be >= monitor.lag_warn_ms "
+               f"({m.lag_error_ms} < {m.lag_warn_ms})")
+
+
+# ---------------------------------------------------------------------------------------------- printing
+
+
+def to_toml(cfg: Any) -> str:
+    """The resolved config as TOML (defaults filled in); loading the output gives the same config."""
+    lines: list[str] = []
+    _emit_table(cfg, "", lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _emit_table(obj: Any, prefix: str, lines: list[str]) -> None:
+    tables: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if v is None:
+            lines.append(f"# {f.name} = (unset)")
+        elif dataclasses.is_dataclass(v) or (isinstance(v, tuple) and v and dataclasses.is_dataclass(v[0])):
+            tables.append((f.name, v))
+        else:
+            lines.append(f"{f.name} = {_toml_value(v)}")
+    for name, v in tables:
+        full = _join(prefix, name)
+        if isinstance(v, tuple):
+            for item in v:
+                lines += ["", f"[[{full}]]"]
+                _emit_table(item, full, lines)
+        else:
+            lines += ["", f"[{full}]"]
+            _emit_table(v, full, lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
