@@ -111,11 +111,26 @@ class MonitorConfig:
     lag_error_ms: float = opt(500.0, gt=0, doc="a stall longer than this is logged as an error")
 
 
+@dataclass(frozen=True, kw_only=True)
+class FilterConfig:
+    name: str = opt(doc="'zero_advantage', 'gibberish', 'repetition', or module:function(rollout, **args) -> bool")
+    enforce: bool = opt(doc="true: matched rollouts are not trained on; false: only counted (monitor)")
+    args: dict[str, Any] = opt({}, doc="keyword arguments of the filter")
+
+
+DEFAULT_FILTERS = (
+    FilterConfig(name="zero_advantage", enforce=True),
+    FilterConfig(name="gibberish", enforce=False),
+    FilterConfig(name="repetition", enforce=False),
+)
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     advantage: str = opt("default", doc="'default' or module:function(group, **kwargs) -> list[float]")
     advantage_kwargs: dict[str, Any] = opt({}, doc="keyword arguments of the advantage function")
     std_normalize: bool = opt(False, doc="default advantage: divide by the group's reward std")
+    filters: tuple[FilterConfig, ...] = opt(DEFAULT_FILTERS, doc="[[pipeline.filters]] tables, in order")
 
 
 @dataclass(frozen=True)
