@@ -1,0 +1,88 @@
+"""What each step leaves behind: ``rollouts.jsonl``, ``metrics.jsonl`` and one INFO log line.
+
+A rollout row is a flat dict (env, task, group, reward, advantage, filters, filtered, error, lengths,
+timing...; never big arrays). ``step_metrics`` aggregates a step's rows with pandas into the metrics row;
+``StepOutputs.write`` appends both files with one write each. Both run in a worker thread, never on the
+event loop; orjson serialises (numpy scalars included).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pandas as pd
+
+from orchestrator.lagmon import LagStats
+
+log = logging.getLogger(__name__)
+
+_OPTS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+
+
+def step_metrics(
+    step: int,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    phase_s: Mapping[str, float],
+    lag: LagStats,
+    rss_mb: float,
+    wall_s: float,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The metrics row of one step, aggregated over its rollout rows (each has env, reward, ok, filtered,
+    tokens and off_policy keys)."""
+    df = pd.DataFrame.from_records(list(rows), columns=["env", "reward", "ok", "filtered", "tokens", "off_policy"])
+    ok = df[df["ok"].astype(bool)] if len(df) else df
+    trained = ok[~ok["filtered"].astype(bool)] if len(ok) else ok
+    per_env = ok.groupby("env")["reward"].agg(["mean", "count"]) if len(ok) else pd.DataFrame()
+    out: dict[str, Any] = {
+        "step": step,
+        "phase_s": {k: round(float(v), 6) for k, v in phase_s.items()},
+        "lag": {k: round(float(v), 3) for k, v in lag.as_dict().items()},
+        "rss_mb": round(rss_mb, 1),
+        "rollouts": len(df),
+        "trained": len(trained),
+        "filtered": int(ok["filtered"].astype(bool).sum()) if len(ok) else 0,
+        "failed": int((~df["ok"].astype(bool)).sum()) if len(df) else 0,
+        "reward_mean": {str(env): round(float(r["mean"]), 6) for env, r in per_env.iterrows()},
+        "rollouts_per_env": {str(env): int(r["count"]) for env, r in per_env.iterrows()},
+        "off_policy": {str(int(k)): int(v) for k, v in ok["off_policy"].value_counts().sort_index().items()}
+        if len(ok) else {},
+        "tokens": int(trained["tokens"].sum()) if len(trained) else 0,
+        "wall_s": round(wall_s, 4),
+        "rollouts_per_s": round(len(df) / wall_s, 2) if wall_s > 0 else 0.0,
+    }
+    if extra:
+        out.update(extra)
+    return out
+
+
+def format_step_line(m: Mapping[str, Any]) -> str:
+    """One line per step: phases sorted by cost, lag and RSS."""
+    phases = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in sorted(m["phase_s"].items(), key=lambda kv: -kv[1]))
+    rewards = " ".join(f"{env}={r:.3f}" for env, r in m["reward_mean"].items())
+    lag = m["lag"]
+    return (f"step {m['step']}: {m['rollouts']} rollouts ({m['failed']} failed, {m['filtered']} filtered), "
+            f"{m['tokens']} tokens, {m['rollouts_per_s']:.1f} rollouts/s | reward {rewards} | {phases} | "
+            f"lag p99={lag['p99']:.1f}ms max={lag['max']:.1f}ms | rss={m['rss_mb']:.0f}MB")
+
+
+class StepOutputs:
+    """Appends rows to ``rollouts.jsonl`` and ``metrics.jsonl`` in ``output_dir`` (created if missing)."""
+
+    def __init__(self, output_dir: Path) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.rollouts_path = output_dir / "rollouts.jsonl"
+        self.metrics_path = output_dir / "metrics.jsonl"
+
+    def write(self, rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any]) -> None:
+        """Blocking: call from a worker thread. One write per file per step."""
+        data = b"".join(orjson.dumps(r, option=_OPTS) for r in rows)
+        with self.rollouts_path.open("ab") as f:
+            f.write(data)
+        with self.metrics_path.open("ab") as f:
+            f.write(orjson.dumps(metrics, option=_OPTS))

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from orchestrator.lagmon import LagStats
+from orchestrator.pipeline.outputs import StepOutputs, format_step_line, step_metrics
+
+ROWS = [
+    {"env": "a", "reward": 1.0, "ok": True, "filtered": False, "tokens": 10, "off_policy": 0, "advantage": 0.5},
+    {"env": "a", "reward": 0.0, "ok": True, "filtered": False, "tokens": 20, "off_policy": 1, "advantage": -0.5},
+    {"env": "b", "reward": 0.5, "ok": True, "filtered": True, "tokens": 5, "off_policy": 0, "advantage": 0.0},
+    {"env": "b", "reward": 0.0, "ok": False, "filtered": False, "tokens": 0, "off_policy": 0, "error": "timeout"},
+]
+LAG = LagStats(10, 0.1, 0.5, 1.0, 2.0, 3.0)
+
+
+def test_metrics_aggregate_per_env() -> None:
+    m = step_metrics(3, ROWS, phase_s={"advantage": 0.01, "encode": 0.2}, lag=LAG, rss_mb=123.4, wall_s=2.0)
+    assert m["step"] == 3
+    assert (m["rollouts"], m["failed"], m["filtered"], m["trained"]) == (4, 1, 1, 2)
+    assert m["reward_mean"] == {"a": 0.5, "b": 0.5}
+    assert m["rollouts_per_env"] == {"a": 2, "b": 1}
+    assert m["off_policy"] == {"0": 2, "1": 1}
+    assert m["tokens"] == 30
+    assert m["rollouts_per_s"] == 2.0
+    assert m["lag"]["p99"] == 2.0
+
+
+def test_metrics_of_an_empty_step() -> None:
+    m = step_metrics(0, [], phase_s={}, lag=LAG, rss_mb=1.0, wall_s=0.0)
+    assert (m["rollouts"], m["failed"], m["tokens"], m["reward_mean"]) == (0, 0, 0, {})
+
+
+def test_step_line_sorts_phases_by_cost() -> None:
+    m = step_metrics(1, ROWS, phase_s={"a": 0.001, "b": 0.5, "c": 0.01}, lag=LAG, rss_mb=10.0, wall_s=1.0)
+    line = format_step_line(m)
+    assert line.index("b=500ms") < line.index("c=10ms") < line.index("a=1ms")
+    assert "lag p99=2.0ms max=3.0ms" in line
+    assert "1 failed" in line
+
+
+def test_outputs_append_jsonl(tmp_path: Path) -> None:
+    out = StepOutputs(tmp_path / "run")
+    rows = [dict(r, reward=np.float32(r["reward"])) for r in ROWS]  # numpy scalars serialise
+    for step in range(2):
+        out.write(rows, step_metrics(step, ROWS, phase_s={}, lag=LAG, rss_mb=1.0, wall_s=1.0))
+    lines = out.rollouts_path.read_bytes().splitlines()
+    assert len(lines) == 8
+    assert orjson.loads(lines[3])["error"] == "timeout"
+    metrics = [orjson.loads(x) for x in out.metrics_path.read_bytes().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1]
