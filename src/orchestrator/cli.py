@@ -22,6 +22,7 @@ T = TypeVar("T")
 # subcommand -> module under orchestrator.commands
 COMMANDS = {
     "check": "check",
+    "sim-inference": "sim_inference",
 }
 
 EXIT_CONFIG = 2

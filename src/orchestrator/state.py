@@ -44,7 +44,9 @@ def save_state(directory: Path, state: OrchestratorState) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / STATE_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = msgpack.packb(_pack_ints({"version": STATE_VERSION, **asdict(state)}), use_bin_type=True, default=_unsupported)
+    data = msgpack.packb(
+        _pack_ints({"version": STATE_VERSION, **asdict(state)}), use_bin_type=True, default=_unsupported
+    )
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

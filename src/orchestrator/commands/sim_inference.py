@@ -1,0 +1,59 @@
+"""``orchestrator sim-inference``: serve the simulated vLLM-compatible server until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from orchestrator.cli import run_async
+from orchestrator.config import SimConfig
+
+HELP = "run the simulated vLLM-compatible inference server (prints its base URL on stdout)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = SimConfig()
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
+    p.add_argument("--model", default="sim-model", help="model name served (default: sim-model)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of sampling and faults")
+    p.add_argument("--layers", type=int, default=d.layers, help="MoE layers of routed experts (0: none)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="experts per token of routed experts")
+    p.add_argument("--num-experts", type=int, default=d.num_experts, help="experts per layer (<= 256)")
+    p.add_argument("--latency-ms", type=float, default=d.latency_ms, help="added latency per request")
+    p.add_argument("--latency-max-ms", type=float, default=None, help="upper end of a random latency range")
+    p.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered with HTTP 500")
+    p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of requests never answered")
+    p.add_argument("--malformed-rate", type=float, default=0.0, help="fraction of malformed replies")
+    p.add_argument("--drop-rate", type=float, default=0.0, help="fraction of connections dropped")
+
+
+def main(args: argparse.Namespace) -> int:
+    from orchestrator.sim.server import Faults
+
+    for name in ("error_rate", "hang_rate", "malformed_rate", "drop_rate"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            print(f"sim-inference: --{name.replace('_', '-')} must be within [0, 1]", file=sys.stderr)
+            return 2
+    if (args.layers == 0) != (args.top_k == 0):
+        print("sim-inference: set --layers and --top-k both (routed experts) or neither", file=sys.stderr)
+        return 2
+    faults = Faults(latency_ms=args.latency_ms, latency_max_ms=args.latency_max_ms, error_rate=args.error_rate,
+                    hang_rate=args.hang_rate, malformed_rate=args.malformed_rate, drop_rate=args.drop_rate)
+    return run_async(_serve(args, faults))
+
+
+async def _serve(args: argparse.Namespace, faults: object) -> int:
+    from orchestrator.sim.server import SimServer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with SimServer.open(args.host, args.port, model=args.model, seed=args.seed, layers=args.layers,
+                              top_k=args.top_k, num_experts=args.num_experts, faults=faults) as server:
+        print(server.url, flush=True)
+        await stop.wait()
+    return 0

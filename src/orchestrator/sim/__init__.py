@@ -1,0 +1,1 @@
+"""The built-in simulated vLLM-compatible inference server (demo, tests, benchmarks)."""
