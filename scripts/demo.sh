@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/orchestrator check configs/demo.toml "$@"
+exec .venv/bin/orchestrator demo "$@"

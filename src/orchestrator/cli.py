@@ -23,6 +23,10 @@ T = TypeVar("T")
 COMMANDS = {
     "check": "check",
     "sim-inference": "sim_inference",
+    "env-worker": "env_worker",
+    "run": "run",
+    "demo": "demo",
+    "receive": "receive",
 }
 
 EXIT_CONFIG = 2

@@ -88,6 +88,7 @@ class SchedulerConfig:
     max_async_level: int = opt(1, ge=0, doc="a batch for step s takes rollouts sampled at step >= s - this")
     max_off_policy_steps: int = opt(4, ge=0, doc="in-flight rollouts this many steps old are cancelled")
     group_timeout_s: float = opt(600.0, gt=0, doc="a group still running after this long is failed")
+    worker_address: str | None = opt(None, doc="ZMQ address env workers connect to; unset: ipc:// in output_dir")
     max_buffered_rollouts: int = opt(1024, ge=1, doc="finished rollouts not in a step yet; full: no new work")
 
 

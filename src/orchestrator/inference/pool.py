@@ -79,12 +79,20 @@ class InferencePool:
     @contextlib.asynccontextmanager
     async def lease(self, n: int = 1) -> AsyncIterator[Server]:
         """The least-loaded server in rotation, with ``n`` rollouts counted on it until the block exits."""
-        server = await self._choose()
-        server.inflight += n
+        server = await self.acquire(n)
         try:
             yield server
         finally:
-            server.inflight -= n
+            self.release(server, n)
+
+    async def acquire(self, n: int = 1) -> Server:
+        """Like ``lease`` for a holder that outlives a block (a group): pair with ``release``."""
+        server = await self._choose()
+        server.inflight += n
+        return server
+
+    def release(self, server: Server, n: int = 1) -> None:
+        server.inflight -= n
 
     async def _choose(self) -> Server:
         warned_at = -float("inf")

@@ -280,7 +280,10 @@ class SimServer:
 
 
 async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except ConnectionResetError:  # the client gave up (timeout, cancelled rollout): nothing to answer
+        raise web.HTTPBadRequest(text="client went away") from None
     if not raw:
         return {}
     try:

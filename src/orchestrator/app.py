@@ -1,0 +1,174 @@
+"""The orchestrator: config, inference pool, env workers, scheduler, step pipeline and transport, wired.
+
+``async with Orchestrator.open(cfg) as orch: await orch.run()``. ``open`` binds sockets, starts local env
+workers and opens the pool before any loop starts; ``run`` owns every background loop in one TaskGroup
+(lag monitor, pool prober, worker hub, scheduler, weight sync) and runs the steps. Leaving the block
+stops workers (by pid) and closes sockets. Heavy step work (advantages, filters, batch assembly, JSONL,
+state) runs in a worker thread; the loop only awaits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from orchestrator.assets import tokenizer_dir
+from orchestrator.config import JobConfig
+from orchestrator.inference.pool import InferencePool
+from orchestrator.lagmon import LagMonitor
+from orchestrator.memory import malloc_trim, rss_mb
+from orchestrator.pipeline.outputs import StepOutputs, format_step_line, step_metrics
+from orchestrator.pipeline.step import StepBuilder
+from orchestrator.scheduler import Scheduler
+from orchestrator.sim.vocab import SimVocab
+from orchestrator.state import OrchestratorState, load_state, save_state
+from orchestrator.transport.zmq_link import BatchSender
+from orchestrator.worker.hub import WorkerHub
+from orchestrator.worker.process import Worker
+
+log = logging.getLogger(__name__)
+
+WORKER_READY_TIMEOUT_S = 300.0
+
+
+@dataclass
+class RunSummary:
+    steps: int = 0
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Orchestrator:
+    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: BatchSender,
+                 state: OrchestratorState) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.hub = hub
+        self.sender = sender
+        self.state = state
+        self.out = Path(cfg.run.output_dir)
+        m = cfg.monitor
+        self.lag = LagMonitor(m.lag_interval_s, m.lag_window, m.lag_warn_ms, m.lag_error_ms)
+        self.outputs = StepOutputs(self.out)
+        tokenizer = cfg.model.tokenizer
+        self.builder = StepBuilder(cfg, vocab_size=SimVocab.load().size if tokenizer is None else 2**31 - 1)
+        self.summary = RunSummary()
+        self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, cfg: JobConfig, *, resume: bool = False) -> AsyncIterator[Orchestrator]:
+        out, state = await asyncio.to_thread(_prepare_output, cfg, resume)
+        workers = sum(e.workers for e in cfg.env)
+        setup = {"envs": [{"name": e.label, "taskset": e.taskset, "args": e.args} for e in cfg.env],
+                 "model": cfg.model.name, "tokenizer": cfg.model.tokenizer or str(tokenizer_dir())}
+        worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
+        batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
+        env_vars = {"HOME": os.environ.get("HOME", str(out))}
+        async with contextlib.AsyncExitStack() as stack:
+            pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
+            sender = await stack.enter_async_context(BatchSender.open(batch_address, cfg.transport.send_hwm))
+            hub = await stack.enter_async_context(WorkerHub.open(worker_address, setup, workers, env_vars))
+            log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
+            yield cls(cfg, pool, hub, sender, state)
+
+    async def run(self) -> RunSummary:
+        """Run steps ``state.next_step`` .. ``max_steps - 1``; returns per-step metrics."""
+        cfg = self.cfg
+        async with asyncio.TaskGroup() as tg:
+            background = [tg.create_task(self.lag.run()), tg.create_task(self.pool.run()),
+                          tg.create_task(self.hub.run())]
+            local = sum(e.workers for e in cfg.env)
+            if local == 0:  # debugging mode: environments run on this loop
+                log.warning("workers = 0: environments run inside the orchestrator process (debugging only)")
+                background.append(tg.create_task(_in_process_worker(self.hub.address)))
+            await self.hub.wait_ready(max(local, 1), WORKER_READY_TIMEOUT_S)
+            if self.state.policy_step:
+                await self.pool.update_weights(self.state.policy_step)
+            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, self.state.task_cursors)
+            background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched))]
+            gc.collect()
+            gc.freeze()  # start-up objects (modules, config, sockets) stay out of every later collection
+            self.lag.reset()
+            for step in range(self.state.next_step, cfg.run.max_steps):
+                await self._step(step, sched)
+            for task in background:
+                task.cancel()
+        return self.summary
+
+    async def _weight_sync(self, sched: Scheduler) -> None:
+        """Consumes checkpoint announcements; produces weight updates on every server, then a new policy."""
+        t = self.cfg.transport
+        marker = Path(t.marker_dir) if t.checkpoint_source == "marker" and t.marker_dir else None
+        async for ckpt in self.sender.announcements(marker):
+            if ckpt <= sched.policy:
+                continue
+            result = await self.pool.update_weights(ckpt)
+            log.info("weights of step %d on %d/%d servers", ckpt, len(result.updated), len(self.pool.servers))
+            await sched.set_policy(ckpt)
+
+    async def _step(self, step: int, sched: Scheduler) -> None:
+        t0 = time.perf_counter()
+        groups = await sched.next_step(step)
+        wait_s = time.perf_counter() - t0
+        result = await asyncio.to_thread(self.builder.build, step, groups)
+        t = time.perf_counter()
+        await self.sender.send(result.batch)
+        send_s = time.perf_counter() - t
+        counts = sched.take_counts()
+        self.state.next_step = step + 1
+        self.state.policy_step = sched.policy
+        self.state.task_cursors = sched.cursors()
+        phase = {"wait": wait_s, **result.phase_s, "send": send_s}
+        lag = self.lag.reset()
+        metrics = step_metrics(step, result.rows, phase_s=phase, lag=lag, rss_mb=rss_mb(),
+                               wall_s=time.perf_counter() - t0,
+                               extra={"samples": result.batch.num_samples, "policy": sched.policy,
+                                      "filters": result.filter_counts, "scheduler": counts,
+                                      "pool": dict(self.pool.metrics)})
+        t = time.perf_counter()
+        await asyncio.to_thread(self._write, result.rows, metrics)
+        metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)
+        log.info("%s", format_step_line(metrics))
+        self.summary.steps += 1
+        self.summary.metrics.append(metrics)
+        self.on_step(metrics)
+        del groups, result
+        t = time.perf_counter()
+        gc.collect()
+        malloc_trim()
+        metrics["phase_s"]["gc"] = round(time.perf_counter() - t, 6)
+
+    def _write(self, rows: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
+        self.outputs.write(rows, metrics)
+        save_state(self.out, self.state)
+
+
+def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorState]:
+    """The absolute output directory and the state to start from (a fresh run clears old outputs)."""
+    out = Path(cfg.run.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if resume:
+        return out, load_state(out, cfg.run.name)
+    for name in ("rollouts.jsonl", "metrics.jsonl"):
+        (out / name).unlink(missing_ok=True)
+    return out, OrchestratorState(cfg.run.name)
+
+
+async def _in_process_worker(address: str) -> None:
+    code = await Worker(address, "in-process").run()
+    if code:
+        raise RuntimeError(f"in-process env worker exited with {code}")
+
+
+def load_metrics(path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]

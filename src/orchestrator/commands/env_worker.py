@@ -1,0 +1,28 @@
+"""``orchestrator env-worker --connect ADDRESS``: host environments for an orchestrator.
+
+The orchestrator starts local workers itself; start this by hand on other hosts to add capacity
+(``--connect tcp://ORCHESTRATOR_HOST:PORT``, the address in the orchestrator's startup log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from orchestrator.cli import run_async
+
+HELP = "run an env worker (verifiers environments) for an orchestrator"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect", required=True, metavar="ADDRESS",
+                   help="the orchestrator's worker address, e.g. tcp://10.0.0.1:5600 or ipc:///path/workers.sock")
+    p.add_argument("--id", default=None, help="worker name in logs and metrics (default: host-pid)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from orchestrator.worker.process import Worker
+
+    worker_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
+    return run_async(Worker(args.connect, worker_id).run())

@@ -1,0 +1,100 @@
+"""One step boundary: advantages, filters, rollout rows and the batch, from the step's finished groups.
+
+``StepBuilder.build`` is blocking numpy work: the orchestrator calls it in a worker thread, never on the
+event loop. Column bytes are copied exactly once, when each column is concatenated into the batch.
+Rollout records come from env workers (see worker/protocol.py); a rollout's frames hold all its samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from orchestrator.config import JobConfig
+from orchestrator.pipeline.advantage import AdvantageFn
+from orchestrator.pipeline.filters import FilterSet
+from orchestrator.transport.wire import ROUTED, TOKEN_COLUMNS, Batch
+from orchestrator.worker.protocol import RolloutRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    batch: Batch
+    rows: list[dict[str, Any]]
+    phase_s: dict[str, float]
+    filter_counts: dict[str, dict[str, int]]
+
+
+class StepBuilder:
+    def __init__(self, cfg: JobConfig, vocab_size: int) -> None:
+        self.run = cfg.run.name
+        self.advantage = AdvantageFn(cfg.pipeline)
+        self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
+
+    def build(self, step: int, groups: Sequence[Any]) -> StepResult:
+        phase: dict[str, float] = {}
+        t = time.perf_counter()
+        advantages = [self.advantage(g.survivors) for g in groups]
+        phase["advantage"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        rows: list[dict[str, Any]] = []
+        trained: list[tuple[RolloutRecord, float]] = []
+        for g, adv in zip(groups, advantages, strict=True):
+            rows += [{"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": r.header.get("rid"),
+                      "reward": 0.0, "advantage": None, "ok": False, "filters": [], "filtered": False,
+                      "error": r.header.get("error"), "tokens": 0, "policy": g.policy, "off_policy": step - g.policy}
+                     for r in g.records if not r.ok]
+            for rec, a in zip(g.survivors, adv.tolist(), strict=True):
+                verdict = self.filters(rec, a)
+                if not verdict.filtered:
+                    trained.append((rec, a))
+                h = rec.header
+                rows.append({"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": h.get("rid"),
+                             "reward": rec.reward, "advantage": a, "ok": True, "filters": list(verdict.matched),
+                             "filtered": verdict.filtered, "error": None, "tokens": int(h.get("tokens", 0)),
+                             "samples": len(h.get("samples", [])), "policy": g.policy, "off_policy": step - g.policy,
+                             "metrics": h.get("metrics", {}), "stop": h.get("stop"), "wall_s": h.get("wall_s"),
+                             "worker": h.get("worker")})
+        phase["filter"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        batch = self._assemble(step, trained)
+        phase["assemble"] = time.perf_counter() - t
+        return StepResult(batch, rows, phase, self.filters.take_counts())
+
+    def _assemble(self, step: int, trained: list[tuple[RolloutRecord, float]]) -> Batch:
+        """Concatenate every trained rollout's column frames once; scalars per sample."""
+        lengths: list[int] = []
+        scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": []}
+        tails = {tuple(s[1:]) for rec, _ in trained for s in rec.header.get("samples", [])}
+        with_routed = len(tails) == 1 and (0, 0) not in tails
+        if len(tails) > 1:
+            log.warning("step %d: routed-expert shapes differ across rollouts %s; the batch carries none",
+                        step, sorted(tails))
+        chunks: dict[str, list[np.ndarray]] = {name: [] for name in TOKEN_COLUMNS}
+        if with_routed:
+            chunks[ROUTED] = []
+        for rec, adv in trained:
+            shapes = rec.header.get("samples", [])
+            if not shapes:
+                continue
+            for name in TOKEN_COLUMNS:
+                chunks[name].append(rec.column(name))
+            if with_routed:
+                tokens = sum(int(s[0]) for s in shapes)
+                chunks[ROUTED].append(rec.column(ROUTED).reshape(tokens, *shapes[0][1:]))
+            for s in shapes:
+                lengths.append(int(s[0]))
+                scalars["advantage"].append(adv)
+                scalars["reward"].append(rec.reward)
+                scalars["env"].append(rec.env)
+                scalars["rollout"].append(rec.header.get("rid"))
+        return Batch.from_columns(self.run, step, chunks, lengths, scalars)

@@ -1,0 +1,65 @@
+"""Start simulated inference servers: in-process (fast, controllable) or as real subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from orchestrator.sim.server import SimServer
+
+
+@contextlib.asynccontextmanager
+async def sim_servers(n: int = 1, *, seed: int = 0, **kwargs: Any) -> AsyncIterator[list[SimServer]]:
+    """Start ``n`` simulated servers on 127.0.0.1 (free ports) in this process; all stop on exit.
+
+    Server ``i`` is seeded ``seed + i``. Change ``server.faults`` to inject faults while it runs.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(SimServer.open(seed=seed + i, **kwargs)) for i in range(n)]
+        yield servers
+
+
+class SimProcess:
+    """A ``orchestrator sim-inference`` subprocess; ``url`` is its base URL once started."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash, for fault tests)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
+
+
+@contextlib.asynccontextmanager
+async def sim_process(args: Sequence[str] = (), *, timeout_s: float = 30.0) -> AsyncIterator[SimProcess]:
+    """Run the simulated server as a subprocess on a free port; it is stopped (by its pid) on exit."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "sim-inference", "--port", "0", *args,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+        if not line.startswith(b"http"):
+            raise RuntimeError(f"sim-inference did not print its address (got {line!r})")
+        yield SimProcess(proc, line.decode().strip())
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()

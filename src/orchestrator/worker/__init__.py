@@ -1,0 +1,1 @@
+"""Env workers: processes hosting verifiers environments, and the orchestrator side that drives them."""

@@ -1,0 +1,210 @@
+"""The orchestrator's side of the env workers: one ZMQ ROUTER, local worker processes, liveness.
+
+Workers connect (local ones are started here; remote ones by hand with ``orchestrator env-worker``), get
+the environments in a ``setup`` message and report ``ready``. ``assign`` sends a group to the ready
+worker with the fewest rollouts in flight. ``run()`` consumes worker messages and produces calls to
+``on_record`` (one per finished rollout) and ``on_lost`` (the rollouts of a worker that died); it wakes on
+every message and every HEARTBEAT_S to check liveness. A worker silent for ``DEAD_AFTER_S`` is dead: its
+in-flight rollouts fail with reason ``worker_died`` and a local one is restarted.
+
+Only the small msgpack header of a record is decoded here; column frames stay zero-copy buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from orchestrator.errors import EnvironmentLoadError, WireError
+from orchestrator.worker.protocol import HEARTBEAT_S, RolloutRecord, pack, unpack
+
+log = logging.getLogger(__name__)
+
+DEAD_AFTER_S = 10 * HEARTBEAT_S
+
+
+@dataclass
+class WorkerState:
+    name: str
+    ready: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    rids: set[str] = field(default_factory=set)  # rollouts in flight on it
+    completed: int = 0
+    proc: asyncio.subprocess.Process | None = None  # set for local workers
+
+
+class WorkerHub:
+    def __init__(self, sock: zmq.asyncio.Socket, address: str, setup: dict[str, Any], local: int,
+                 env_vars: dict[str, str]) -> None:
+        self.sock = sock
+        self.address = address
+        self.setup = setup
+        self.local = local
+        self.env_vars = env_vars
+        self.workers: dict[bytes, WorkerState] = {}
+        self.tasks_per_env: dict[str, int] = {}
+        self.on_record: Callable[[RolloutRecord], None] = lambda _r: None
+        self.on_lost: Callable[[str, list[str]], None] = lambda _w, _rids: None
+        self._ready = asyncio.Event()
+        self._procs: list[asyncio.subprocess.Process] = []
+        self.rejected = 0
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, address: str, setup: dict[str, Any], local: int,
+                   env_vars: dict[str, str] | None = None) -> AsyncIterator[WorkerHub]:
+        """Bind ``address`` and start ``local`` worker processes; on exit stop them (by pid) and close."""
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if address.startswith("ipc://"):
+            Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+        sock.bind(address)
+        address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        hub = cls(sock, address, setup, local, dict(env_vars or {}))
+        try:
+            for _ in range(local):
+                await hub._spawn()
+            yield hub
+        finally:
+            await hub._stop_all()
+            sock.close()
+            ctx.term()
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect", self.address,
+            "--id", f"local-{len(self._procs)}", env={**os.environ, **self.env_vars},
+        )
+        self._procs.append(proc)
+        log.info("started env worker pid %d", proc.pid)
+        return proc
+
+    async def _stop_all(self) -> None:
+        for ident, w in self.workers.items():
+            with contextlib.suppress(zmq.ZMQError):
+                await self.sock.send_multipart([ident, pack({"type": "stop"})])
+            w.ready = False
+        for proc in self._procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGKILL)
+                await proc.wait()
+
+    async def wait_ready(self, n: int, timeout_s: float) -> None:
+        """Wait until ``n`` workers are ready (raises EnvironmentLoadError from a worker's ``fatal``)."""
+        async with asyncio.timeout(timeout_s):
+            while sum(w.ready for w in self.workers.values()) < n:
+                self._ready.clear()
+                await self._ready.wait()
+
+    # --------------------------------------------------------------------------------------- messages
+
+    async def run(self) -> None:
+        """Receive worker messages and check liveness until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._liveness())
+            while True:
+                ident, *frames = await self.sock.recv_multipart(copy=False)
+                await self._handle(ident.bytes, frames)
+
+    async def _handle(self, ident: bytes, frames: list[Any]) -> None:
+        try:
+            msg = unpack(frames[0].buffer)
+        except WireError as e:
+            self.rejected += 1
+            log.warning("rejected a message from worker %r: %s", ident, e)
+            return
+        worker = self.workers.get(ident)
+        if worker is None:
+            worker = self.workers[ident] = WorkerState(str(msg.get("worker", ident)))
+        worker.last_seen = time.monotonic()
+        kind = msg["type"]
+        if kind == "rollout":
+            record = RolloutRecord(msg, [f.buffer for f in frames[1:]])
+            try:
+                record.check()
+            except WireError as e:
+                self.rejected += 1
+                log.warning("worker %s: %s", worker.name, e)
+                record.header.update(ok=False, error=f"corrupt_record: {e}", samples=[], tokens=0)
+                record.frames = []
+            worker.rids.discard(str(msg.get("rid")))
+            worker.completed += 1
+            self.on_record(record)
+        elif kind == "hello":
+            await self._send(ident, {"type": "setup", **self.setup})
+        elif kind == "ready":
+            worker.ready = True
+            self.tasks_per_env = dict(msg["envs"])
+            log.info("env worker %s ready (%s)", worker.name, ", ".join(f"{k}: {v} tasks"
+                                                                    for k, v in msg["envs"].items()))
+            self._ready.set()
+        elif kind == "fatal":
+            raise EnvironmentLoadError(f"env worker {worker.name}: {msg.get('error')}")
+
+    async def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
+        try:
+            await self.sock.send_multipart([ident, pack(msg)])
+        except zmq.ZMQError as e:  # the worker went away: the liveness check deals with its rollouts
+            log.warning("could not reach env worker %r: %s", ident, e)
+
+    async def _liveness(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            now = time.monotonic()
+            for ident, w in list(self.workers.items()):
+                if now - w.last_seen > DEAD_AFTER_S:
+                    del self.workers[ident]
+                    log.error("env worker %s silent for %.0f s: dead; %d rollouts in flight fail", w.name,
+                              now - w.last_seen, len(w.rids))
+                    self.on_lost(w.name, sorted(w.rids))
+            for i, proc in enumerate(self._procs):
+                if proc.returncode is not None:
+                    log.error("local env worker pid %d exited with %s; restarting it", proc.pid, proc.returncode)
+                    self._procs.pop(i)
+                    await self._spawn()
+                    break
+
+    # ------------------------------------------------------------------------------------- assignment
+
+    def has_ready(self) -> bool:
+        return any(w.ready for w in self.workers.values())
+
+    async def assign(self, msg: dict[str, Any]) -> str:
+        """Send a group to the ready worker with the fewest rollouts in flight; returns its name."""
+        ready = [(ident, w) for ident, w in self.workers.items() if w.ready]
+        if not ready:
+            raise RuntimeError("assign() with no ready worker: check has_ready() first")
+        ident, worker = min(ready, key=lambda iw: len(iw[1].rids))
+        worker.rids.update(msg["rids"])
+        await self._send(ident, {"type": "assign", **msg})
+        return worker.name
+
+    async def cancel(self, group: str, rids: list[str]) -> None:
+        for ident, w in self.workers.items():
+            if w.rids & set(rids):
+                w.rids.difference_update(rids)
+                await self._send(ident, {"type": "cancel", "group": group})
+
+    def kill_local(self, index: int) -> int:
+        """SIGKILL local worker ``index`` (fault tests); returns its pid."""
+        proc = self._procs[index]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        return proc.pid

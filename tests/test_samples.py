@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from orchestrator.samples import SampleError, build_sample
+
+
+@dataclass
+class Node:
+    token_ids: list[int]
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routed_experts: Any = None
+
+
+def routed(n: int, layers: int = 2, k: int = 3, fill: int = 0) -> np.ndarray:
+    return np.full((n, layers, k), fill, dtype=np.uint8)
+
+
+def test_multi_turn_sample_columns_line_up() -> None:
+    nodes = [
+        Node([1, 2, 3], routed_experts=routed(3, fill=1)),  # prompt
+        Node([4, 5], [False, True], [-0.5], routed(2, fill=2)),  # scaffold + one sampled token
+        Node([6], routed_experts=routed(1, fill=3)),  # feedback
+        Node([7, 8, 9], [False, True, True], [-1.0, -2.0], routed(3, fill=4)),
+    ]
+    s = build_sample(nodes)
+    assert s.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert s.token_ids.dtype == np.int32
+    assert s.loss_mask.tolist() == [0, 0, 0, 0, 1, 0, 0, 1, 1]
+    assert s.loss_mask.dtype == np.uint8
+    np.testing.assert_array_equal(s.logprobs, np.array([0, 0, 0, 0, -0.5, 0, 0, -1, -2], dtype=np.float32))
+    assert s.routed_experts is not None
+    assert s.routed_experts.shape == (9, 2, 3)
+    assert s.routed_experts.dtype == np.uint8
+    assert s.routed_experts[:, 0, 0].tolist() == [1, 1, 1, 2, 2, 3, 4, 4, 4]
+    assert (s.num_tokens, s.num_sampled) == (9, 3)
+
+
+def test_without_routed_experts() -> None:
+    s = build_sample([Node([1, 2]), Node([3], [True], [-0.1])])
+    assert s.routed_experts is None
+    assert s.loss_mask.tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "message"),
+    [
+        ([Node([1, 2], routed_experts=routed(3))], "routed experts shape"),
+        ([Node([1, 2], routed_experts=routed(2)), Node([3])], "routed experts on 1 of 2 nodes"),
+        ([Node([1, 2], [True], [-1.0])], "mask has 1 entries for 2 tokens"),
+        ([Node([1, 2], [True, True], [-1.0])], "1 logprobs for 2 sampled tokens"),
+        ([Node([1], [True], [float("nan")])], "non-finite logprob"),
+        ([Node([1], routed_experts=routed(1, 2, 3)), Node([2], routed_experts=routed(1, 4, 3))], "shapes differ"),
+    ],
+)
+def test_inconsistent_data_is_a_sample_error(nodes: list[Node], message: str) -> None:
+    with pytest.raises(SampleError, match=message):
+        build_sample(nodes)
