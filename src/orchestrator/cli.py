@@ -15,7 +15,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, OrchestratorError
 
 T = TypeVar("T")
 
@@ -80,9 +80,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in e.problems:
             print(f"  {p}", file=sys.stderr)
         return EXIT_CONFIG
+    except BaseExceptionGroup as group:
+        named = [e for e in _leaves(group) if isinstance(e, OrchestratorError)]
+        if not named:
+            raise
+        for err in named:  # a component failed for a reason it could name: say it, exit 1
+            print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OrchestratorError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out += _leaves(e) if isinstance(e, BaseExceptionGroup) else [e]
+    return out
 
 
 if __name__ == "__main__":

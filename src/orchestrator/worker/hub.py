@@ -41,6 +41,7 @@ class WorkerState:
     ready: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     rids: set[str] = field(default_factory=set)  # rollouts in flight on it
+    pid: int | None = None
     completed: int = 0
     proc: asyncio.subprocess.Process | None = None  # set for local workers
 
@@ -59,6 +60,7 @@ class WorkerHub:
         self.on_lost: Callable[[str, list[str]], None] = lambda _w, _rids: None
         self._ready = asyncio.Event()
         self._procs: list[asyncio.subprocess.Process] = []
+        self._spawned = 0
         self.rejected = 0
 
     @classmethod
@@ -85,9 +87,11 @@ class WorkerHub:
             ctx.term()
 
     async def _spawn(self) -> asyncio.subprocess.Process:
+        name = f"local-{self._spawned}"
+        self._spawned += 1
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect", self.address,
-            "--id", f"local-{len(self._procs)}", env={**os.environ, **self.env_vars},
+            "--id", name, env={**os.environ, **self.env_vars},
         )
         self._procs.append(proc)
         log.info("started env worker pid %d", proc.pid)
@@ -132,7 +136,7 @@ class WorkerHub:
             return
         worker = self.workers.get(ident)
         if worker is None:
-            worker = self.workers[ident] = WorkerState(str(msg.get("worker", ident)))
+            worker = self.workers[ident] = WorkerState(str(msg.get("worker", ident)), pid=msg.get("pid"))
         worker.last_seen = time.monotonic()
         kind = msg["type"]
         if kind == "rollout":
@@ -168,18 +172,25 @@ class WorkerHub:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             now = time.monotonic()
-            for ident, w in list(self.workers.items()):
+            for w in list(self.workers.values()):
                 if now - w.last_seen > DEAD_AFTER_S:
-                    del self.workers[ident]
                     log.error("env worker %s silent for %.0f s: dead; %d rollouts in flight fail", w.name,
                               now - w.last_seen, len(w.rids))
-                    self.on_lost(w.name, sorted(w.rids))
+                    self._lose(w.name)
             for i, proc in enumerate(self._procs):
                 if proc.returncode is not None:
                     log.error("local env worker pid %d exited with %s; restarting it", proc.pid, proc.returncode)
                     self._procs.pop(i)
+                    self._lose(f"local-pid-{proc.pid}")
                     await self._spawn()
                     break
+
+    def _lose(self, name_or_pid: str) -> None:
+        """Forget a worker that died; its in-flight rollouts fail with reason worker_died."""
+        for ident, w in list(self.workers.items()):
+            if name_or_pid in (w.name, f"local-pid-{w.pid}"):
+                del self.workers[ident]
+                self.on_lost(w.name, sorted(w.rids))
 
     # ------------------------------------------------------------------------------------- assignment
 

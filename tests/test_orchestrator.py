@@ -1,0 +1,135 @@
+"""End to end: real env worker processes (verifiers inside), real sim servers over HTTP, real ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+import pytest
+
+from orchestrator.app import Orchestrator
+from orchestrator.config import JobConfig, load_config
+from orchestrator.errors import EnvironmentLoadError
+from orchestrator.sim.server import Faults
+from orchestrator.state import load_state
+from orchestrator.testing.sim import sim_servers
+from orchestrator.transport.trainer import ReferenceTrainer
+
+pytestmark = pytest.mark.slow
+
+
+def job(tmp_path: Path, urls: list[str], extra: str = "", envs: str | None = None) -> JobConfig:
+    envs = envs or """
+[[env]]
+name = "arith"
+taskset = "orchestrator-arithmetic"
+group_size = 4
+workers = 1
+sampling = { max_tokens = 6 }
+"""
+    text = f"""
+[run]
+name = "t"
+output_dir = "{tmp_path / 'out'}"
+max_steps = 3
+
+[inference]
+servers = {orjson.dumps(urls).decode()}
+request_timeout_s = 5.0
+failures_to_evict = 3
+probe_interval_s = 0.2
+
+[scheduler]
+batch_size = 8
+max_inflight = 8
+max_async_level = 1
+max_off_policy_steps = 2
+max_buffered_rollouts = 16
+{extra}
+{envs}"""
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return load_config(path)
+
+
+async def run_job(cfg: JobConfig) -> tuple[Orchestrator, ReferenceTrainer]:
+    async with Orchestrator.open(cfg) as orch:
+        trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps)
+        async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
+            tg.create_task(trainer.run())
+            await orch.run()
+    return orch, trainer
+
+
+@pytest.fixture(autouse=True)
+def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
+
+
+async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path) -> None:
+    async with sim_servers(2, layers=3, top_k=2) as servers:
+        cfg = job(tmp_path, [s.url for s in servers])
+        orch, trainer = await run_job(cfg)
+    assert [r.step for r in trainer.received] == [0, 1, 2]
+    for r in trainer.received:
+        assert r.samples >= cfg.scheduler.batch_size - 4  # whole groups; zero-advantage rollouts filtered
+        assert r.routed_shape is not None
+        assert r.routed_shape[1:] == (3, 2)
+        assert r.routed_shape[0] == r.tokens
+    # the trainer announced checkpoints, so servers moved to newer weights
+    assert max(s.version for s in servers) >= 1
+    out = tmp_path / "out"
+    metrics = [orjson.loads(x) for x in (out / "metrics.jsonl").read_bytes().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for key in ("phase_s", "lag", "rss_mb", "rollouts", "filtered", "failed", "reward_mean", "off_policy",
+                "tokens", "rollouts_per_s"):
+        assert key in metrics[0], key
+    rows = [orjson.loads(x) for x in (out / "rollouts.jsonl").read_bytes().splitlines()]
+    assert len(rows) == sum(m["rollouts"] for m in metrics)
+    for row in rows:  # the async level: no rollout older than allowed reached a batch
+        assert row["policy"] >= row["step"] - cfg.scheduler.max_async_level
+    assert load_state(out, "t").next_step == 3
+    assert orch.summary.steps == 3
+
+
+async def test_failing_server_and_partial_groups(tmp_path: Path) -> None:
+    async with sim_servers(2) as servers:
+        servers[0].faults = Faults(error_rate=0.3)
+        cfg = job(tmp_path, [s.url for s in servers], extra="", envs="""
+[[env]]
+name = "guess"
+taskset = "orchestrator-guess-number"
+args = { max_turns = 3 }
+group_size = 4
+workers = 1
+sampling = { max_tokens = 5 }
+""")
+        _orch, trainer = await run_job(cfg)
+    assert [r.step for r in trainer.received] == [0, 1, 2]
+    rows = [orjson.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_bytes().splitlines()]
+    failed = [r for r in rows if not r["ok"]]
+    assert servers[0].counters.errors > 0
+    # every injected 500 surfaces as a failed rollout with its reason (verifiers may retry a call)
+    assert failed
+    assert all(r["error"] for r in failed)
+
+
+async def test_environment_that_fails_to_load_is_named(tmp_path: Path) -> None:
+    async with sim_servers(1) as servers:
+        cfg = job(tmp_path, [servers[0].url], envs="""
+[[env]]
+name = "broken"
+taskset = "no-such-taskset-xyz"
+group_size = 4
+workers = 1
+""")
+        with pytest.raises(ExceptionGroup) as info:
+            await run_job(cfg)
+    matched = info.value.subgroup(EnvironmentLoadError)
+    assert matched is not None
+    leaf: BaseException = matched
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    assert "environment 'broken'" in str(leaf)
+    assert "no-such-taskset-xyz" in str(leaf)

@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.errors import DuplicateStep, WireError
+from orchestrator.transport import Batch, BatchReceiver, BatchSender, decode, encode, write_marker
+
+
+def make_batch(step: int = 0, lengths: tuple[int, ...] = (3, 5, 2), routed: bool = True) -> Batch:
+    rng = np.random.default_rng(step)
+    total = sum(lengths)
+    chunks = {
+        "token_ids": [rng.integers(0, 1000, n, dtype=np.int32) for n in lengths],
+        "loss_mask": [rng.integers(0, 2, n, dtype=np.uint8) for n in lengths],
+        "logprobs": [rng.normal(size=n).astype(np.float32) for n in lengths],
+    }
+    if routed:
+        chunks["routed_experts"] = [rng.integers(0, 64, (n, 4, 2), dtype=np.uint8) for n in lengths]
+    scalars = {"advantage": [0.5, -0.5, 0.0][: len(lengths)] * 1, "reward": [1.0, 0.0, 0.5][: len(lengths)],
+               "env": ["a", "b", "a"][: len(lengths)]}
+    batch = Batch.from_columns("run", step, chunks, list(lengths), scalars)
+    assert batch.num_tokens == total
+    return batch
+
+
+def test_round_trip_and_per_sample_views() -> None:
+    batch = make_batch()
+    back = decode(encode(batch))
+    assert (back.run, back.step, back.num_samples) == ("run", 0, 3)
+    for name, col in batch.columns.items():
+        np.testing.assert_array_equal(back.columns[name], col)
+        assert back.columns[name].dtype == col.dtype
+    s1 = back.sample(1)
+    assert s1["token_ids"].shape == (5,)
+    assert s1["routed_experts"].shape == (5, 4, 2)
+    assert (s1["advantage"], s1["env"]) == (-0.5, "b")
+
+
+def test_receiver_arrays_share_memory_with_frames() -> None:
+    frames = [bytes(f) for f in encode(make_batch())]  # what a socket hands over
+    views = [memoryview(f) for f in frames]
+    back = decode(views)
+    for name, col in back.columns.items():
+        assert not col.flags.owndata, name
+        assert np.shares_memory(col, np.frombuffer(views[list(back.columns).index(name) + 1], np.uint8))
+
+
+def test_encode_does_not_copy_columns() -> None:
+    batch = make_batch()
+    frames = encode(batch)
+    assert np.shares_memory(np.frombuffer(frames[1], np.uint8), batch.columns["token_ids"])
+
+
+def test_header_is_small() -> None:
+    frames = encode(make_batch())
+    assert len(frames[0]) < 1024
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (lambda f: [], "empty message"),
+        (lambda f: [b"\xc1", *f[1:]], "not msgpack"),
+        (lambda f: f[:-1], "column frames, header lists"),
+        (lambda f: [*f[:1], bytes(f[1])[:-4], *f[2:]], "frame has"),
+        (lambda f: [msgpack.packb({**msgpack.unpackb(f[0]), "v": 2}), *f[1:]], "format version 2"),
+        (lambda f: [msgpack.packb({**msgpack.unpackb(f[0]), "offsets": [0, 5]}), *f[1:]], "offsets"),
+        (lambda f: [msgpack.packb([1, 2]), *f[1:]], "not a map"),
+    ],
+)
+def test_corrupt_messages_are_wire_errors(mangle: object, message: str) -> None:
+    frames = [bytes(f) for f in encode(make_batch())]
+    with pytest.raises(WireError, match=message):
+        decode(mangle(frames))  # type: ignore[operator]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.lists(st.binary(max_size=64), max_size=5))
+def test_fuzzed_header_raises_only_wire_error(header: bytes, rest: list[bytes]) -> None:
+    try:
+        decode([header, *rest])
+    except WireError:
+        pass
+
+
+async def test_send_receive_in_order_with_checkpoint(tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/t.sock"
+    async with BatchSender.open(address, hwm=2) as sender:
+        receiver = BatchReceiver(sender.address)
+        try:
+            for step in range(3):
+                await sender.send(make_batch(step))
+            got = [await asyncio.wait_for(receiver.recv(), 5) for _ in range(3)]
+            assert [b.step for b in got] == [0, 1, 2]
+            await receiver.announce(3)
+            announced = sender.announcements()
+            assert await asyncio.wait_for(anext(announced), 5) == 3
+            await announced.aclose()
+        finally:
+            receiver.close()
+
+
+async def test_sender_refuses_a_gap_or_a_repeat(tmp_path: Path) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=4) as sender:
+        receiver = BatchReceiver(sender.address)
+        try:
+            await asyncio.wait_for(sender.send(make_batch(0)), 5)
+            with pytest.raises(DuplicateStep, match="the next step is 1"):
+                await sender.send(make_batch(0))
+            with pytest.raises(DuplicateStep):
+                await sender.send(make_batch(2))
+        finally:
+            receiver.close()
+
+
+async def test_absent_trainer_back_pressures(tmp_path: Path) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=1) as sender:
+        # nobody connected: ZMQ queues nothing for a PUSH without peers, so the first send already waits
+        pending = asyncio.ensure_future(sender.send(make_batch(0)))
+        await asyncio.sleep(0.2)
+        assert not pending.done()
+        receiver = BatchReceiver(sender.address)
+        try:
+            await asyncio.wait_for(pending, 5)
+            assert (await asyncio.wait_for(receiver.recv(), 5)).step == 0
+        finally:
+            receiver.close()
+
+
+async def test_receiver_rejects_duplicates_and_keeps_running(tmp_path: Path) -> None:
+    ctx = zmq.asyncio.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.bind(f"ipc://{tmp_path}/raw.sock")
+    receiver = BatchReceiver(f"ipc://{tmp_path}/raw.sock")
+    try:
+        for frames in (encode(make_batch(0)), encode(make_batch(0)), [b"junk"], encode(make_batch(1))):
+            await push.send_multipart(frames)
+        assert (await asyncio.wait_for(receiver.recv(), 5)).step == 0
+        assert (await asyncio.wait_for(receiver.recv(), 5)).step == 1
+        assert receiver.rejected == {"DuplicateStep": 1, "WireError": 1}
+    finally:
+        receiver.close()
+        push.close()
+        ctx.term()
+
+
+async def test_marker_file_announcements(tmp_path: Path) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock") as sender:
+        write_marker(tmp_path / "ckpt", 1)
+        write_marker(tmp_path / "ckpt", 2)
+        announced = sender.announcements(tmp_path / "ckpt")
+        assert [await asyncio.wait_for(anext(announced), 5) for _ in range(2)] == [1, 2]
+        await announced.aclose()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1.ready", "step_2.ready"]
+
+
+def test_trainer_library_imports_without_verifiers() -> None:
+    code = "import sys, orchestrator.transport; assert 'verifiers' not in sys.modules, 'verifiers imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
