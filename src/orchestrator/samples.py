@@ -54,7 +54,11 @@ def build_sample(nodes: Sequence[NodeLike]) -> Sample:
     for i, node in enumerate(nodes):
         n = len(node.token_ids)
         tok = np.asarray(node.token_ids, dtype=np.int32)
-        mask = np.asarray(node.mask, dtype=bool) if len(node.mask) else np.zeros(n, dtype=bool)
+        # an input node (no logprobs, no True in its mask) needs no per-token conversion of its mask
+        plain = not node.logprobs and True not in node.mask
+        mask = np.zeros(n, dtype=bool) if plain or not len(node.mask) else np.asarray(node.mask, dtype=bool)
+        if plain and len(node.mask) not in (0, n):
+            raise SampleError(f"node {i}: mask has {len(node.mask)} entries for {n} tokens")
         if mask.size != n:
             raise SampleError(f"node {i}: mask has {mask.size} entries for {n} tokens")
         sampled = int(np.count_nonzero(mask))
