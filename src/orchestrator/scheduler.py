@@ -117,10 +117,12 @@ class Scheduler:
             while not (self._room(env.group_size) and self.hub.has_ready()):
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                    async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it can swallow a cancel
+                        await self._wake.wait()
                 except TimeoutError:
                     await self._expire()
             await self._open(env.label, env.group_size)
+            await asyncio.sleep(0)  # let records in before the next group, even when every await above was ready
 
     async def _open(self, env_name: str, size: int) -> None:
         env = self.envs[env_name]

@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.config import JobConfig, load_config
+from orchestrator.inference.pool import InferencePool
+from orchestrator.scheduler import Scheduler
+from orchestrator.testing.workers import FakeWorkerHub, Outcome
+
+
+def config(tmp_path: Path, scheduler: str = "batch_size = 8\nmax_inflight = 8", envs: str | None = None) -> JobConfig:
+    envs = envs or '[[env]]\nname = "a"\ntaskset = "x"\ngroup_size = 4\n'
+    path = tmp_path / "job.toml"
+    path.write_text(f'[inference]\nservers = ["http://127.0.0.1:9/v1"]\n[scheduler]\n{scheduler}\n{envs}')
+    return load_config(path)
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: JobConfig, outcome: Callable[[str, str], Outcome] = lambda e, r: 1.0,
+                  delay_s: float = 0.0, policy: int = 0) -> AsyncIterator[tuple[Scheduler, FakeWorkerHub]]:
+    hub = FakeWorkerHub({e.label: 50 for e in cfg.env}, outcome, delay_s)
+    async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
+        sched = Scheduler(cfg, pool, hub, policy)  # type: ignore[arg-type]
+        task = tg.create_task(sched.run())
+        try:
+            yield sched, hub
+        finally:
+            task.cancel()
+            hub.close()
+
+
+async def test_whole_groups_fill_a_step(tmp_path: Path) -> None:
+    async with running(config(tmp_path)) as (sched, hub):
+        groups = await asyncio.wait_for(sched.next_step(0), 5)
+    assert sum(len(g.survivors) for g in groups) == 8
+    assert all(g.size == 4 for g in groups)
+    assert hub.assigned[0]["server"] == "http://127.0.0.1:9/v1"
+
+
+async def test_partial_group_trains_its_survivors(tmp_path: Path) -> None:
+    async with running(config(tmp_path), lambda e, rid: "boom: bad" if rid.endswith("-0") else 0.5) as (sched, _):
+        groups = await asyncio.wait_for(sched.next_step(0), 5)
+        counts = sched.take_counts()
+    assert all(len(g.survivors) == 3 for g in groups)
+    assert all(len(g.records) == 4 for g in groups)
+    assert counts["failed:boom"] >= len(groups)  # groups that finished after the step count too
+
+
+async def test_all_failed_group_is_dropped_and_counted(tmp_path: Path) -> None:
+    def outcome(env: str, rid: str) -> Outcome:
+        return "provider_error: down" if rid.startswith("g1-") else 1.0
+
+    async with running(config(tmp_path), outcome) as (sched, _):
+        groups = await asyncio.wait_for(sched.next_step(0), 5)
+        counts = sched.take_counts()
+    assert "g1" not in [g.gid for g in groups]
+    assert counts["dropped_groups"] == 1
+
+
+async def test_group_scoring_env_drops_on_any_failure(tmp_path: Path) -> None:
+    envs = '[[env]]\nname = "a"\ntaskset = "x"\ngroup_size = 4\ngroup_scoring = true\n'
+
+    def outcome(env: str, rid: str) -> Outcome:
+        return "env_error: x" if rid == "g1-2" else 1.0
+
+    async with running(config(tmp_path, envs=envs), outcome) as (sched, _):
+        groups = await asyncio.wait_for(sched.next_step(0), 5)
+        counts = sched.take_counts()
+    assert "g1" not in [g.gid for g in groups]
+    assert counts["dropped_groups"] == 1
+
+
+async def test_async_level_discards_groups_sampled_too_long_ago(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 1\nmax_off_policy_steps = 5")
+    async with running(cfg) as (sched, _):
+        await asyncio.wait_for(sched.next_step(0), 5)  # groups sampled with policy 0
+        await sched.set_policy(2)
+        groups = await asyncio.wait_for(sched.next_step(3), 5)  # needs policy >= 2
+        counts = sched.take_counts()
+    assert all(g.policy >= 2 for g in groups)
+    assert counts["stale_rollouts"] > 0
+
+
+async def test_boundary_of_async_level_is_inclusive(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 2\nmax_off_policy_steps = 5")
+    async with running(cfg, policy=1) as (sched, _):
+        groups = await asyncio.wait_for(sched.next_step(3), 5)  # policy 1 == 3 - 2: accepted
+        counts = sched.take_counts()
+    assert {g.policy for g in groups} == {1}
+    assert counts.get("stale_rollouts", 0) == 0
+
+
+async def test_stale_in_flight_groups_are_cancelled(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 0\nmax_off_policy_steps = 1")
+    async with running(cfg, lambda e, r: None) as (sched, hub):  # nothing ever returns
+        await asyncio.sleep(0.05)
+        assert sched.inflight_rollouts == 8
+        await sched.set_policy(2)  # 0 < 2 - 1: every in-flight group is too old
+        counts = sched.take_counts()
+    assert counts["cancelled"] == 8
+    assert sorted(hub.cancelled) == ["g1", "g2"]
+
+
+async def test_group_timeout_fails_missing_rollouts(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "batch_size = 4\nmax_inflight = 4\ngroup_timeout_s = 0.2")
+
+    def outcome(env: str, rid: str) -> Outcome:
+        return None if rid == "g1-3" else 1.0  # one rollout hangs
+
+    async with running(cfg, outcome) as (sched, _):
+        groups = await asyncio.wait_for(sched.next_step(0), 5)
+        counts = sched.take_counts()
+    assert groups[0].gid == "g1"
+    assert len(groups[0].survivors) == 3
+    assert counts["failed:group_timeout"] == 1
+
+
+async def test_buffer_bound_pauses_generation(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 16\nmax_buffered_rollouts = 12")
+    async with running(cfg) as (sched, hub):
+        await asyncio.sleep(0.1)  # nobody takes a step: the buffer fills up to the bound and stops
+        assert sched.buffered + sched.inflight_rollouts <= 12
+        assert len(hub.assigned) == 3
+        await asyncio.wait_for(sched.next_step(0), 5)
+        await asyncio.sleep(0.05)
+        assert len(hub.assigned) > 3  # taking a step made room
+
+
+async def test_mixing_ratio_follows_weights(tmp_path: Path) -> None:
+    envs = ('[[env]]\nname = "a"\ntaskset = "x"\ngroup_size = 2\nweight = 3.0\n'
+            '[[env]]\nname = "b"\ntaskset = "x"\ngroup_size = 2\nweight = 1.0\n')
+    cfg = config(tmp_path, "batch_size = 40\nmax_inflight = 8", envs)
+    async with running(cfg) as (sched, hub):
+        for step in range(10):
+            await sched.set_policy(step)  # as weight sync after each trainer step would
+            await asyncio.wait_for(sched.next_step(step), 5)
+        share = Counter(m["env"] for m in hub.assigned)
+    ratio = share["a"] / (share["a"] + share["b"])
+    assert 0.65 <= ratio <= 0.85, share
+
+
+async def test_task_order_is_deterministic_under_seed(tmp_path: Path) -> None:
+    orders = []
+    for _ in range(2):
+        async with running(config(tmp_path)) as (sched, hub):
+            await asyncio.wait_for(sched.next_step(0), 5)
+            orders.append([m["task"] for m in hub.assigned[:2]])
+    assert orders[0] == orders[1]
+
+
+async def test_lost_worker_fails_its_rollouts(tmp_path: Path) -> None:
+    async with running(config(tmp_path, "batch_size = 4\nmax_inflight = 4"), lambda e, r: None) as (sched, _):
+        await asyncio.sleep(0.05)
+        sched.on_lost("w1", ["g1-0", "g1-1", "g1-2", "g1-3"])
+        counts: dict[str, Any] = sched.take_counts()
+    assert counts["failed:worker_died"] == 4
+    assert counts["dropped_groups"] == 1
+
+
+@pytest.mark.parametrize("bad", ["max_inflight = 2", "max_buffered_rollouts = 4"])
+def test_impossible_bounds_are_config_errors(tmp_path: Path, bad: str) -> None:
+    from orchestrator.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        config(tmp_path, f"batch_size = 8\n{bad}")
