@@ -61,8 +61,9 @@ class BatchSender:
             if address.startswith("ipc://"):
                 Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
             push.bind(address)
-            pull.bind(ckpt_address(address))
-            yield cls(ctx, push, pull, push.getsockopt_string(zmq.LAST_ENDPOINT), warn_s)
+            bound = push.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for port 0
+            pull.bind(ckpt_address(bound))
+            yield cls(ctx, push, pull, bound, warn_s)
         finally:
             push.close()
             pull.close()
