@@ -15,7 +15,8 @@ from orchestrator.testing.sim import sim_process, sim_servers
 PROMPT = [2, 5, 14, 11, 113]
 
 
-async def generate(session: aiohttp.ClientSession, server: SimServer, **sp: object) -> tuple[int, bytes, str]:
+async def generate(session: aiohttp.ClientSession, server: SimServer | SimServerRef,
+                   **sp: object) -> tuple[int, bytes, str]:
     body = {"model": "sim-model", "token_ids": PROMPT, "sampling_params": {"max_tokens": 12, **sp}}
     async with session.post(server.url.removesuffix("/v1") + "/inference/v1/generate", json=body) as r:
         return r.status, await r.read(), r.headers.get("X-Weight-Version", "")
@@ -139,3 +140,28 @@ async def test_subprocess_server_prints_address_and_stops() -> None:
             assert r.status == 200
         pid = proc.pid
     assert proc.proc.returncode == 0, f"sim server {pid} did not exit cleanly"
+
+
+async def test_cluster_kill_and_restart_keep_the_url() -> None:
+    from orchestrator.testing.sim import sim_cluster
+
+    async with sim_cluster(2, layers=2, top_k=2) as cluster, aiohttp.ClientSession() as s:
+        url = cluster.urls[0]
+        await cluster.kill(0)
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await generate(s, SimServerRef(url))
+        with pytest.raises(LookupError, match="killed"):
+            cluster[0].faults = Faults()
+        fresh = await cluster.restart(0)
+        assert fresh.url == url
+        status, _, version = await generate(s, fresh)
+        assert (status, version) == (200, "0")
+        cluster.set_faults(1, error_rate=1.0)  # runtime control of another server
+        assert (await generate(s, cluster[1]))[0] == 500
+
+
+class SimServerRef:
+    """Just a URL, for a server that is no longer running."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url

@@ -1,13 +1,23 @@
 """The inference pool: which server a group runs on, which servers are healthy, and weight sync.
 
-- **Choice and pinning.** ``async with pool.lease(n) as server:`` picks the in-rotation server with the
-  fewest rollouts in flight and counts ``n`` more on it until the block exits: a group of ``n`` rollouts
-  leases once, so the whole group is pinned to one server.
-- **Health.** ``report_failure`` / ``report_success`` come from whoever talked to the server (the pool's
-  own ``generate`` or env workers). ``failures_to_evict`` consecutive failures take a server out of
-  rotation; ``run()`` probes servers out of rotation every ``probe_interval_s`` and puts them back when
-  ``/health`` answers and they serve the current weights. With no server in rotation, ``lease`` waits
-  (one warning per ``no_server_warn_interval_s``) and resumes when one returns.
+Use (the scheduler)::
+
+    async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
+        tg.create_task(pool.run())                      # background probes: owned by the caller
+        async with pool.lease(group_size) as server:    # or: server = await pool.acquire(n) ... pool.release(server, n)
+            gen = await pool.generate(server, prompt_ids, {"max_tokens": 64})
+        result = await pool.update_weights(step, path)  # WeightSyncResult(updated, failed)
+
+- **Choice and pinning.** ``lease(n)`` / ``acquire(n)`` pick the in-rotation server with the fewest rollouts
+  in flight and count ``n`` more on it until released: a group of ``n`` rollouts leases once, so the whole
+  group is pinned to one server (``server.url`` is what its env worker talks to).
+- **Health.** ``report_failure`` / ``report_success`` come from whoever talked to the server (the pool's own
+  ``generate``, or the scheduler for env workers' calls). ``failures_to_evict`` consecutive failures, or one
+  timeout, take a server out of rotation; ``run()`` probes servers out of rotation every ``probe_interval_s``
+  and puts them back when ``/health`` answers and they serve the current weights. With no server in rotation,
+  ``acquire`` waits (one warning per ``no_server_warn_interval_s`` for the whole pool) and resumes when one
+  returns. Every change is logged and counted in ``metrics`` (``evictions``, ``rejoins``, ``failed:<kind>``,
+  ``malformed``, ``timeouts``, ``weight_sync_failed``).
 - **Weight sync.** ``update_weights(step, path)`` pauses, updates and resumes every server concurrently,
   each call under ``weight_sync_timeout_s``; a server that fails leaves rotation until a probe has brought
   it to the new weights.
@@ -20,34 +30,36 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
-import orjson
 
 from orchestrator.config import InferenceConfig
 from orchestrator.errors import InferenceError, MalformedReply
-from orchestrator.inference.replies import Generation, parse_generate_reply
+from orchestrator.inference.replies import Generation
+from orchestrator.inference.server import HttpInferenceServer, InferenceServer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-@dataclass
+@dataclass(eq=False)
 class Server:
-    """One inference server as the pool sees it."""
+    """One inference server as the pool sees it: its client and its health, load and weight version."""
 
-    url: str  # OpenAI-style base URL, ending in /v1
+    api: InferenceServer
     in_rotation: bool = True
-    inflight: int = 0
+    inflight: int = 0  # rollouts leased on it
     failures: int = 0  # consecutive
-    version: int = 0  # weights it serves, as far as the pool knows
+    version: int = 0  # weights it serves: set by a successful sync (a reply's own version is in Generation)
     last_error: str = ""
+    sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
-    def root(self) -> str:
-        return self.url.rstrip("/").removesuffix("/v1")
+    def url(self) -> str:
+        return self.api.url
 
 
 @dataclass
@@ -58,21 +70,24 @@ class WeightSyncResult:
 
 
 class InferencePool:
-    def __init__(self, cfg: InferenceConfig, session: aiohttp.ClientSession) -> None:
+    def __init__(self, cfg: InferenceConfig, servers: Sequence[InferenceServer]) -> None:
+        if not servers:
+            raise ValueError("an inference pool needs at least one server (inference.servers)")
         self.cfg = cfg
-        self.servers = [Server(url) for url in cfg.servers]
-        self._session = session
+        self.servers = [Server(api) for api in servers]
         self._rotation_changed = asyncio.Event()
+        self._warned_at = -float("inf")
         self.target_version = 0
-        self.metrics: Counter[str] = Counter()  # evictions, rejoins, failures by reason, malformed...
+        self.target_path: str | None = None
+        self.metrics: Counter[str] = Counter()
 
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, cfg: InferenceConfig) -> AsyncIterator[InferencePool]:
-        """The pool with its own HTTP session (closed on exit)."""
+        """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit)."""
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            yield cls(cfg, session)
+            yield cls(cfg, [HttpInferenceServer(url, session) for url in cfg.servers])
 
     # ------------------------------------------------------------------------------- choice and pinning
 
@@ -86,41 +101,45 @@ class InferencePool:
             self.release(server, n)
 
     async def acquire(self, n: int = 1) -> Server:
-        """Like ``lease`` for a holder that outlives a block (a group): pair with ``release``."""
-        server = await self._choose()
-        server.inflight += n
-        return server
+        """Like ``lease`` for a holder that outlives a block (a group): pair with ``release(server, n)``.
+
+        Waits while no server is in rotation; woken by a server rejoining."""
+        while True:
+            live = [s for s in self.servers if s.in_rotation]
+            if live:
+                server = min(live, key=lambda s: s.inflight)
+                server.inflight += n
+                return server
+            self._warn_no_server()
+            self._rotation_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.no_server_warn_interval_s):  # wait_for can lose a cancel
+                    await self._rotation_changed.wait()
 
     def release(self, server: Server, n: int = 1) -> None:
         server.inflight -= n
 
-    async def _choose(self) -> Server:
-        warned_at = -float("inf")
-        while True:
-            live = [s for s in self.servers if s.in_rotation]
-            if live:
-                return min(live, key=lambda s: s.inflight)
-            now = time.monotonic()
-            if now - warned_at >= self.cfg.no_server_warn_interval_s:
-                log.warning("no inference server in rotation (%d out: %s); work waits until one returns",
-                            len(self.servers), "; ".join(f"{s.url}: {s.last_error}" for s in self.servers))
-                warned_at = now
-            self._rotation_changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rotation_changed.wait(), self.cfg.no_server_warn_interval_s)
+    def _warn_no_server(self) -> None:
+        now = time.monotonic()
+        if now - self._warned_at < self.cfg.no_server_warn_interval_s:
+            return
+        self._warned_at = now
+        self.metrics["no_server_waits"] += 1
+        log.warning("no inference server in rotation (%d out: %s); work waits until one returns",
+                    len(self.servers), "; ".join(f"{s.url}: {s.last_error}" for s in self.servers))
 
     # ------------------------------------------------------------------------------------------ health
 
     def report_success(self, server: Server) -> None:
         server.failures = 0
 
-    def report_failure(self, server: Server, reason: str) -> None:
-        """Count a failed request; evict the server after ``failures_to_evict`` in a row."""
+    def report_failure(self, server: Server, reason: str, *, evict: bool = False) -> None:
+        """Count a failed request; evict the server after ``failures_to_evict`` in a row (or now: ``evict``)."""
         server.failures += 1
         server.last_error = reason
         self.metrics[f"failed:{reason.split(':')[0]}"] += 1
-        if server.in_rotation and server.failures >= self.cfg.failures_to_evict:
-            self._set_rotation(server, False, f"{server.failures} failures in a row, last: {reason}")
+        if server.in_rotation and (evict or server.failures >= self.cfg.failures_to_evict):
+            self._set_rotation(server, False, f"{server.failures} failure(s) in a row, last: {reason}")
 
     def _set_rotation(self, server: Server, on: bool, why: str) -> None:
         if server.in_rotation == on:
@@ -137,8 +156,8 @@ class InferencePool:
     async def run(self) -> None:
         """Probe servers out of rotation every ``probe_interval_s``; consumes nothing, produces rejoins.
 
-        A server answering ``/health`` rejoins if it serves ``target_version``; one that answers with older
-        weights is updated first. Runs until cancelled (owned by the caller's TaskGroup)."""
+        Waits on a timer only. A server answering ``/health`` rejoins if it serves ``target_version``; one that
+        answers with other weights is updated first. Runs until cancelled (owned by the caller's TaskGroup)."""
         while True:
             await asyncio.sleep(self.cfg.probe_interval_s)
             out = [s for s in self.servers if not s.in_rotation]
@@ -147,59 +166,55 @@ class InferencePool:
 
     async def _probe(self, server: Server) -> None:
         try:
-            health = await self._call(server, "GET", "/health", None, self.cfg.probe_interval_s * 5)
-            version = health.get("weight_version", server.version)
-            if version != self.target_version:
-                await self._sync_one(server, self.target_version, None)
+            probe_timeout_s = min(self.cfg.request_timeout_s, max(5 * self.cfg.probe_interval_s, 1.0))
+            version = await self._timed(server.api.health(), probe_timeout_s, f"/health of {server.url}")
+            if version is not None and version != self.target_version:
+                await self._sync_one(server, self.target_version, self.target_path)
             server.version = self.target_version
-            self._set_rotation(server, True, "healthy on probe")
-        except (InferenceError, TimeoutError) as e:
+            self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
+        except InferenceError as e:
             server.last_error = str(e)
+            log.debug("probe of %s failed: %s", server.url, e)
+
+    @staticmethod
+    async def _timed(call: Awaitable[T], timeout_s: float, what: str) -> T:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await call
+        except TimeoutError:
+            raise InferenceError(f"timeout: {what} took more than {timeout_s:g} s") from None
 
     # ------------------------------------------------------------------------------------------- calls
 
-    async def _call(self, server: Server, method: str, path: str, body: Any, timeout_s: float) -> Any:
-        url = server.root + path
-        data = orjson.dumps(body) if body is not None else None
-        try:
-            async with asyncio.timeout(timeout_s), self._session.request(
-                method, url, data=data, headers={"Content-Type": "application/json"}
-            ) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise InferenceError(f"{method} {url}: HTTP {resp.status}: {raw[:200]!r}")
-                return orjson.loads(raw) if path != "/inference/v1/generate" else raw
-        except TimeoutError:
-            raise InferenceError(f"timeout: {method} {url} took more than {timeout_s:g} s") from None
-        except (aiohttp.ClientError, OSError) as e:
-            raise InferenceError(f"connection: {method} {url}: {type(e).__name__}: {e}") from None
-        except orjson.JSONDecodeError:
-            raise MalformedReply(f"{method} {url}: reply is not valid JSON") from None
+    async def generate(self, server: Server, prompt_ids: Sequence[int], sampling: Mapping[str, Any]) -> Generation:
+        """One generate call on ``server`` with ``max_retries`` retries on it, each under ``request_timeout_s``.
 
-    async def generate(self, server: Server, prompt_ids: list[int], sampling: dict[str, Any]) -> Generation:
-        """One generate call on ``server`` with ``max_retries`` retries; failures are counted and reported.
-
-        Raises InferenceError (or MalformedReply) when every attempt failed."""
-        body = {"model": sampling.get("model", "sim-model"), "token_ids": prompt_ids,
-                "sampling_params": {k: v for k, v in sampling.items() if k != "model"}}
+        Every failure is logged, counted and reported (a timeout evicts at once). Raises the last
+        ``InferenceError`` (``MalformedReply`` for a bad reply) when every attempt failed; never anything else
+        for a server's misbehaviour."""
         last: InferenceError | None = None
         for _attempt in range(self.cfg.max_retries + 1):
             try:
-                raw = await self._call(server, "POST", "/inference/v1/generate", body, self.cfg.request_timeout_s)
-                gen = parse_generate_reply(raw, len(prompt_ids))
+                gen = await self._timed(server.api.generate(prompt_ids, sampling), self.cfg.request_timeout_s,
+                                        f"generate on {server.url}")
             except MalformedReply as e:
                 self.metrics["malformed"] += 1
                 log.warning("malformed reply from %s: %s", server.url, e)
                 self.report_failure(server, f"malformed: {e}")
                 last = e
             except InferenceError as e:
+                timeout = str(e).startswith("timeout")
+                self.metrics["timeouts"] += timeout
                 log.warning("generate on %s failed: %s", server.url, e)
-                self.report_failure(server, str(e))
+                self.report_failure(server, str(e), evict=timeout)
                 last = e
             else:
                 self.report_success(server)
-                if gen.weight_version is not None:
-                    server.version = gen.weight_version
+                if gen.weight_version is not None and gen.weight_version != server.version:
+                    # sampled before a sync finished, or by a server that lost its weights (restarted)
+                    self.metrics["version_mismatch"] += 1
+                    log.debug("reply from %s sampled by step %d; pool expects step %d", server.url,
+                              gen.weight_version, server.version)
                 return gen
             if not server.in_rotation:
                 break
@@ -209,20 +224,23 @@ class InferencePool:
     # ------------------------------------------------------------------------------------- weight sync
 
     async def update_weights(self, step: int, path: str | None = None) -> WeightSyncResult:
-        """Pause, load weights ``step`` (from ``path``) and resume on every server at once."""
-        self.target_version = step
+        """Pause, load weights ``step`` (from ``path``) and resume on every server at once.
+
+        A server that fails any of the three calls leaves rotation (and is counted in ``failed``); the probe
+        in ``run()`` updates it and brings it back."""
+        self.target_version, self.target_path = step, path
         result = WeightSyncResult(step)
         outcomes = await asyncio.gather(*(self._sync_one(s, step, path) for s in self.servers),
                                         return_exceptions=True)
         for server, outcome in zip(self.servers, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                if not isinstance(outcome, InferenceError | TimeoutError):
-                    raise outcome
+            if isinstance(outcome, InferenceError):
                 result.failed[server.url] = str(outcome)
+                self.metrics["weight_sync_failed"] += 1
                 server.last_error = f"weight sync to step {step} failed: {outcome}"
                 self._set_rotation(server, False, server.last_error)
+            elif isinstance(outcome, BaseException):
+                raise outcome
             else:
-                server.version = step
                 result.updated.append(server.url)
         if result.failed:
             log.warning("weight sync to step %d failed on %d of %d servers: %s", step, len(result.failed),
@@ -230,9 +248,13 @@ class InferencePool:
         return result
 
     async def _sync_one(self, server: Server, step: int, path: str | None) -> None:
+        """pause, update_weights, resume (resume also after a failed update); one sync per server at a time."""
         t = self.cfg.weight_sync_timeout_s
-        await self._call(server, "POST", "/pause", {}, t)
-        try:
-            await self._call(server, "POST", "/update_weights", {"step": step, "path": path}, t)
-        finally:
-            await self._call(server, "POST", "/resume", {}, t)
+        async with server.sync_lock:
+            await self._timed(server.api.call_admin("pause", {}), t, f"pause on {server.url}")
+            try:
+                await self._timed(server.api.call_admin("update_weights", {"step": step, "path": path}), t,
+                                  f"update_weights on {server.url}")
+            finally:
+                await self._timed(server.api.call_admin("resume", {}), t, f"resume on {server.url}")
+            server.version = step

@@ -38,9 +38,10 @@ def parse_generate_reply(raw: bytes, prompt_len: int) -> Generation:
         raise MalformedReply("generate reply has no choices[0]")
     choice = choices[0]
     ids = choice.get("token_ids")
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise MalformedReply("generate reply: choices[0].token_ids is not a list of integers")
-    content = (choice.get("logprobs") or {}).get("content")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2**31 for t in ids):
+        raise MalformedReply("generate reply: choices[0].token_ids is not a list of token ids (ints in [0, 2**31))")
+    logprobs_obj = choice.get("logprobs")
+    content = logprobs_obj.get("content") if isinstance(logprobs_obj, dict) else None
     if not isinstance(content, list) or len(content) != len(ids):
         raise MalformedReply(f"generate reply: {len(ids)} tokens but logprobs.content has "
                              f"{len(content) if isinstance(content, list) else 'no'} entries")

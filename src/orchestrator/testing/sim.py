@@ -1,5 +1,142 @@
-"""Simulated inference servers for tests (re-exported from orchestrator.sim.process)."""
+"""Simulated inference servers for tests: in-process (controllable, killable) or as real subprocesses.
 
+- ``sim_cluster(n, **server_kwargs)`` starts ``n`` servers in this process on 127.0.0.1 (free ports) and
+  yields a ``SimCluster``: ``cluster.urls``, ``cluster[i]`` (the live ``SimServer``: change ``.faults``, read
+  ``.counters``/``.version``), ``await cluster.kill(i)`` (the port refuses connections, in-flight requests
+  are cut) and ``await cluster.restart(i)`` (a fresh server on the same port: weights back at version 0,
+  as after a real crash). Every server is stopped on exit.
+- ``FakeInferenceServer`` implements the ``InferenceServer`` Protocol in memory (no HTTP): for unit tests of
+  code built on ``InferencePool(cfg, [fake, ...])``; ``fail_with`` makes its calls raise.
+- ``sim_servers(n)`` is the simpler form yielding the list of ``SimServer``; ``sim_process(args)`` runs
+  ``python -m orchestrator sim-inference --port 0`` as a subprocess, reads the printed address and always
+  stops it by its pid (re-exported from ``orchestrator.sim.process``, which the demo uses too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+from aiohttp import web
+
+from orchestrator.errors import InferenceError
+from orchestrator.inference.replies import Generation
 from orchestrator.sim.process import SimProcess, sim_process, sim_servers
+from orchestrator.sim.server import Faults, SimServer
 
-__all__ = ["SimProcess", "sim_process", "sim_servers"]
+__all__ = ["FakeInferenceServer", "Faults", "SimCluster", "SimProcess", "sim_cluster", "sim_process", "sim_servers"]
+
+
+class FakeInferenceServer:
+    """An in-memory ``InferenceServer``: replies ``reply_ids`` (logprob -1 each) tagged with its weight version."""
+
+    def __init__(self, url: str = "http://fake.invalid/v1", reply_ids: Sequence[int] = (7, 8, 3)) -> None:
+        self.url = url
+        self.reply_ids = list(reply_ids)
+        self.version = 0
+        self.paused = False
+        self.fail_with: InferenceError | None = None  # set: every call raises it
+        self.calls: list[str] = []
+
+    def _check(self, call: str) -> None:
+        self.calls.append(call)
+        if self.fail_with is not None:
+            raise self.fail_with
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Mapping[str, Any]) -> Generation:
+        self._check("generate")
+        n = min(len(self.reply_ids), int(sampling.get("max_tokens", len(self.reply_ids))))
+        ids = np.asarray(self.reply_ids[:n], dtype=np.int32)
+        return Generation(ids, np.full(n, -1.0, dtype=np.float32), "length", self.version, None, 0)
+
+    async def health(self) -> int | None:
+        self._check("health")
+        return self.version
+
+    async def call_admin(self, action: str, body: Mapping[str, Any]) -> None:
+        self._check(action)
+        if action == "update_weights":
+            self.version = int(body["step"])
+        else:
+            self.paused = action == "pause"
+
+
+class SimCluster:
+    """Handles on in-process sim servers; each keeps its URL (host and port) across kill and restart."""
+
+    def __init__(self, kwargs: list[dict[str, Any]]) -> None:
+        self._kwargs = kwargs
+        self.urls: list[str] = []
+        self._servers: list[SimServer | None] = []
+        self._runners: list[web.AppRunner | None] = []
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, i: int) -> SimServer:
+        server = self._servers[i]
+        if server is None:
+            raise LookupError(f"sim server {i} ({self.urls[i]}) is killed; restart it first")
+        return server
+
+    def set_faults(self, i: int, **faults: Any) -> None:
+        """Replace server ``i``'s faults (``Faults`` fields; unnamed ones are off)."""
+        self[i].faults = Faults(**faults)
+
+    async def _start(self, i: int, port: int) -> None:
+        server = SimServer(**self._kwargs[i])
+        runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=0.0)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", port, reuse_address=True)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server.url = f"http://127.0.0.1:{bound}/v1"
+        if i == len(self.urls):
+            self.urls.append(server.url)
+            self._servers.append(server)
+            self._runners.append(runner)
+        else:
+            self._servers[i], self._runners[i] = server, runner
+
+    async def kill(self, i: int) -> None:
+        """Stop server ``i`` now: its hung requests are released, open connections closed, the port refuses."""
+        server, runner = self._servers[i], self._runners[i]
+        self._servers[i] = self._runners[i] = None
+        if server is not None:
+            server.release_hung()
+        if runner is not None:
+            for conn in runner.server.connections if runner.server is not None else []:
+                if conn.transport is not None:
+                    conn.transport.abort()  # a crash: clients see the connection reset, not a reply
+            await runner.cleanup()
+
+    async def restart(self, i: int) -> SimServer:
+        """Start a fresh server ``i`` on its old port (stopping the old one first if it still runs)."""
+        await self.kill(i)
+        port = urlsplit(self.urls[i]).port
+        assert port is not None
+        await self._start(i, port)
+        return self[i]
+
+    async def close(self) -> None:
+        for i in range(len(self.urls)):
+            await self.kill(i)
+
+
+@contextlib.asynccontextmanager
+async def sim_cluster(n: int = 1, *, seed: int = 0, **kwargs: Any) -> AsyncIterator[SimCluster]:
+    """Start ``n`` sim servers in this process (server ``i`` seeded ``seed + i``); all stop on exit."""
+    cluster = SimCluster([{**kwargs, "seed": seed + i} for i in range(n)])
+    try:
+        for i in range(n):
+            await cluster._start(i, 0)
+        yield cluster
+    finally:
+        await cluster.close()
