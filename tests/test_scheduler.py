@@ -170,3 +170,16 @@ def test_impossible_bounds_are_config_errors(tmp_path: Path, bad: str) -> None:
 
     with pytest.raises(ConfigError):
         config(tmp_path, f"batch_size = 8\n{bad}")
+
+
+async def test_provider_failures_reach_the_pool(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "batch_size = 4\nmax_inflight = 4")
+    hub = FakeWorkerHub({"a": 50}, lambda e, r: "provider_error: refused")
+    async with InferencePool.open(cfg.inference) as pool:
+        sched = Scheduler(cfg, pool, hub)  # type: ignore[arg-type]
+        hub.stop = "provider_error"
+        await sched._open("a", 4)
+        await asyncio.sleep(0.05)
+        hub.close()
+    assert pool.metrics["failed:provider"] == 4
+    assert not pool.servers[0].in_rotation  # failures_to_evict (3) in a row

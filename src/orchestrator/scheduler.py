@@ -150,7 +150,11 @@ class Scheduler:
         group.records.append(record)
         if record.ok:
             self.counts["completed"] += 1
+            self.pool.report_success(group.server)
         else:
+            if record.header.get("stop") == "provider_error" or record.header.get("is_timeout"):
+                # env workers call the server directly: their provider failures feed the pool's health
+                self.pool.report_failure(group.server, f"provider: {record.header.get('error')}")
             reason = str(record.header.get("error") or "unknown").split(":")[0]
             self.counts[f"failed:{reason}"] += 1
             log.warning("rollout %s (%s) failed: %s", rid, group.env, record.header.get("error"))

@@ -36,6 +36,7 @@ class FakeWorkerHub:
     workers: dict[str, FakeWorker] = field(default_factory=lambda: {"fake": FakeWorker("fake")})
     assigned: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    stop: str | None = None  # stop condition stamped on failed rollouts (e.g. "provider_error")
     _timers: list[asyncio.TimerHandle] = field(default_factory=list)
 
     def has_ready(self) -> bool:
@@ -58,7 +59,7 @@ class FakeWorkerHub:
                                   "task": msg["task"], "policy_step": msg["policy_step"], "worker": "fake"}
         frames: list[memoryview] = []
         if isinstance(result, str):
-            header.update(ok=False, reward=0.0, error=result, samples=[], tokens=0)
+            header.update(ok=False, reward=0.0, error=result, samples=[], tokens=0, stop=self.stop)
         else:
             n = self.tokens
             header.update(ok=True, reward=float(result), error=None, samples=[[n, 0, 0]], tokens=n)
