@@ -1,20 +1,10 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 import pytest
 
+from orchestrator.samples import PlainNode as Node
 from orchestrator.samples import SampleError, build_sample
-
-
-@dataclass
-class Node:
-    token_ids: list[int]
-    mask: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    routed_experts: Any = None
 
 
 def routed(n: int, layers: int = 2, k: int = 3, fill: int = 0) -> np.ndarray:

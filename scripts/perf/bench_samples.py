@@ -14,20 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from orchestrator.samples import PlainNode as Node
 from orchestrator.samples import build_sample
-
-
-@dataclass
-class Node:
-    token_ids: list[int]
-    mask: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    routed_experts: Any = None
 
 
 def make_nodes(turns: int, tokens: int, layers: int, top_k: int, seed: int = 0) -> list[Node]:

@@ -22,6 +22,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from orchestrator.procs import terminate
+
 PROMPT = list(range(10, 42))
 FIXED = orjson.dumps({"choices": [{"index": 0, "token_ids": [5, 6, 7], "finish_reason": "stop", "logprobs": {
     "content": [{"token": f"token_id:{t}", "logprob": -1.0} for t in (5, 6, 7)]}}], "weight_version": 0})
@@ -63,13 +65,7 @@ async def server_process(argv: Sequence[str]) -> AsyncIterator[str]:
             raise RuntimeError(f"{argv} printed {line!r}, not its address")
         yield line.removesuffix("/v1")
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await terminate(proc)
 
 
 async def measure(root: str, seconds: float, concurrency: int, max_tokens: int) -> dict[str, float]:

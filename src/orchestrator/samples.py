@@ -12,7 +12,7 @@ verifiers' ``MessageNode`` without importing verifiers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,6 +27,16 @@ class NodeLike(Protocol):
     mask: list[bool]
     logprobs: list[float]
     routed_experts: Any
+
+
+@dataclass
+class PlainNode:
+    """A message node without verifiers: what tests, benchmarks and other frameworks can build samples from."""
+
+    token_ids: list[int]
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routed_experts: Any = None
 
 
 @dataclass(frozen=True)

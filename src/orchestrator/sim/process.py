@@ -10,6 +10,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from orchestrator.procs import terminate
 from orchestrator.sim.server import SimServer
 
 
@@ -55,11 +56,4 @@ async def sim_process(args: Sequence[str] = (), *, timeout_s: float = 30.0) -> A
             raise RuntimeError(f"sim-inference did not print its address (got {line!r})")
         yield SimProcess(proc, line.decode().strip())
     finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await terminate(proc)

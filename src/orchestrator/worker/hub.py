@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.errors import EnvironmentLoadError, WireError
+from orchestrator.procs import terminate
 from orchestrator.worker.protocol import HEARTBEAT_S, RolloutRecord, pack, unpack
 
 log = logging.getLogger(__name__)
@@ -102,13 +103,8 @@ class WorkerHub:
             with contextlib.suppress(zmq.ZMQError):
                 await self.sock.send_multipart([ident, pack({"type": "stop"})])
             w.ready = False
-        for proc in self._procs:
-            try:
-                await asyncio.wait_for(proc.wait(), 5)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGKILL)
-                await proc.wait()
+        for proc in self._procs:  # asked to stop above; killed if still there after 5 s
+            await terminate(proc, 5.0, signal_first=False)
 
     async def wait_ready(self, n: int, timeout_s: float) -> None:
         """Wait until ``n`` workers are ready (raises EnvironmentLoadError from a worker's ``fatal``)."""
