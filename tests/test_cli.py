@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import pytest
 
 from orchestrator.cli import COMMANDS, build_parser, main
@@ -27,3 +30,21 @@ def test_unknown_command_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as e:
         main(["no-such-command"])
     assert e.value.code == 2
+
+
+def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
+    import dataclasses
+
+    from orchestrator.commands.demo import sim_arguments
+    from orchestrator.commands.sim_inference import add_arguments
+    from orchestrator.config import SimConfig, load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.toml",
+                      ["sim.hang_rate=0.1", "sim.drop_rate=0.2", "sim.latency_max_ms=9.0", "sim.num_experts=32"])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parsed = parser.parse_args(sim_arguments(cfg))
+    for f in dataclasses.fields(SimConfig):
+        if f.name in ("servers", "seed"):  # the demo's own: how many to start, and seed + i per server
+            continue
+        assert getattr(parsed, f.name) == getattr(cfg.sim, f.name), f.name

@@ -52,9 +52,7 @@ async def demo(cfg: JobConfig) -> None:
     if not console.is_terminal:
         console = Console(stderr=True, width=160)
     sim = cfg.sim
-    args = ["--seed", str(sim.seed), "--layers", str(sim.layers), "--top-k", str(sim.top_k),
-            "--latency-ms", str(sim.latency_ms), "--error-rate", str(sim.error_rate),
-            "--malformed-rate", str(sim.malformed_rate), "--model", cfg.model.name]
+    args = sim_arguments(cfg)
     async with contextlib.AsyncExitStack() as stack:
         servers = [await stack.enter_async_context(sim_process([*args, "--seed", str(sim.seed + i)]))
                    for i in range(sim.servers)]
@@ -78,6 +76,18 @@ async def demo(cfg: JobConfig) -> None:
                 tg.create_task(trainer.run())
                 summary = await orch.run()
         _print_summary(console, summary.metrics, trainer.received, Path(cfg.run.output_dir))
+
+
+def sim_arguments(cfg: JobConfig) -> list[str]:
+    """``orchestrator sim-inference`` flags for every key of the config's ``[sim]`` table."""
+    sim = cfg.sim
+    args = ["--model", cfg.model.name, "--layers", str(sim.layers), "--top-k", str(sim.top_k),
+            "--num-experts", str(sim.num_experts), "--latency-ms", str(sim.latency_ms),
+            "--error-rate", str(sim.error_rate), "--hang-rate", str(sim.hang_rate),
+            "--malformed-rate", str(sim.malformed_rate), "--drop-rate", str(sim.drop_rate)]
+    if sim.latency_max_ms is not None:
+        args += ["--latency-max-ms", str(sim.latency_max_ms)]
+    return args
 
 
 def _print_summary(console: Any, metrics: list[dict[str, Any]], received: list[Any], out: Path) -> None:
