@@ -133,3 +133,36 @@ workers = 1
         leaf = leaf.exceptions[0]
     assert "environment 'broken'" in str(leaf)
     assert "no-such-taskset-xyz" in str(leaf)
+
+
+async def test_worker_killed_mid_run_is_restarted_and_no_step_is_lost(tmp_path: Path) -> None:
+    async with sim_servers(1, faults=Faults(latency_ms=20.0)) as servers:
+        cfg = job(tmp_path, [servers[0].url], extra="", envs="""
+[[env]]
+name = "arith"
+taskset = "orchestrator-arithmetic"
+group_size = 4
+workers = 2
+sampling = { max_tokens = 4 }
+""")
+        killed: list[int] = []
+        async with Orchestrator.open(cfg) as orch:
+            trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps)
+
+            def kill_after_first_step(metrics: dict[str, object]) -> None:
+                if not killed:
+                    killed.append(orch.hub.kill_local(0))
+
+            orch.on_step = kill_after_first_step
+            async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
+                tg.create_task(trainer.run())
+                await orch.run()
+            spawned = orch.hub._spawned
+    assert killed
+    assert [r.step for r in trainer.received] == [0, 1, 2]
+    assert spawned == 3  # two at start, one restart
+    rows = [orjson.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_bytes().splitlines()]
+    died = [r for r in rows if r["error"] and r["error"].startswith("worker_died")]
+    metrics = [orjson.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_bytes().splitlines()]
+    reported = sum(m["scheduler"].get("failed:worker_died", 0) for m in metrics)
+    assert reported >= len(died)
