@@ -25,7 +25,7 @@ import orjson
 from orchestrator.assets import tokenizer_dir
 from orchestrator.config import JobConfig
 from orchestrator.inference.pool import InferencePool
-from orchestrator.lagmon import LagMonitor
+from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.memory import malloc_trim, rss_mb
 from orchestrator.pipeline.outputs import StepOutputs, format_step_line, step_metrics
 from orchestrator.pipeline.step import StepBuilder
@@ -118,6 +118,7 @@ class Orchestrator:
 
     async def _step(self, step: int, sched: Scheduler) -> None:
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         groups = await sched.next_step(step)
         wait_s = time.perf_counter() - t0
         result = await asyncio.to_thread(self.builder.build, step, groups)
@@ -130,27 +131,32 @@ class Orchestrator:
         self.state.task_cursors = sched.cursors()
         phase = {"wait": wait_s, **result.phase_s, "send": send_s}
         lag = self.lag.reset()
-        metrics = step_metrics(step, result.rows, phase_s=phase, lag=lag, rss_mb=rss_mb(),
-                               wall_s=time.perf_counter() - t0,
-                               extra={"samples": result.batch.num_samples, "policy": sched.policy,
-                                      "filters": result.filter_counts, "scheduler": counts,
-                                      "pool": dict(self.pool.metrics)})
-        t = time.perf_counter()
-        await asyncio.to_thread(self._write, result.rows, metrics)
-        metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)
+        extra = {"samples": result.batch.num_samples, "policy": sched.policy,
+                 "orch_cpu_ms_per_rollout": round((time.process_time() - cpu0) * 1e3 / max(len(result.rows), 1), 3),
+                 "filters": result.filter_counts, "scheduler": counts, "pool": dict(self.pool.metrics)}
+        rows = result.rows
+        del groups, result  # the batch's column memory goes now, before the collection below
+        metrics = await asyncio.to_thread(self._finish_step, step, rows, phase, lag, t0, extra)
         log.info("%s", format_step_line(metrics))
         self.summary.steps += 1
         self.summary.metrics.append(metrics)
         self.on_step(metrics)
-        del groups, result
+
+    def _finish_step(self, step: int, rows: list[dict[str, Any]], phase: dict[str, float], lag: LagStats,
+                     t0: float, extra: dict[str, Any]) -> dict[str, Any]:
+        """Blocking (a worker thread): collect garbage, return memory to the OS, then the step's metrics
+        (pandas), both JSONL files and the state file."""
         t = time.perf_counter()
         gc.collect()
         malloc_trim()
-        metrics["phase_s"]["gc"] = round(time.perf_counter() - t, 6)
-
-    def _write(self, rows: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
+        phase["gc"] = time.perf_counter() - t
+        metrics = step_metrics(step, rows, phase_s=phase, lag=lag, rss_mb=rss_mb(),
+                               wall_s=time.perf_counter() - t0, extra=extra)
+        t = time.perf_counter()
         self.outputs.write(rows, metrics)
         save_state(self.out, self.state)
+        metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
+        return metrics
 
 
 def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorState]:
