@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from orchestrator.assets import tokenizer_dir
+from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.config import JobConfig
 from orchestrator.inference.pool import InferencePool
 from orchestrator.lagmon import LagMonitor, LagStats
@@ -30,7 +30,6 @@ from orchestrator.memory import malloc_trim, rss_mb
 from orchestrator.pipeline.outputs import StepOutputs, format_step_line, step_metrics
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduler import Scheduler
-from orchestrator.sim.vocab import SimVocab
 from orchestrator.state import OrchestratorState, load_state, save_state
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
@@ -59,8 +58,11 @@ class Orchestrator:
         m = cfg.monitor
         self.lag = LagMonitor(m.lag_interval_s, m.lag_window, m.lag_warn_ms, m.lag_error_ms)
         self.outputs = StepOutputs(self.out)
-        tokenizer = cfg.model.tokenizer
-        self.builder = StepBuilder(cfg, vocab_size=SimVocab.load().size if tokenizer is None else 2**31 - 1)
+        tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+        vocab = vocab_size(tokenizer)
+        if vocab is None:
+            log.warning("cannot read the vocabulary size of %s; the gibberish filter assumes 2^17 tokens", tokenizer)
+        self.builder = StepBuilder(cfg, vocab_size=vocab or 2**17)
         self.summary = RunSummary()
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
 
