@@ -1,0 +1,158 @@
+"""Benchmark: the orchestrator with 2 env workers vs verifiers' own ``serve_env`` pool with 2 workers.
+
+Both run the same rollouts (``--rollouts``, default 2,000, of the built-in arithmetic env) against one
+simulated inference server at zero latency (a subprocess). Ours: ``Orchestrator`` in this process with
+two local env workers and the reference trainer as a subprocess; the loop's lag is sampled every 1 ms.
+Baseline, in the same run: ``serve_env(max_workers=2)`` in a subprocess, driven by ``EnvClient`` from
+this process with ``--concurrency`` rollouts in flight (its client decodes whole traces on our loop).
+
+Prints ``orch_cpu_ms_per_rollout`` (this process's CPU time / rollouts; target <= 0.5), ``max_lag_ms``
+and ``p99_lag_ms`` (targets <= 10 and <= 5), ``rollouts_per_s``, ``baseline_rollouts_per_s``,
+``baseline_cpu_ms_per_rollout`` and ``throughput_ratio`` (target >= 1.0). Last line with --json: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrator.assets import tokenizer_dir
+from orchestrator.procs import terminate
+from orchestrator.sim.process import sim_process
+
+SERVE = """
+import sys
+import verifiers.v1 as vf
+from verifiers.v1.serve.pool import serve_env
+cfg = vf.resolve_env_config({"taskset": {"id": "orchestrator-arithmetic"},
+                             "agent": {"runtime": {"type": "subprocess"}}})
+serve_env(max_workers=2, address=sys.argv[1], elastic=False, config=cfg)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def ours(url: str, rollouts: int, out: Path) -> dict[str, Any]:
+    from orchestrator.app import Orchestrator
+    from orchestrator.config import load_config
+
+    steps = 10
+    cfg_path = out / "bench.toml"
+    cfg_path.write_text(f"""
+[run]
+name = "bench"
+output_dir = "{out / 'run'}"
+max_steps = {steps}
+[inference]
+servers = ["{url}"]
+[scheduler]
+batch_size = {rollouts // steps}
+max_inflight = 64
+max_async_level = {steps}
+max_off_policy_steps = {steps}
+[monitor]
+lag_interval_s = 0.001
+lag_window = 200000
+lag_warn_ms = 1000.0
+lag_error_ms = 10000.0
+[[env]]
+taskset = "orchestrator-arithmetic"
+group_size = 8
+workers = 2
+sampling = {{ max_tokens = 8 }}
+""")
+    cfg = load_config(cfg_path)
+    async with Orchestrator.open(cfg) as orch:
+        trainer = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "receive", orch.sender.address,
+            "--no-announce")
+        try:
+            orch.on_step = lambda m: None
+            run = asyncio.ensure_future(orch.run())
+            await orch.hub.wait_ready(2, 300)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            summary = await run
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        finally:
+            await terminate(trainer, 5)
+    done = sum(m["rollouts"] for m in summary.metrics)
+    return {"rollouts": done, "rollouts_per_s": round(done / wall, 1),
+            "orch_cpu_ms_per_rollout": round(cpu * 1e3 / done, 3),
+            "max_lag_ms": max(m["lag"]["max"] for m in summary.metrics),
+            "p99_lag_ms": max(m["lag"]["p99"] for m in summary.metrics)}
+
+
+async def baseline(url: str, rollouts: int, concurrency: int) -> dict[str, Any]:
+    import verifiers.v1 as vf
+    from renderers.configs import DefaultRendererConfig
+    from verifiers.v1.serve.client import EnvClient
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = await asyncio.create_subprocess_exec(sys.executable, "-c", SERVE, address)
+    try:
+        env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": "orchestrator-arithmetic"},
+                                                         "agent": {"runtime": {"type": "subprocess"}}}))
+        tasks = list(env.taskset)
+        client = EnvClient(address)
+        train = vf.TrainClientConfig(base_url=url, renderer=DefaultRendererConfig(),
+                                     renderer_model_name=str(tokenizer_dir()))
+        sampling = vf.SamplingConfig(max_tokens=8)
+        await client.run(client=train, model="sim-model", sampling=sampling, task_data=tasks[0].data.model_dump())
+        sem = asyncio.Semaphore(concurrency)
+        ok = 0
+
+        async def one(i: int) -> None:
+            nonlocal ok
+            async with sem:
+                ep = await client.run(client=train, model="sim-model", sampling=sampling,
+                                      task_data=tasks[i % len(tasks)].data.model_dump())
+                ok += bool(ep.ok)
+
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(rollouts)))
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        await client.close()
+    finally:
+        await terminate(server, 10)
+    return {"rollouts": rollouts, "ok": ok, "rollouts_per_s": round(rollouts / wall, 1),
+            "cpu_ms_per_rollout": round(cpu * 1e3 / rollouts, 3)}
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["HOME"] = tmp  # verifiers writes ~/.cache/verifiers
+        async with sim_process(["--seed", "0"]) as sim:
+            mine = await ours(sim.url, args.rollouts, Path(tmp))
+            base = await baseline(sim.url, args.rollouts, args.concurrency)
+    return {**mine, "baseline_rollouts_per_s": base["rollouts_per_s"],
+            "baseline_cpu_ms_per_rollout": base["cpu_ms_per_rollout"], "baseline_ok": base["ok"],
+            "throughput_ratio": round(mine["rollouts_per_s"] / base["rollouts_per_s"], 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rollouts", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=64, help="baseline: rollouts in flight")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = p.parse_args()
+    result = asyncio.run(main_async(args))
+    if not args.json:
+        print(f"ours {result['rollouts_per_s']} rollouts/s, {result['orch_cpu_ms_per_rollout']} ms CPU each, "
+              f"lag max {result['max_lag_ms']} ms; verifiers serve_env {result['baseline_rollouts_per_s']} rollouts/s")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
