@@ -79,7 +79,8 @@ class Orchestrator:
         async with contextlib.AsyncExitStack() as stack:
             pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
             sender = await stack.enter_async_context(BatchSender.open(batch_address, cfg.transport.send_hwm))
-            hub = await stack.enter_async_context(WorkerHub.open(worker_address, setup, workers, env_vars))
+            hub = await stack.enter_async_context(WorkerHub.open(worker_address, setup, workers, env_vars,
+                                                                     cfg.scheduler.worker_nice))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             yield cls(cfg, pool, hub, sender, state)
 

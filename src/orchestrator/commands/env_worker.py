@@ -19,10 +19,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect", required=True, metavar="ADDRESS",
                    help="the orchestrator's worker address, e.g. tcp://10.0.0.1:5600 or ipc:///path/workers.sock")
     p.add_argument("--id", default=None, help="worker name in logs and metrics (default: host-pid)")
+    p.add_argument("--nice", type=int, default=0, metavar="N",
+                   help="add N to this process's niceness, so a busy host serves the orchestrator's loop first")
 
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.worker.process import Worker
 
+    if args.nice:
+        os.nice(args.nice)
     worker_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
     return run_async(Worker(args.connect, worker_id).run())

@@ -55,7 +55,7 @@ class FakeWorkerHub:
         self.cancelled.append(group)
 
     def _finish(self, msg: dict[str, Any], rid: str, result: float | str) -> None:
-        header: dict[str, Any] = {"type": "rollout", "rid": rid, "group": msg["group"], "env": msg["env"],
+        header: dict[str, Any] = {"rid": rid, "group": msg["group"], "env": msg["env"],
                                   "task": msg["task"], "policy_step": msg["policy_step"], "worker": "fake"}
         frames: list[memoryview] = []
         if isinstance(result, str):

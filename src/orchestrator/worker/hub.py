@@ -3,11 +3,14 @@
 Workers connect (local ones are started here; remote ones by hand with ``orchestrator env-worker``), get
 the environments in a ``setup`` message and report ``ready``. ``assign`` sends a group to the ready
 worker with the fewest rollouts in flight. ``run()`` consumes worker messages and produces calls to
-``on_record`` (one per finished rollout) and ``on_lost`` (the rollouts of a worker that died); it wakes on
-every message and every HEARTBEAT_S to check liveness. A worker silent for ``DEAD_AFTER_S`` is dead: its
-in-flight rollouts fail with reason ``worker_died`` and a local one is restarted.
+``on_record`` (one per finished rollout) and ``on_lost`` (the rollouts of a worker that died); it wakes
+when the socket is readable and every HEARTBEAT_S to check liveness. A worker silent for ``DEAD_AFTER_S``
+is dead: its in-flight rollouts fail with reason ``worker_died`` and a local one is restarted.
 
-Only the small msgpack header of a record is decoded here; column frames stay zero-copy buffers.
+Per-rollout cost on the loop is what limits how many workers one orchestrator feeds, so the socket is a
+plain (sync) ZMQ socket read from a loop reader callback that drains up to DRAIN_MAX messages per
+wake-up (no future per message), sends never wait (NOBLOCK), and only the small msgpack header of a
+record is decoded here; column frames stay zero-copy buffers.
 """
 
 from __future__ import annotations
@@ -22,18 +25,19 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
-import zmq.asyncio
 
 from orchestrator.errors import EnvironmentLoadError, WireError
 from orchestrator.procs import terminate
-from orchestrator.worker.protocol import HEARTBEAT_S, RolloutRecord, pack, unpack
+from orchestrator.worker.protocol import HEARTBEAT_S, RolloutRecord, pack, split_records, unpack
 
 log = logging.getLogger(__name__)
 
 DEAD_AFTER_S = 10 * HEARTBEAT_S
+DRAIN_MAX = 64  # messages handled per reader wake-up before other callbacks get the loop
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum cost
 
 
 @dataclass
@@ -48,13 +52,14 @@ class WorkerState:
 
 
 class WorkerHub:
-    def __init__(self, sock: zmq.asyncio.Socket, address: str, setup: dict[str, Any], local: int,
-                 env_vars: dict[str, str]) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], address: str, setup: dict[str, Any], local: int,
+                 env_vars: dict[str, str], nice: int = 0) -> None:
         self.sock = sock
         self.address = address
         self.setup = setup
         self.local = local
         self.env_vars = env_vars
+        self.nice = nice
         self.workers: dict[bytes, WorkerState] = {}
         self.tasks_per_env: dict[str, int] = {}
         self.on_record: Callable[[RolloutRecord], None] = lambda _r: None
@@ -63,13 +68,15 @@ class WorkerHub:
         self._procs: list[asyncio.subprocess.Process] = []
         self._spawned = 0
         self.rejected = 0
+        self._fatal: asyncio.Future[None] | None = None
 
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, address: str, setup: dict[str, Any], local: int,
-                   env_vars: dict[str, str] | None = None) -> AsyncIterator[WorkerHub]:
-        """Bind ``address`` and start ``local`` worker processes; on exit stop them (by pid) and close."""
-        ctx = zmq.asyncio.Context()
+                   env_vars: dict[str, str] | None = None, nice: int = 0) -> AsyncIterator[WorkerHub]:
+        """Bind ``address`` and start ``local`` worker processes (niceness + ``nice``); on exit stop them
+        (by pid) and close."""
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -77,7 +84,7 @@ class WorkerHub:
             Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
         sock.bind(address)
         address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        hub = cls(sock, address, setup, local, dict(env_vars or {}))
+        hub = cls(sock, address, setup, local, dict(env_vars or {}), nice)
         try:
             for _ in range(local):
                 await hub._spawn()
@@ -92,7 +99,7 @@ class WorkerHub:
         self._spawned += 1
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect", self.address,
-            "--id", name, env={**os.environ, **self.env_vars},
+            "--id", name, "--nice", str(self.nice), env={**os.environ, **self.env_vars},
         )
         self._procs.append(proc)
         log.info("started env worker pid %d", proc.pid)
@@ -100,8 +107,7 @@ class WorkerHub:
 
     async def _stop_all(self) -> None:
         for ident, w in self.workers.items():
-            with contextlib.suppress(zmq.ZMQError):
-                await self.sock.send_multipart([ident, pack({"type": "stop"})])
+            self._send(ident, {"type": "stop"})
             w.ready = False
         for proc in self._procs:  # asked to stop above; killed if still there after 5 s
             await terminate(proc, 5.0, signal_first=False)
@@ -116,14 +122,35 @@ class WorkerHub:
     # --------------------------------------------------------------------------------------- messages
 
     async def run(self) -> None:
-        """Receive worker messages and check liveness until cancelled."""
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._liveness())
-            while True:
-                ident, *frames = await self.sock.recv_multipart(copy=False)
-                await self._handle(ident.bytes, frames)
+        """Receive worker messages (reader callback) and check liveness until cancelled; raises
+        EnvironmentLoadError when a worker reports ``fatal``."""
+        loop = asyncio.get_running_loop()
+        self._fatal = loop.create_future()
+        fd = self.sock.fileno()
+        loop.add_reader(fd, self._drain)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._liveness())
+                loop.call_soon(self._drain)  # messages queued before the reader was registered
+                await self._fatal
+        finally:
+            loop.remove_reader(fd)
 
-    async def _handle(self, ident: bytes, frames: list[Any]) -> None:
+    def _drain(self) -> None:
+        """Handle queued messages. ZMQ's fd is edge-triggered: read until EVENTS has no POLLIN, in slices of
+        DRAIN_MAX so a flood cannot hold the loop."""
+        for _ in range(DRAIN_MAX):
+            if self._fatal is None or self._fatal.done() or not cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN:
+                return
+            ident, *frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+            try:
+                self._handle(ident.bytes, frames)
+            except EnvironmentLoadError as e:
+                self._fatal.set_exception(e)
+                return
+        asyncio.get_running_loop().call_soon(self._drain)
+
+    def _handle(self, ident: bytes, frames: list[Any]) -> None:
         try:
             msg = unpack(frames[0].buffer)
         except WireError as e:
@@ -135,20 +162,10 @@ class WorkerHub:
             worker = self.workers[ident] = WorkerState(str(msg.get("worker", ident)), pid=msg.get("pid"))
         worker.last_seen = time.monotonic()
         kind = msg["type"]
-        if kind == "rollout":
-            record = RolloutRecord(msg, [f.buffer for f in frames[1:]])
-            try:
-                record.check()
-            except WireError as e:
-                self.rejected += 1
-                log.warning("worker %s: %s", worker.name, e)
-                record.header.update(ok=False, error=f"corrupt_record: {e}", samples=[], tokens=0)
-                record.frames = []
-            worker.rids.discard(str(msg.get("rid")))
-            worker.completed += 1
-            self.on_record(record)
+        if kind == "records":
+            self._records(worker, msg, [f.buffer for f in frames[1:]])
         elif kind == "hello":
-            await self._send(ident, {"type": "setup", **self.setup})
+            self._send(ident, {"type": "setup", **self.setup})
         elif kind == "ready":
             worker.ready = True
             self.tasks_per_env = dict(msg["envs"])
@@ -158,11 +175,36 @@ class WorkerHub:
         elif kind == "fatal":
             raise EnvironmentLoadError(f"env worker {worker.name}: {msg.get('error')}")
 
-    async def _send(self, ident: bytes, msg: dict[str, Any]) -> None:
+    def _records(self, worker: WorkerState, msg: dict[str, Any], frames: list[memoryview]) -> None:
         try:
-            await self.sock.send_multipart([ident, pack(msg)])
-        except zmq.ZMQError as e:  # the worker went away: the liveness check deals with its rollouts
+            records = split_records(msg, frames)
+        except WireError as e:  # the group's rollouts stay in flight; the group timeout fails them
+            self.rejected += 1
+            log.warning("worker %s: %s", worker.name, e)
+            return
+        for record in records:
+            try:
+                record.check()
+            except WireError as e:
+                self.rejected += 1
+                log.warning("worker %s: %s", worker.name, e)
+                record.header.update(ok=False, error=f"corrupt_record: {e}", samples=[], tokens=0)
+                record.frames = []
+            worker.rids.discard(str(record.header.get("rid")))
+            worker.completed += 1
+            self.on_record(record)
+
+    def _send(self, ident: bytes, msg: dict[str, Any]) -> bool:
+        """Send without waiting; False (and a warning) when the worker is gone or not keeping up."""
+        try:
+            self.sock.send_multipart([ident, pack(msg)], _NOBLOCK)
+        except zmq.ZMQError as e:  # gone or its queue is full: the liveness check deals with its rollouts
             log.warning("could not reach env worker %r: %s", ident, e)
+            return False
+        finally:  # a send can swallow the fd's edge for messages that arrived meanwhile
+            if self._fatal is not None:
+                asyncio.get_running_loop().call_soon(self._drain)
+        return True
 
     async def _liveness(self) -> None:
         while True:
@@ -200,14 +242,14 @@ class WorkerHub:
             raise RuntimeError("assign() with no ready worker: check has_ready() first")
         ident, worker = min(ready, key=lambda iw: len(iw[1].rids))
         worker.rids.update(msg["rids"])
-        await self._send(ident, {"type": "assign", **msg})
+        self._send(ident, {"type": "assign", **msg})
         return worker.name
 
     async def cancel(self, group: str, rids: list[str]) -> None:
         for ident, w in self.workers.items():
             if w.rids & set(rids):
                 w.rids.difference_update(rids)
-                await self._send(ident, {"type": "cancel", "group": group})
+                self._send(ident, {"type": "cancel", "group": group})
 
     def kill_local(self, index: int) -> int:
         """SIGKILL local worker ``index`` (fault tests); returns its pid."""

@@ -2,8 +2,8 @@
 
 Runs as its own process (``orchestrator env-worker --connect ADDRESS``), so environment code, trace
 handling and sample building never touch the orchestrator's event loop. Its loop consumes ``setup``,
-``assign``, ``cancel`` and ``stop`` messages from the orchestrator; it produces one ``rollout`` record per
-finished episode (scalars + column frames, see protocol.py) and a heartbeat every HEARTBEAT_S.
+``assign``, ``cancel`` and ``stop`` messages from the orchestrator; it produces ``records`` messages (one per
+group: each finished episode's scalars + column frames, see protocol.py) and a heartbeat every HEARTBEAT_S.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from orchestrator.errors import EnvironmentLoadError
 from orchestrator.samples import SampleError, samples_from_trace
-from orchestrator.worker.protocol import HEARTBEAT_S, pack, sample_frames, unpack
+from orchestrator.worker.protocol import FLUSH_S, HEARTBEAT_S, pack, records_message, sample_frames, unpack
 
 log = logging.getLogger(__name__)
 
@@ -155,23 +155,36 @@ class Worker:
         return ctx
 
     async def _run_group(self, sock: zmq.asyncio.Socket, msg: dict[str, Any]) -> None:
+        """Run one group's rollouts; send their records together when the last one ends, or FLUSH_S
+        after the latest one finished while others still run (so a slow sibling delays nobody long)."""
         loaded = self.envs[msg["env"]]
         task = loaded.tasks[msg["task"] % len(loaded.tasks)]
         ctx = self._model_context(msg["server"], msg["sampling"])
         slots = loaded.env.slots(task, len(msg["rids"]))
+        done: asyncio.Queue[tuple[dict[str, Any], list[Any]]] = asyncio.Queue()
         try:
             async with asyncio.TaskGroup() as tg:
                 for rid, slot in zip(msg["rids"], slots, strict=True):
-                    tg.create_task(self._run_one(sock, loaded, slot, ctx, rid, msg))
+                    tg.create_task(self._run_one(done, loaded, slot, ctx, rid, msg))
+                pending: list[tuple[dict[str, Any], list[Any]]] = []
+                for _ in msg["rids"]:
+                    try:
+                        async with asyncio.timeout(FLUSH_S if pending else None):
+                            item = await done.get()
+                    except TimeoutError:
+                        await sock.send_multipart(records_message(msg["group"], pending), copy=False)
+                        pending = []
+                        item = await done.get()
+                    pending.append(item)
+            await sock.send_multipart(records_message(msg["group"], pending), copy=False)
         finally:
             self.groups.pop(msg["group"], None)
 
-    async def _run_one(self, sock: zmq.asyncio.Socket, loaded: LoadedEnv, slot: Any, ctx: Any, rid: str,
-                       msg: dict[str, Any]) -> None:
+    async def _run_one(self, done: asyncio.Queue[tuple[dict[str, Any], list[Any]]], loaded: LoadedEnv, slot: Any,
+                       ctx: Any, rid: str, msg: dict[str, Any]) -> None:
         start = time.monotonic()
-        header: dict[str, Any] = {"type": "rollout", "rid": rid, "group": msg["group"], "env": loaded.name,
-                                  "task": msg["task"], "policy_step": msg["policy_step"],
-                                  "worker": self.worker_id, "server": msg["server"]}
+        header: dict[str, Any] = {"rid": rid, "group": msg["group"], "env": loaded.name, "task": msg["task"],
+                                  "policy_step": msg["policy_step"], "worker": self.worker_id, "server": msg["server"]}
         try:
             ep = await loaded.env.run_slot(slot, ctx)
             header, frames = episode_record(ep, header)
@@ -180,4 +193,4 @@ class Worker:
                           stop=None, is_timeout=False, samples=[], tokens=0)
             frames = []
         header["wall_s"] = round(time.monotonic() - start, 4)
-        await sock.send_multipart([pack(header), *frames], copy=False)
+        done.put_nowait((header, frames))

@@ -5,7 +5,9 @@ Every message is a multipart ZMQ message whose first frame is a small msgpack ma
 worker -> orchestrator
   ``hello``      {worker}                         on connect; answered with ``setup``
   ``ready``      {worker, envs: {name: tasks}}    environments loaded; assignments may start
-  ``rollout``    {rid, group, ok, reward, ...} + column frames   one finished rollout (see ROLLOUT below)
+  ``records``    {group, records: [ROLLOUT header, ...]} + their column frames, in order: finished
+                 rollouts of one group, sent together when the group ends (or FLUSH_S after the last
+                 one finished while others still run), so the orchestrator handles one message per group
   ``heartbeat``  {worker, inflight}               every HEARTBEAT_S
   ``fatal``      {worker, error}                  the worker cannot go on (an env failed to load)
 
@@ -15,7 +17,7 @@ orchestrator -> worker
   ``cancel``     {group}                          drop a group (stale or timed out)
   ``stop``       {}                               exit cleanly
 
-ROLLOUT: the header holds the scalars (reward, metrics, error, stop condition, timing, token counts, and
+ROLLOUT: each header holds the scalars (reward, metrics, error, stop condition, timing, token counts, and
 per sample ``[tokens, layers, top_k]``); it is followed by exactly four frames when the rollout has
 samples: token ids (int32), loss mask (uint8), logprobs (float32), routed experts (uint8, possibly
 empty), each the concatenation of all its samples. Frames are sent and received without copies.
@@ -33,6 +35,7 @@ from orchestrator.errors import WireError
 from orchestrator.samples import Sample
 
 HEARTBEAT_S = 1.0
+FLUSH_S = 1.0
 COLUMNS = ("token_ids", "loss_mask", "logprobs", "routed_experts")
 DTYPES = {"token_ids": np.int32, "loss_mask": np.uint8, "logprobs": np.float32, "routed_experts": np.uint8}
 
@@ -61,6 +64,27 @@ def sample_frames(samples: list[Sample]) -> tuple[list[list[int]], list[bytes | 
     routed = [s.routed_experts for s in samples if s.routed_experts is not None]
     frames.append(np.concatenate([r.reshape(-1) for r in routed]) if routed else b"")
     return shapes, frames
+
+
+def records_message(group: str, records: list[tuple[dict[str, Any], list[Any]]]) -> list[Any]:
+    """One ``records`` message: the headers (each saying how many frames follow it) then all frames."""
+    headers = [{**h, "frames": len(f)} for h, f in records]
+    return [pack({"type": "records", "group": group, "records": headers}), *(x for _, f in records for x in f)]
+
+
+def split_records(msg: dict[str, Any], frames: list[memoryview]) -> list[RolloutRecord]:
+    """The rollout records of a ``records`` message; WireError when the frames do not add up."""
+    headers = msg.get("records")
+    if not isinstance(headers, list) or not all(isinstance(h, dict) for h in headers):
+        raise WireError("records message without a list of record headers")
+    counts = [h.get("frames") for h in headers]
+    if not all(isinstance(c, int) and c in (0, len(COLUMNS)) for c in counts) or sum(counts) != len(frames):
+        raise WireError(f"records message: frame counts {counts} do not match its {len(frames)} frames")
+    out, i = [], 0
+    for h, n in zip(headers, counts, strict=True):
+        out.append(RolloutRecord(h, frames[i:i + n]))
+        i += n
+    return out
 
 
 @dataclass
