@@ -76,3 +76,28 @@ def test_rejects_bad_settings() -> None:
         LagMonitor(interval_s=0)
     with pytest.raises(ValueError, match="warn_ms"):
         LagMonitor(warn_ms=100, error_ms=10)
+
+
+async def burn_loop(ms: float) -> None:
+    await asyncio.sleep(0.02)
+    end = time.thread_time() + ms / 1e3
+    while time.thread_time() < end:  # holds the loop and burns CPU
+        pass
+    await asyncio.sleep(0.02)
+
+
+async def test_a_stall_says_whether_the_loop_ran_code_or_was_blocked(caplog: pytest.LogCaptureFixture) -> None:
+    mon = LagMonitor(interval_s=0.005, warn_ms=30.0, error_ms=1000.0)
+    with caplog.at_level(logging.WARNING, logger="orchestrator.lagmon"):
+        await run_for(mon, burn_loop(60))
+    s = mon.reset()
+    assert s.max_ms >= 50.0, s
+    assert s.worst_cpu_ms >= 0.8 * 60.0, s  # the worst sample's time was spent running
+    assert any("mostly running code on the loop" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="orchestrator.lagmon"):
+        await run_for(mon, block_loop(60))
+    s = mon.reset()
+    assert s.max_ms >= 50.0, s
+    assert s.worst_cpu_ms < 20.0, s  # time.sleep holds the loop without running
+    assert any("mostly blocked" in r.getMessage() for r in caplog.records)
