@@ -1,14 +1,21 @@
 """Benchmark: the orchestrator with 2 env workers vs verifiers' own ``serve_env`` pool with 2 workers.
 
 Both run the same rollouts (``--rollouts``, default 2,000, of the built-in arithmetic env) against one
-simulated inference server at zero latency (a subprocess). Ours: ``Orchestrator`` in this process with
-two local env workers and the reference trainer as a subprocess; the loop's lag is sampled every 1 ms.
-Baseline, in the same run: ``serve_env(max_workers=2)`` in a subprocess, driven by ``EnvClient`` from
-this process with ``--concurrency`` rollouts in flight (its client decodes whole traces on our loop).
+simulated inference server at zero latency (a subprocess). Ours: ``Orchestrator`` in this process (on
+uvloop, as ``orchestrator run`` does) with two local env workers and the reference trainer as a
+subprocess. Ours runs twice: once with the default 10 Hz lag monitor, for CPU and throughput, and once
+with the loop's lag sampled every 1 ms, for lag (a 1 ms sampler costs ~1 ms of CPU per rollout at these
+rates by itself, so it would swamp the CPU figure). Baseline, in the same run: ``serve_env(max_workers=2)``
+in a subprocess, driven by ``EnvClient`` from this process with ``--concurrency`` rollouts in flight (its
+client decodes whole traces on our loop).
 
-Prints ``orch_cpu_ms_per_rollout`` (this process's CPU time / rollouts; target <= 0.5), ``max_lag_ms``
-and ``p99_lag_ms`` (targets <= 10 and <= 5), ``rollouts_per_s``, ``baseline_rollouts_per_s``,
-``baseline_cpu_ms_per_rollout`` and ``throughput_ratio`` (target >= 1.0). Last line with --json: JSON.
+Prints ``orch_cpu_ms_per_rollout`` (this process's CPU time / rollouts, start-up excluded; target <= 0.5),
+``max_lag_ms`` and ``p99_lag_ms`` (1 ms sampling, worst step; targets <= 10 and <= 5), ``rollouts_per_s``,
+``baseline_rollouts_per_s``, ``baseline_cpu_ms_per_rollout`` and ``throughput_ratio`` (target >= 1.0).
+``max_lag_cpu_ms`` / ``max_lag_wait_ms`` split the worst sample: CPU the loop's thread ran in it, and time
+it was runnable but had no core (see orchestrator.lagmon).
+Last line with --json: JSON. 2 cores run 2 workers, the sim server and the orchestrator here, so lag
+includes time the OS gave the loop's thread to someone else.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.assets import tokenizer_dir
+from orchestrator.cli import run_async
 from orchestrator.procs import terminate
 from orchestrator.sim.process import sim_process
 
@@ -44,13 +52,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def ours(url: str, rollouts: int, out: Path) -> dict[str, Any]:
+async def ours(url: str, rollouts: int, out: Path, lag_interval_s: float) -> dict[str, Any]:
     from orchestrator.app import Orchestrator
     from orchestrator.config import load_config
 
     steps = 10
     cfg_path = out / "bench.toml"
-    cfg_path.write_text(f"""
+    text = f"""
 [run]
 name = "bench"
 output_dir = "{out / 'run'}"
@@ -63,7 +71,7 @@ max_inflight = 64
 max_async_level = {steps}
 max_off_policy_steps = {steps}
 [monitor]
-lag_interval_s = 0.001
+lag_interval_s = {lag_interval_s}
 lag_window = 200000
 lag_warn_ms = 1000.0
 lag_error_ms = 10000.0
@@ -72,7 +80,9 @@ taskset = "orchestrator-arithmetic"
 group_size = 8
 workers = 2
 sampling = {{ max_tokens = 8 }}
-""")
+"""
+    out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - set-up before anything is measured
+    cfg_path.write_text(text)
     cfg = load_config(cfg_path)
     async with Orchestrator.open(cfg) as orch:
         trainer = await asyncio.create_subprocess_exec(
@@ -88,9 +98,10 @@ sampling = {{ max_tokens = 8 }}
         finally:
             await terminate(trainer, 5)
     done = sum(m["rollouts"] for m in summary.metrics)
+    worst = max((m["lag"] for m in summary.metrics), key=lambda lag: lag["max"])
     return {"rollouts": done, "rollouts_per_s": round(done / wall, 1),
             "orch_cpu_ms_per_rollout": round(cpu * 1e3 / done, 3),
-            "max_lag_ms": max(m["lag"]["max"] for m in summary.metrics),
+            "max_lag_ms": worst["max"], "max_lag_cpu_ms": worst["worst_cpu"], "max_lag_wait_ms": worst["worst_wait"],
             "p99_lag_ms": max(m["lag"]["p99"] for m in summary.metrics)}
 
 
@@ -134,8 +145,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["HOME"] = tmp  # verifiers writes ~/.cache/verifiers
         async with sim_process(["--seed", "0"]) as sim:
-            mine = await ours(sim.url, args.rollouts, Path(tmp))
+            # it stands in for GPU servers on other hosts: on this 2-core box it yields to the processes under test
+            os.setpriority(os.PRIO_PROCESS, sim.pid, 5)
+            mine = await ours(sim.url, args.rollouts, Path(tmp) / "cpu", 0.1)
+            fine = await ours(sim.url, args.rollouts, Path(tmp) / "lag", 0.001)
             base = await baseline(sim.url, args.rollouts, args.concurrency)
+    mine.update(max_lag_ms_10hz=mine["max_lag_ms"],
+                orch_cpu_ms_per_rollout_1ms_sampling=fine["orch_cpu_ms_per_rollout"])
+    mine.update({k: fine[k] for k in ("max_lag_ms", "max_lag_cpu_ms", "max_lag_wait_ms", "p99_lag_ms")})
     return {**mine, "baseline_rollouts_per_s": base["rollouts_per_s"],
             "baseline_cpu_ms_per_rollout": base["cpu_ms_per_rollout"], "baseline_ok": base["ok"],
             "throughput_ratio": round(mine["rollouts_per_s"] / base["rollouts_per_s"], 3)}
@@ -147,7 +164,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64, help="baseline: rollouts in flight")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args()
-    result = asyncio.run(main_async(args))
+    result = run_async(main_async(args))
     if not args.json:
         print(f"ours {result['rollouts_per_s']} rollouts/s, {result['orch_cpu_ms_per_rollout']} ms CPU each, "
               f"lag max {result['max_lag_ms']} ms; verifiers serve_env {result['baseline_rollouts_per_s']} rollouts/s")
