@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.lagmon import LagStats
-from orchestrator.pipeline.outputs import StepOutputs, format_step_line, step_metrics
+from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_step_line, step_metrics
 
 ROWS = [
     {"env": "a", "reward": 1.0, "ok": True, "filtered": False, "tokens": 10, "off_policy": 0, "advantage": 0.5},
@@ -52,3 +55,16 @@ def test_outputs_append_jsonl(tmp_path: Path) -> None:
     assert orjson.loads(lines[3])["error"] == "timeout"
     metrics = [orjson.loads(x) for x in out.metrics_path.read_bytes().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=12), st.integers(0, 13), st.booleans(), st.integers(1, 64))
+def test_drop_steps_from_keeps_exactly_the_earlier_steps(per_step: list[int], first: int, torn: bool,
+                                                         chunk: int) -> None:
+    rows = [{"step": step, "i": i, "pad": "x" * (7 * i)} for step, n in enumerate(per_step) for i in range(n)]
+    data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rows.jsonl"
+        path.write_bytes(data + (b'{"step": 3, "tor' if torn else b""))  # a line cut by a crash
+        drop_steps_from(path, first, chunk=chunk)
+        assert path.read_bytes() == b"".join(orjson.dumps(r) + b"\n" for r in rows if r["step"] < first)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.errors import DuplicateStep, WireError
-from orchestrator.transport import Batch, BatchReceiver, BatchSender, decode, encode, write_marker
+from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver, decode, encode, write_marker
 
 
 def make_batch(step: int = 0, lengths: tuple[int, ...] = (3, 5, 2), routed: bool = True) -> Batch:
@@ -94,14 +94,18 @@ def test_fuzzed_header_raises_only_wire_error(header: bytes, rest: list[bytes]) 
         pass
 
 
+async def send_all(sender: BatchSender, steps: range) -> list[bool]:
+    return [await sender.send(make_batch(step)) for step in steps]
+
+
 async def test_send_receive_in_order_with_checkpoint(tmp_path: Path) -> None:
     address = f"ipc://{tmp_path}/t.sock"
     async with BatchSender.open(address, hwm=2) as sender:
         receiver = BatchReceiver(sender.address)
         try:
-            for step in range(3):
-                await sender.send(make_batch(step))
+            sending = asyncio.ensure_future(send_all(sender, range(3)))
             got = [await asyncio.wait_for(receiver.recv(), 5) for _ in range(3)]
+            await asyncio.wait_for(sending, 5)
             assert [b.step for b in got] == [0, 1, 2]
             await receiver.announce(3)
             announced = sender.announcements()
@@ -168,3 +172,70 @@ async def test_marker_file_announcements(tmp_path: Path) -> None:
 def test_trainer_library_imports_without_verifiers() -> None:
     code = "import sys, orchestrator.transport; assert 'verifiers' not in sys.modules, 'verifiers imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_unacknowledged_window_back_pressures_until_the_trainer_acks(tmp_path: Path) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=2) as sender:
+        receiver = BatchReceiver(sender.address, auto_ack=False)
+        try:
+            await asyncio.wait_for(send_all(sender, range(2)), 5)
+            third = asyncio.ensure_future(sender.send(make_batch(2)))
+            assert (await asyncio.wait_for(receiver.recv(), 5)).step == 0
+            await asyncio.sleep(0.1)
+            assert not third.done()  # steps 0 and 1 unacknowledged: the window is full
+            await receiver.ack(0)
+            assert await asyncio.wait_for(third, 5) is True
+            assert sorted(sender.unacked) == [1, 2]
+            assert sender.acked == 0
+        finally:
+            receiver.close()
+
+
+async def test_a_restarted_trainer_gets_the_steps_it_had_not_acknowledged(tmp_path: Path) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=3) as sender:
+        first = BatchReceiver(sender.address, auto_ack=False)
+        await asyncio.wait_for(send_all(sender, range(3)), 5)
+        assert (await asyncio.wait_for(first.recv(), 5)).step == 0
+        await first.ack(0)
+        assert (await asyncio.wait_for(first.recv(), 5)).step == 1  # received, then the trainer dies
+        first.close()
+        second = BatchReceiver(sender.address, last_step=0)  # resumes from its checkpoint of step 0
+        try:
+            got = [(await asyncio.wait_for(second.recv(), 5)).step for _ in range(2)]
+            assert got == [1, 2]
+            await asyncio.wait_for(send_all(sender, range(3, 4)), 5)
+            assert (await asyncio.wait_for(second.recv(), 5)).step == 3
+        finally:
+            second.close()
+
+
+async def test_after_a_restart_the_sender_skips_steps_the_trainer_has(tmp_path: Path) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=2, require_report=True) as sender:
+        receiver = BatchReceiver(sender.address, last_step=4)
+        try:
+            sent = await asyncio.wait_for(send_all(sender, range(3, 6)), 5)
+            assert sent == [False, False, True]
+            assert sender.skipped == [3, 4]
+            assert (await asyncio.wait_for(receiver.recv(), 5)).step == 5
+            assert receiver.rejected == {}
+        finally:
+            receiver.close()
+
+
+async def test_sync_receiver(tmp_path: Path) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=2) as sender:
+        receiver = SyncBatchReceiver(sender.address)
+        try:
+            sending = asyncio.ensure_future(send_all(sender, range(3)))
+            got = [await asyncio.to_thread(receiver.recv, 5.0) for _ in range(3)]
+            await asyncio.wait_for(sending, 5)
+            assert [b.step for b in got] == [0, 1, 2]
+            np.testing.assert_array_equal(got[2].columns["token_ids"], make_batch(2).columns["token_ids"])
+            with pytest.raises(TimeoutError):
+                receiver.recv(timeout_s=0.05)
+            receiver.announce(3)
+            announced = sender.announcements()
+            assert await asyncio.wait_for(anext(announced), 5) == 3
+            await announced.aclose()
+        finally:
+            receiver.close()

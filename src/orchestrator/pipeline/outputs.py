@@ -86,3 +86,41 @@ class StepOutputs:
             f.write(data)
         with self.metrics_path.open("ab") as f:
             f.write(orjson.dumps(metrics, option=_OPTS))
+
+
+
+def drop_steps_from(path: Path, first: int, chunk: int = 1 << 16) -> int:
+    """Truncate a step-ordered JSONL file before its first line whose ``step`` is >= ``first`` (a resumed run
+    regenerates those steps); a torn last line goes too. Reads backwards from the end, so a long file costs
+    only its tail. Returns the bytes removed. Blocking."""
+    if not path.exists():
+        return 0
+    with path.open("r+b") as f:
+        size = pos = cut = f.seek(0, 2)  # bytes [0, cut) are kept so far; buf holds [pos, cut)
+        buf = b""
+        while True:
+            while buf:
+                nl = buf.rfind(b"\n", 0, len(buf) - 1)
+                if nl < 0 and pos > 0:
+                    break  # the first line in buf may be partial: read more first
+                line = buf[nl + 1:]
+                if _step_of(line) < first:
+                    f.truncate(cut)
+                    return size - cut
+                cut -= len(line)
+                buf = buf[:nl + 1]
+            if pos == 0:
+                f.truncate(cut)
+                return size - cut
+            start = max(pos - chunk, 0)
+            f.seek(start)
+            buf = f.read(pos - start) + buf
+            pos = start
+
+
+def _step_of(line: bytes) -> float:
+    """The line's step; +inf for a blank or torn line (dropped with the regenerated steps)."""
+    try:
+        return float(orjson.loads(line)["step"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return float("inf")

@@ -71,7 +71,7 @@ def encode(batch: Batch) -> list[Any]:
     for name, arr in batch.columns.items():
         arr = np.ascontiguousarray(arr)
         cols.append({"name": name, "dtype": arr.dtype.str, "tail": list(arr.shape[1:]), "frame": len(frames) + 1})
-        frames.append(arr.data.cast("B"))
+        frames.append(arr.reshape(-1).view(np.uint8).data)  # a bytes view; works for empty shapes too
     header = {"v": FORMAT_VERSION, "run": batch.run, "step": batch.step, "n": batch.num_samples,
               "offsets": batch.offsets.tolist(), "scalars": batch.scalars, "columns": cols}
     return [msgpack.packb(header, use_bin_type=True), *frames]

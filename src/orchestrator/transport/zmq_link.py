@@ -1,15 +1,24 @@
-"""The ZMQ link between orchestrator and trainer: batches one way, checkpoint announcements the other.
+"""The ZMQ link between orchestrator and trainer: batches one way; acknowledgements and checkpoints back.
 
-Orchestrator side, ``BatchSender``: binds a PUSH socket with a send high-water mark of ``hwm`` messages
-and a PULL socket for announcements (``address`` + ``.ckpt`` for ipc, port + 1 for tcp). ``send`` awaits
-while the queue is full, so an absent or slow trainer back-pressures the pipeline (with a warning every
-``warn_s``) and memory stays bounded by ``hwm`` batches; each step is sent once, in order, and a step
-number that is not the next one is refused. ``announcements()`` yields the checkpoint steps the trainer
-announces, from ZMQ or from marker files (``step_<N>.ready``) in a directory.
+Orchestrator side, ``BatchSender``: binds a PUSH socket for batches and a PULL socket for the trainer's
+messages (``address`` + ``.ckpt`` for ipc, port + 1 for tcp). Every step is sent once and in order (a
+step that is not the next one is refused) and kept until the trainer acknowledges it: at most ``hwm``
+steps are unacknowledged, and ``send`` waits (warning every ``warn_s``) while that many are, so an absent
+or slow trainer back-pressures the pipeline and memory stays bounded by ``hwm`` batches. A trainer that
+(re)connects says which step it has (``hello``) and gets every kept step after it again. After a restart
+(``require_report=True``) the sender waits for the trainer's report before sending anything and skips
+the steps the trainer already has, so the trainer sees no step twice and no gap.
+``announcements()`` yields the checkpoint steps the trainer announces, over ZMQ or as marker files
+(``step_<N>.ready``) in a directory.
 
-Trainer side, ``BatchReceiver``: connects PULL and PUSH, decodes batches without copies, rejects a
-duplicate or out-of-order step with DuplicateStep (counted; the receiver keeps running), and
+Trainer side, ``BatchReceiver`` (asyncio) and ``SyncBatchReceiver`` (plain threads): connect PULL and
+PUSH, decode batches without copies, reject a corrupt, duplicate or out-of-order step with a WireError
+(counted in ``rejected``; the receiver keeps running), acknowledge each accepted step (``auto_ack``; or
+call ``ack`` after training on it), report the last step held every STATUS_S while idle, and
 ``announce(step)`` tells the orchestrator that weights ``step`` are ready. Importable without verifiers.
+
+Trainer -> orchestrator messages (msgpack maps): ``{"have": N}`` (acknowledges every step <= N; -1 for
+none), ``{"have": N, "hello": true}`` (a receiver started: resend what follows N), ``{"checkpoint": N}``.
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import zmq
@@ -30,9 +41,11 @@ from orchestrator.transport.wire import Batch, decode, encode
 
 log = logging.getLogger(__name__)
 
+STATUS_S = 1.0  # an idle receiver reports the step it holds this often
+
 
 def ckpt_address(address: str) -> str:
-    """The announcement channel next to a batch address."""
+    """The trainer-to-orchestrator channel next to a batch address."""
     if address.startswith("tcp://"):
         host, _, port = address.removeprefix("tcp://").rpartition(":")
         return f"tcp://{host}:{int(port) + 1}"
@@ -40,17 +53,27 @@ def ckpt_address(address: str) -> str:
 
 
 class BatchSender:
-    def __init__(self, ctx: zmq.asyncio.Context, push: zmq.asyncio.Socket, pull: zmq.asyncio.Socket,
-                 address: str, warn_s: float) -> None:
-        self.ctx, self.push, self.pull = ctx, push, pull
+    def __init__(self, push: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str, window: int,
+                 warn_s: float, require_report: bool) -> None:
+        self.push, self.pull = push, pull
         self.address = address
+        self.window = window
         self.warn_s = warn_s
         self.next_step: int | None = None
         self.bytes_sent = 0
+        self.trainer_has: int | None = None  # the last step the trainer reported holding
+        self.require_report = require_report
+        self.unacked: dict[int, list[Any]] = {}  # step -> frames, in send order, at most ``window``
+        self.skipped: list[int] = []  # steps not sent because the trainer already had them
+        self.on_ack: Callable[[int], None] = lambda _step: None  # e.g. release a step's shared memory
+        self._changed = asyncio.Event()  # set on every trainer report
+        self._checkpoints: asyncio.Queue[int] = asyncio.Queue()
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, address: str, hwm: int = 2, warn_s: float = 30.0) -> AsyncIterator[BatchSender]:
+    async def open(cls, address: str, hwm: int = 2, warn_s: float = 30.0, *,
+                   require_report: bool = False) -> AsyncIterator[BatchSender]:
+        """Bind; the trainer channel is read by a task this context owns. ``hwm``: unacknowledged steps kept."""
         ctx = zmq.asyncio.Context()
         push = ctx.socket(zmq.PUSH)
         pull = ctx.socket(zmq.PULL)
@@ -63,31 +86,106 @@ class BatchSender:
             push.bind(address)
             bound = push.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for port 0
             pull.bind(ckpt_address(bound))
-            yield cls(ctx, push, pull, bound, warn_s)
+            sender = cls(push, pull, bound, hwm, warn_s, require_report)
+            reader = asyncio.create_task(sender._read_trainer(), name="trainer-channel")
+            try:
+                yield sender
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+                if sender.unacked:
+                    log.warning("closing with steps %s not acknowledged by the trainer", sorted(sender.unacked))
         finally:
             push.close()
             pull.close()
             ctx.term()
 
-    async def send(self, batch: Batch) -> None:
-        """Send one step; waits (never drops) while the trainer is behind by ``hwm`` batches."""
+    @property
+    def acked(self) -> int:
+        """The last step the trainer acknowledged (-1 for none)."""
+        return -1 if self.trainer_has is None else self.trainer_has
+
+    async def send(self, batch: Batch) -> bool:
+        """Send one step, or skip it (False) when the trainer already has it; waits, never drops, while
+        ``hwm`` steps are unacknowledged or (``require_report``) the trainer has not reported yet."""
         if self.next_step is not None and batch.step != self.next_step:
             raise DuplicateStep(f"refusing to send step {batch.step}: the next step is {self.next_step}")
+        if self.require_report:
+            await self._wait(lambda: self.trainer_has is not None, batch.step, "has not reported its last step")
+        if self.trainer_has is not None and batch.step <= self.trainer_has:
+            log.info("step %d not sent: the trainer already has steps up to %d", batch.step, self.trainer_has)
+            self.skipped.append(batch.step)
+            self.next_step = batch.step + 1
+            return False
+        await self._wait(lambda: len(self.unacked) < self.window, batch.step,
+                         f"has not acknowledged steps {sorted(self.unacked)}")
         frames = encode(batch)
-        waited = 0.0
+        await self._push(frames, batch.step)
+        self.unacked[batch.step] = frames
+        self.next_step = batch.step + 1
+        self.bytes_sent += sum(len(f) for f in frames)
+        return True
+
+    async def wait_acked(self) -> None:
+        """Wait until the trainer has acknowledged every step sent (warning every ``warn_s``)."""
+        if self.unacked:
+            await self._wait(lambda: not self.unacked, max(self.unacked), "has not acknowledged the last steps")
+
+    async def _wait(self, ready: Callable[[], bool], step: int, why: str) -> None:
+        t0 = time.monotonic()
+        while not ready():
+            self._changed.clear()
+            try:
+                async with asyncio.timeout(self.warn_s):
+                    await self._changed.wait()
+            except TimeoutError:
+                log.warning("step %d waits: the trainer at %s %s (%.0f s so far)", step, self.address, why,
+                            time.monotonic() - t0)
+
+    async def _push(self, frames: Sequence[Any], step: int) -> None:
+        """Queue one message in ZMQ; polls (never blocks the loop) while its queue is full or no trainer is
+        connected."""
+        t0 = last = time.monotonic()
         while True:
             try:
                 await self.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                break
+                return
             except zmq.Again:
                 await asyncio.sleep(0.01)
-                waited += 0.01
-                if waited >= self.warn_s:
-                    log.warning("trainer at %s has not taken step %d for %.0f s (send queue full); waiting",
-                                self.address, batch.step, waited)
-                    waited = 0.0
-        self.next_step = batch.step + 1
-        self.bytes_sent += sum(len(f) for f in frames)
+                if time.monotonic() - last >= self.warn_s:
+                    last = time.monotonic()
+                    log.warning("no trainer takes step %d at %s (%.0f s so far); waiting", step, self.address,
+                                last - t0)
+
+    async def _read_trainer(self) -> None:
+        """Consumes the trainer's messages; produces acknowledgements, resends and checkpoint steps."""
+        while True:
+            raw = await self.pull.recv()
+            try:
+                msg = msgpack.unpackb(raw, raw=False)
+                if "checkpoint" in msg:
+                    self._checkpoints.put_nowait(int(msg["checkpoint"]))
+                    continue
+                have = int(msg["have"])
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+                log.warning("ignored a malformed message from the trainer (%d bytes): %s", len(raw), e)
+                continue
+            await self._report(have, bool(msg.get("hello")))
+
+    async def _report(self, have: int, hello: bool) -> None:
+        if hello and self.trainer_has is not None and have < self.trainer_has:
+            log.warning("trainer restarted holding step %d; steps up to %d were acknowledged before and are "
+                        "not kept, so it continues after them", have, self.trainer_has)
+        self.trainer_has = have if self.trainer_has is None else max(have, self.trainer_has)
+        for step in [s for s in self.unacked if s <= have]:
+            del self.unacked[step]
+            self.on_ack(step)
+        if hello and self.unacked:
+            log.info("trainer (re)connected holding step %d: resending steps %s", have, sorted(self.unacked))
+            for step, frames in list(self.unacked.items()):
+                await self._push(frames, step)
+        self._changed.set()
 
     async def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[int]:
         """Checkpoint steps announced by the trainer (ZMQ, or marker files when ``marker_dir`` is set)."""
@@ -101,18 +199,45 @@ class BatchSender:
                     yield s
                 await asyncio.sleep(0.1)
         while True:
-            raw = await self.pull.recv()
-            try:
-                msg = msgpack.unpackb(raw, raw=False)
-                yield int(msg["checkpoint"])
-            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
-                log.warning("ignored a malformed checkpoint announcement (%d bytes): %s", len(raw), e)
+            yield await self._checkpoints.get()
 
 
-class BatchReceiver:
-    """Trainer side. ``recv()`` returns the next valid batch; invalid messages are counted in ``rejected``."""
+class _ReceiverCore:
+    """What both receivers share: validation, ordering, counts and the messages back."""
 
-    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, last_step: int | None, auto_ack: bool) -> None:
+        self.last_step = last_step  # the last step accepted (a trainer resuming from a checkpoint sets it)
+        self.auto_ack = auto_ack
+        self.rejected: dict[str, int] = {}
+
+    def _accept(self, frames: Sequence[Any]) -> Batch | None:
+        try:
+            batch = decode(frames)
+            if self.last_step is not None and batch.step != self.last_step + 1:
+                kind = "duplicate" if batch.step <= self.last_step else "out of order"
+                raise DuplicateStep(f"step {batch.step} is {kind}: the last step received was {self.last_step}")
+        except WireError as e:
+            key = type(e).__name__
+            self.rejected[key] = self.rejected.get(key, 0) + 1
+            log.error("rejected a batch: %s", e)
+            return None
+        self.last_step = batch.step
+        return batch
+
+    def _status(self, hello: bool = False) -> bytes:
+        msg: dict[str, Any] = {"have": -1 if self.last_step is None else self.last_step}
+        if hello:
+            msg["hello"] = True
+        return msgpack.packb(msg)
+
+
+class BatchReceiver(_ReceiverCore):
+    """Trainer side on asyncio. ``recv()`` returns the next valid batch; invalid ones are counted in
+    ``rejected``."""
+
+    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, *, last_step: int | None = None,
+                 auto_ack: bool = True) -> None:
+        super().__init__(last_step, auto_ack)
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -120,28 +245,69 @@ class BatchReceiver:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 1000)
         self.push.connect(ckpt_address(address))
-        self.last_step: int | None = None
-        self.rejected: dict[str, int] = {}
+        # queued until the orchestrator is there; sent on a sync view so no loop is needed yet
+        zmq.Socket.shadow(self.push.underlying).send(self._status(hello=True), flags=zmq.NOBLOCK)
 
     async def recv(self) -> Batch:
         while True:
-            frames = await self.pull.recv_multipart(copy=False)
-            try:
-                batch = decode(frames)
-                if self.last_step is not None and batch.step != self.last_step + 1:
-                    kind = "duplicate" if batch.step <= self.last_step else "out of order"
-                    raise DuplicateStep(f"step {batch.step} is {kind}: the last step received was {self.last_step}")
-            except WireError as e:
-                key = type(e).__name__
-                self.rejected[key] = self.rejected.get(key, 0) + 1
-                log.error("rejected a batch: %s", e)
+            if not await self.pull.poll(int(STATUS_S * 1000)):
+                await self.push.send(self._status())
                 continue
-            self.last_step = batch.step
-            return batch
+            batch = self._accept(await self.pull.recv_multipart(copy=False))
+            if batch is not None:
+                if self.auto_ack:
+                    await self.ack(batch.step)
+                return batch
+
+    async def ack(self, step: int) -> None:
+        """Tell the orchestrator that every step up to ``step`` is in hand (sent by ``recv`` with auto_ack)."""
+        await self.push.send(msgpack.packb({"have": step}))
 
     async def announce(self, step: int) -> None:
         """Tell the orchestrator that weights ``step`` are ready to load."""
         await self.push.send(msgpack.packb({"checkpoint": step}))
+
+    def close(self) -> None:
+        self.pull.close()
+        self.push.close()
+
+
+class SyncBatchReceiver(_ReceiverCore):
+    """Trainer side without asyncio: the same behaviour as ``BatchReceiver`` with blocking calls."""
+
+    def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
+                 last_step: int | None = None, auto_ack: bool = True) -> None:
+        super().__init__(last_step, auto_ack)
+        self.ctx = ctx or zmq.Context.instance()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.connect(address)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 1000)
+        self.push.connect(ckpt_address(address))
+        self.push.send(self._status(hello=True), flags=zmq.NOBLOCK)
+
+    def recv(self, timeout_s: float | None = None) -> Batch:
+        """The next valid batch; TimeoutError after ``timeout_s`` (None: wait for ever)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = STATUS_S if deadline is None else min(STATUS_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"no batch within {timeout_s} s")
+            if not self.pull.poll(int(wait * 1000)):
+                self.push.send(self._status())
+                continue
+            batch = self._accept(self.pull.recv_multipart(copy=False))
+            if batch is not None:
+                if self.auto_ack:
+                    self.ack(batch.step)
+                return batch
+
+    def ack(self, step: int) -> None:
+        self.push.send(msgpack.packb({"have": step}))
+
+    def announce(self, step: int) -> None:
+        self.push.send(msgpack.packb({"checkpoint": step}))
 
     def close(self) -> None:
         self.pull.close()
