@@ -5,7 +5,13 @@ it on its own: ``BatchReceiver(address)``, ``await receiver.recv()`` -> ``Batch`
 receiver.announce(step)``.
 """
 
+from orchestrator.transport.filesystem import CorruptBatchFile, FileBatchReceiver, FileBatchSender
+from orchestrator.transport.packing import MicroBatch, Packing, RankBatches, pack
+from orchestrator.transport.primerl import PrimeRLBatch, decode_primerl, encode_primerl
 from orchestrator.transport.wire import Batch, decode, encode
-from orchestrator.transport.zmq_link import BatchReceiver, BatchSender, write_marker
+from orchestrator.transport.zmq_link import BatchReceiver, BatchSender, SyncBatchReceiver, write_marker
 
-__all__ = ["Batch", "BatchReceiver", "BatchSender", "decode", "encode", "write_marker"]
+__all__ = ["Batch", "BatchReceiver", "BatchSender", "SyncBatchReceiver", "decode", "encode", "write_marker"]
+__all__ += ["CorruptBatchFile", "FileBatchReceiver", "FileBatchSender"]
+__all__ += ["MicroBatch", "Packing", "RankBatches", "pack"]
+__all__ += ["PrimeRLBatch", "decode_primerl", "encode_primerl"]
