@@ -133,6 +133,8 @@ class PipelineConfig:
     advantage_kwargs: dict[str, Any] = opt({}, doc="keyword arguments of the advantage function")
     std_normalize: bool = opt(False, doc="default advantage: divide by the group's reward std")
     filters: tuple[FilterConfig, ...] = opt(DEFAULT_FILTERS, doc="[[pipeline.filters]] tables, in order")
+    dump_steps: int | tuple[int, ...] = opt(0, ge=0, doc="step dumps in output_dir/dumps for offline replay: N dumps "
+                                            "steps 0, N, 2N...; a list dumps those steps; 0 or [] dumps none")
 
 
 @dataclass(frozen=True)
@@ -316,7 +318,18 @@ def _build(tp: Any, value: Any, key: str, problems: list[str], source: Any) -> A
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _build(args[0], value, key, problems, source)
+        if len(args) == 1:
+            return _build(args[0], value, key, problems, source)
+        for arg in args:  # e.g. int | tuple[int, ...]: the first member that fits
+            scratch: list[str] = []
+            built = _build(arg, value, key, scratch, source)
+            if not scratch:
+                return built
+        arrays = [a for a in args if typing.get_origin(a) is tuple]
+        if isinstance(value, list) and arrays:  # an array with a bad item: name the item
+            return _build(arrays[0], value, key, problems, source)
+        bad(f"expected {_describe(tp)}, got {_type_name(value)} {value!r}")
+        return None
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             bad(f"expected a table, got {_type_name(value)}")
@@ -455,6 +468,11 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         yield f"{source('sim.top_k')}: sim.layers / sim.top_k: set both (routed experts) or neither"
     if sim.latency_max_ms is not None and sim.latency_max_ms < sim.latency_ms:
         yield f"{source('sim.latency_max_ms')}: sim.latency_max_ms: must be >= sim.latency_ms"
+    if isinstance(cfg.pipeline.dump_steps, tuple):
+        for i, n in enumerate(cfg.pipeline.dump_steps):
+            if n < 0:
+                yield (f"{source(f'pipeline.dump_steps[{i}]')}: pipeline.dump_steps[{i}]: expected a step "
+                       f"number >= 0, got {n}")
     m = cfg.monitor
     if m.lag_error_ms < m.lag_warn_ms:
         yield (f"{source('monitor.lag_error_ms')}: monitor.lag_error_ms: must be >= monitor.lag_warn_ms "

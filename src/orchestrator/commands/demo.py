@@ -2,7 +2,8 @@
 
 Starts simulated inference servers (subprocesses), env workers with the built-in environments, and the
 reference trainer (which announces a checkpoint after every step, so weights sync every step); runs
-``--steps`` steps with a progress bar and prints a summary table.
+``--steps`` steps with a progress bar, prints a summary table and renders the plots of ``orchestrator report``
+(when matplotlib, the ``plots`` extra, is installed).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ async def demo(cfg: JobConfig) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from orchestrator.app import Orchestrator
+    from orchestrator.commands.report import render_report
+    from orchestrator.errors import OrchestratorError
     from orchestrator.sim.process import sim_process
     from orchestrator.transport.trainer import ReferenceTrainer
 
@@ -76,6 +79,12 @@ async def demo(cfg: JobConfig) -> None:
                 tg.create_task(trainer.run())
                 summary = await orch.run()
         _print_summary(console, summary.metrics, trainer.received, Path(cfg.run.output_dir))
+    try:  # rendering is blocking: a worker thread
+        plots = await asyncio.to_thread(render_report, Path(cfg.run.output_dir))
+        console.print(f"plots: {plots[0].parent}/ ({', '.join(p.name for p in plots)}); "
+                      f"again with `orchestrator report {cfg.run.output_dir}`")
+    except OrchestratorError as e:
+        console.print(f"plots skipped: {e}")
 
 
 def sim_arguments(cfg: JobConfig) -> list[str]:

@@ -36,15 +36,35 @@ class StepBuilder:
     def __init__(self, cfg: JobConfig, vocab_size: int) -> None:
         self.run = cfg.run.name
         self.advantage = AdvantageFn(cfg.pipeline)
+        self.vocab_size = vocab_size
         self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
 
     def build(self, step: int, groups: Sequence[Any]) -> StepResult:
+        """All three phases in order, each timed in ``phase_s``."""
         phase: dict[str, float] = {}
         t = time.perf_counter()
-        advantages = [self.advantage(g.survivors) for g in groups]
+        advantages = self.advantages(groups)
         phase["advantage"] = time.perf_counter() - t
 
         t = time.perf_counter()
+        rows, trained = self.filter(step, groups, advantages)
+        phase["filter"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        batch = self.assemble(step, trained)
+        phase["assemble"] = time.perf_counter() - t
+        return StepResult(batch, rows, phase, self.filters.take_counts())
+
+    # The phases of ``build``, public so replay (scripts/perf) can run and time them one at a time.
+
+    def advantages(self, groups: Sequence[Any]) -> list[np.ndarray]:
+        """Phase ``advantage``: one array per group, over its survivors."""
+        return [self.advantage(g.survivors) for g in groups]
+
+    def filter(self, step: int, groups: Sequence[Any], advantages: Sequence[np.ndarray]
+               ) -> tuple[list[dict[str, Any]], list[tuple[RolloutRecord, float]]]:
+        """Phase ``filter``: every rollout's row (failed ones included) and the (record, advantage) pairs
+        to train on. Filter counts accumulate until ``filters.take_counts()``."""
         rows: list[dict[str, Any]] = []
         trained: list[tuple[RolloutRecord, float]] = []
         for g, adv in zip(groups, advantages, strict=True):
@@ -63,15 +83,10 @@ class StepBuilder:
                              "samples": len(h.get("samples", [])), "policy": g.policy, "off_policy": step - g.policy,
                              "metrics": h.get("metrics", {}), "stop": h.get("stop"), "wall_s": h.get("wall_s"),
                              "worker": h.get("worker")})
-        phase["filter"] = time.perf_counter() - t
+        return rows, trained
 
-        t = time.perf_counter()
-        batch = self._assemble(step, trained)
-        phase["assemble"] = time.perf_counter() - t
-        return StepResult(batch, rows, phase, self.filters.take_counts())
-
-    def _assemble(self, step: int, trained: list[tuple[RolloutRecord, float]]) -> Batch:
-        """Concatenate every trained rollout's column frames once; scalars per sample."""
+    def assemble(self, step: int, trained: Sequence[tuple[RolloutRecord, float]]) -> Batch:
+        """Phase ``assemble``: concatenate every trained rollout's column frames once; scalars per sample."""
         lengths: list[int] = []
         scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": []}
         tails = {tuple(s[1:]) for rec, _ in trained for s in rec.header.get("samples", [])}

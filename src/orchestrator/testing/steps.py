@@ -1,0 +1,62 @@
+"""Synthetic step inputs: finished groups of rollout records shaped like an env worker's, without a run.
+
+``synthetic_groups`` makes ``rollouts`` records in groups of ``group_size``; each record has one sample of
+``tokens`` tokens over ``turns`` turns (half prompt, half sampled per turn), routed experts ``layers`` x
+``top_k`` (none when either is 0), binary rewards, and the same header keys and column frames as
+``worker.process.episode_record``. Seeded: the same arguments give the same bytes. Used by tests and by
+``scripts/perf`` (synthetic dumps, replay, bench_step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orchestrator.config import EnvConfig, InferenceConfig, JobConfig, RunConfig, SchedulerConfig
+from orchestrator.pipeline.dump import ReplayGroup
+from orchestrator.worker.protocol import RolloutRecord
+
+ENVS = ("synth-a", "synth-b")
+
+
+def synthetic_config(rollouts: int, group_size: int = 8, run: str = "synthetic") -> JobConfig:
+    """A job config for synthetic steps: default pipeline (advantages, filters), the two synthetic envs."""
+    return JobConfig(run=RunConfig(name=run), inference=InferenceConfig(servers=("http://127.0.0.1:8000/v1",)),
+                     scheduler=SchedulerConfig(batch_size=rollouts, max_inflight=max(64, group_size),
+                                               max_buffered_rollouts=max(1024, rollouts)),
+                     env=tuple(EnvConfig(name=e, taskset=f"synthetic.{e}", group_size=group_size) for e in ENVS))
+
+
+def synthetic_record(rng: np.random.Generator, rid: str, gid: str, env: str, task: int, turns: int, tokens: int,
+                     layers: int, top_k: int) -> RolloutRecord:
+    """One successful rollout record with a single ``turns``-turn sample of ``tokens`` tokens."""
+    turns = max(1, min(turns, tokens // 2 or 1))
+    bounds = np.linspace(0, tokens, 2 * turns + 1).astype(np.int64)
+    mask = np.zeros(tokens, np.uint8)
+    for t in range(turns):  # the second half of each turn is what the policy sampled
+        mask[bounds[2 * t + 1]:bounds[2 * t + 2]] = 1
+    token_ids = rng.integers(0, 150_000, tokens, dtype=np.int32)
+    logprobs = np.where(mask, rng.normal(-1.0, 0.5, tokens), 0.0).astype(np.float32)
+    routed = (np.frombuffer(rng.bytes(tokens * layers * top_k), np.uint8) if layers and top_k
+              else np.zeros(0, np.uint8))
+    shape = [tokens, layers, top_k] if layers and top_k else [tokens, 0, 0]
+    header = {"rid": rid, "group": gid, "env": env, "task": task, "policy_step": 0, "worker": "synthetic",
+              "server": "synthetic", "ok": True, "reward": float(rng.integers(0, 2)),
+              "metrics": {"correct": 1.0}, "error": None, "stop": "length", "is_timeout": False,
+              "samples": [shape], "tokens": tokens, "wall_s": round(float(rng.uniform(1, 30)), 4), "frames": 4}
+    frames = [a.data.cast("B") for a in (token_ids, mask, logprobs, routed)]
+    return RolloutRecord(header, frames)
+
+
+def synthetic_groups(rollouts: int, turns: int, tokens: int, layers: int, top_k: int, *, group_size: int = 8,
+                     seed: int = 0) -> list[ReplayGroup]:
+    """``rollouts`` records in groups of ``group_size`` (the last group may be smaller), two environments."""
+    rng = np.random.default_rng(seed)
+    groups: list[ReplayGroup] = []
+    for g, start in enumerate(range(0, rollouts, group_size)):
+        size = min(group_size, rollouts - start)
+        gid, env = f"g{g}", ENVS[g % len(ENVS)]
+        group = ReplayGroup(gid, env, task=g, policy=0, size=size)
+        group.records = [synthetic_record(rng, f"{gid}-{i}", gid, env, g, turns, tokens, layers, top_k)
+                         for i in range(size)]
+        groups.append(group)
+    return groups

@@ -1,0 +1,64 @@
+"""``orchestrator report``: PNG plots from a run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.lagmon import LagStats
+from orchestrator.pipeline.outputs import StepOutputs, step_metrics
+
+PNG = b"\x89PNG\r\n\x1a\n"
+NAMES = ["reward", "lag", "rss", "phases", "throughput"]
+
+
+def write_metrics(out: Path, steps: int) -> None:
+    outputs = StepOutputs(out)
+    for step in range(steps):
+        rows = [{"env": env, "reward": (step + i) % 3 / 2, "ok": i != 3, "filtered": i == 2, "tokens": 10 * (i + 1),
+                 "off_policy": i % 2} for env in ("arith", "guess") for i in range(4)]
+        lag = LagStats(50, 0.1, 0.4, 1.0, 2.0 + step, 3.0 + step)
+        metrics = step_metrics(step, rows, phase_s={"wait": 1.0, "advantage": 0.01, "assemble": 0.05, "send": 0.02},
+                               lag=lag, rss_mb=300.0 + step, wall_s=1.2)
+        outputs.write(rows, metrics)
+
+
+def test_report_renders_every_plot_as_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_metrics(tmp_path, 4)
+    assert main(["report", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.split()
+    expected = [tmp_path / "plots" / f"{n}.png" for n in NAMES]
+    assert printed == [str(p) for p in expected]
+    for path in expected:
+        data = path.read_bytes()
+        assert data[:8] == PNG, path
+        assert len(data) > 5000  # something was drawn
+
+
+def test_report_writes_where_asked(tmp_path: Path) -> None:
+    write_metrics(tmp_path / "run", 1)
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "elsewhere")]) == 0
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == sorted(f"{n}.png" for n in NAMES)
+
+
+def test_report_without_metrics_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path)]) == 1
+    assert "metrics.jsonl: cannot read the run's metrics" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n')
+    assert main(["report", str(tmp_path)]) == 1
+    assert "metrics.jsonl:2: not JSON" in capsys.readouterr().err
+
+
+def test_report_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
+    write_metrics(tmp_path, 1)
+    code = ("import sys; sys.modules['matplotlib'] = None  # an install without the plots extra\n"
+            "from orchestrator.cli import main; sys.exit(main(['report', sys.argv[1]]))")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert run.returncode == 1
+    assert "pip install 'rollout-orchestrator[plots]'" in run.stderr
+    assert not (tmp_path / "plots").exists()
