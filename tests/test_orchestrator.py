@@ -11,6 +11,7 @@ import pytest
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig, load_config
 from orchestrator.errors import EnvironmentLoadError
+from orchestrator.pipeline.dump import load_dump
 from orchestrator.sim.server import Faults
 from orchestrator.state import load_state
 from orchestrator.testing.sim import sim_servers
@@ -19,7 +20,7 @@ from orchestrator.transport.trainer import ReferenceTrainer
 pytestmark = pytest.mark.slow
 
 
-def job(tmp_path: Path, urls: list[str], extra: str = "", envs: str | None = None) -> JobConfig:
+def job(tmp_path: Path, urls: list[str], extra: str = "", envs: str | None = None, steps: int = 3) -> JobConfig:
     envs = envs or """
 [[env]]
 name = "arith"
@@ -32,7 +33,7 @@ sampling = { max_tokens = 6 }
 [run]
 name = "t"
 output_dir = "{tmp_path / 'out'}"
-max_steps = 3
+max_steps = {steps}
 
 [inference]
 servers = {orjson.dumps(urls).decode()}
@@ -69,7 +70,7 @@ def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path) -> None:
     async with sim_servers(2, layers=3, top_k=2) as servers:
-        cfg = job(tmp_path, [s.url for s in servers])
+        cfg = job(tmp_path, [s.url for s in servers], extra="[pipeline]\ndump_steps = [1]")
         orch, trainer = await run_job(cfg)
     assert [r.step for r in trainer.received] == [0, 1, 2]
     for r in trainer.received:
@@ -91,6 +92,14 @@ async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path)
         assert row["policy"] >= row["step"] - cfg.scheduler.max_async_level
     assert load_state(out, "t").next_step == 3
     assert orch.summary.steps == 3
+    # pipeline.dump_steps = [1]: step 1 only, with the batch the trainer got and the step's rollout rows
+    assert [p.name for p in (out / "dumps").iterdir()] == ["step_000001"]
+    dump = load_dump(out / "dumps" / "step_000001")
+    assert (dump.batch.step, dump.batch.num_samples) == (1, trainer.received[1].samples)
+    assert dump.batch.num_tokens == trainer.received[1].tokens
+    assert dump.rows == [r for r in rows if r["step"] == 1]
+    assert "dump" in metrics[1]["phase_s"]
+    assert "dump" not in metrics[0]["phase_s"]
 
 
 async def test_failing_server_and_partial_groups(tmp_path: Path) -> None:
@@ -144,7 +153,7 @@ taskset = "orchestrator-arithmetic"
 group_size = 4
 workers = 2
 sampling = { max_tokens = 4 }
-""")
+""""", steps=8)  # enough steps for the liveness check (every heartbeat) to see the death
         killed: list[int] = []
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps)
@@ -159,7 +168,7 @@ sampling = { max_tokens = 4 }
                 await orch.run()
             spawned = orch.hub._spawned
     assert killed
-    assert [r.step for r in trainer.received] == [0, 1, 2]
+    assert [r.step for r in trainer.received] == list(range(8))
     assert spawned == 3  # two at start, one restart
     rows = [orjson.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_bytes().splitlines()]
     died = [r for r in rows if r["error"] and r["error"].startswith("worker_died")]

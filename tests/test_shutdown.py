@@ -11,22 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.testing.procs import processes_mentioning
 from orchestrator.testing.sim import sim_process
 
 pytestmark = pytest.mark.slow
-
-
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if text.encode() in (d / "cmdline").read_bytes():
-                pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
 
 
 async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,3 +61,38 @@ sampling = {{ max_tokens = 4 }}
                 if proc.returncode is None:
                     os.kill(proc.pid, signal.SIGKILL)
                     await proc.wait()
+
+
+HUNG_CLEANUP = """
+import asyncio, sys
+from orchestrator.commands.run import interruptible
+
+async def job():
+    try:
+        await asyncio.sleep(3600)
+    finally:
+        print("cleanup started", flush=True)
+        await asyncio.shield(asyncio.sleep(3600))  # a cleanup that never ends
+
+sys.exit(asyncio.run(interruptible(job(), shutdown_s=1.0)))
+"""
+
+
+async def test_a_hung_shutdown_is_an_error_exit_within_the_bound() -> None:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", HUNG_CLEANUP, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        await asyncio.sleep(1.0)  # past interpreter start-up and signal handler installation
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        code = await asyncio.wait_for(proc.wait(), 10)
+        assert time.monotonic() - start < 5
+        assert code == 124
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        assert b"cleanup started" in await proc.stdout.read()
+        assert b"shutdown did not finish within 1 s" in await proc.stderr.read()
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            await proc.wait()

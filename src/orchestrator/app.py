@@ -23,11 +23,12 @@ from typing import Any
 import orjson
 
 from orchestrator.assets import tokenizer_dir, vocab_size
-from orchestrator.config import JobConfig
+from orchestrator.config import JobConfig, to_toml
 from orchestrator.inference.pool import InferencePool
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.memory import malloc_trim, rss_mb
-from orchestrator.pipeline.outputs import StepOutputs, format_step_line, step_metrics
+from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
+from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_step_line, step_metrics
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduler import Scheduler
 from orchestrator.state import OrchestratorState, load_state, save_state
@@ -38,6 +39,7 @@ from orchestrator.worker.process import Worker
 log = logging.getLogger(__name__)
 
 WORKER_READY_TIMEOUT_S = 300.0
+FLUSH_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -78,14 +80,20 @@ class Orchestrator:
         env_vars = {"HOME": os.environ.get("HOME", str(out))}
         async with contextlib.AsyncExitStack() as stack:
             pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
-            sender = await stack.enter_async_context(BatchSender.open(batch_address, cfg.transport.send_hwm))
+            sender = await stack.enter_async_context(BatchSender.open(batch_address, cfg.transport.send_hwm,
+                                                                      require_report=resume))
             hub = await stack.enter_async_context(WorkerHub.open(worker_address, setup, workers, env_vars,
                                                                      cfg.scheduler.worker_nice))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             yield cls(cfg, pool, hub, sender, state)
 
     async def run(self) -> RunSummary:
-        """Run steps ``state.next_step`` .. ``max_steps - 1``; returns per-step metrics."""
+        """Run steps ``state.acked_step + 1`` .. ``max_steps - 1``; returns per-step metrics.
+
+        After a crash, steps past the last one the trainer acknowledged are generated again (their rollouts
+        died with the process); the sender skips any of them the trainer turns out to have, so the trainer
+        sees every step once, in order. At the end it waits up to FLUSH_TIMEOUT_S for the trainer to
+        acknowledge the last steps and names any it did not."""
         cfg = self.cfg
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(self.lag.run()), tg.create_task(self.pool.run()),
@@ -102,11 +110,22 @@ class Orchestrator:
             gc.collect()
             gc.freeze()  # start-up objects (modules, config, sockets) stay out of every later collection
             self.lag.reset()
-            for step in range(self.state.next_step, cfg.run.max_steps):
+            for step in range(self.state.acked_step + 1, cfg.run.max_steps):
                 await self._step(step, sched)
+            await self._flush()
             for task in background:
                 task.cancel()
         return self.summary
+
+    async def _flush(self) -> None:
+        try:
+            async with asyncio.timeout(FLUSH_TIMEOUT_S):
+                await self.sender.wait_acked()
+        except TimeoutError:
+            log.warning("the trainer did not acknowledge steps %s within %.0f s; a --resume run sends them again",
+                        sorted(self.sender.unacked), FLUSH_TIMEOUT_S)
+        self.state.acked_step = self.sender.acked
+        await asyncio.to_thread(save_state, self.out, self.state)
 
     async def _weight_sync(self, sched: Scheduler) -> None:
         """Consumes checkpoint announcements; produces weight updates on every server, then a new policy."""
@@ -126,15 +145,22 @@ class Orchestrator:
         wait_s = time.perf_counter() - t0
         result = await asyncio.to_thread(self.builder.build, step, groups)
         t = time.perf_counter()
-        await self.sender.send(result.batch)
+        sent = await self.sender.send(result.batch)  # False: a restarted trainer already had this step
         send_s = time.perf_counter() - t
         counts = sched.take_counts()
         self.state.next_step = step + 1
+        self.state.acked_step = self.sender.acked
         self.state.policy_step = sched.policy
         self.state.task_cursors = sched.cursors()
         phase = {"wait": wait_s, **result.phase_s, "send": send_s}
+        if dump_due(self.cfg.pipeline.dump_steps, step):  # a worker thread writes it; its size is logged
+            t = time.perf_counter()
+            await asyncio.to_thread(write_dump, dump_path(self.out, step), step, groups, result.batch, result.rows,
+                                    run=self.cfg.run.name, vocab_size=self.builder.vocab_size,
+                                    config_toml=to_toml(self.cfg))
+            phase["dump"] = time.perf_counter() - t
         lag = self.lag.reset()
-        extra = {"samples": result.batch.num_samples, "policy": sched.policy,
+        extra = {"samples": result.batch.num_samples, "policy": sched.policy, "sent": sent,
                  "orch_cpu_ms_per_rollout": round((time.process_time() - cpu0) * 1e3 / max(len(result.rows), 1), 3),
                  "filters": result.filter_counts, "scheduler": counts, "pool": dict(self.pool.metrics)}
         rows = result.rows
@@ -167,7 +193,10 @@ def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorSta
     out = Path(cfg.run.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if resume:
-        return out, load_state(out, cfg.run.name)
+        state = load_state(out, cfg.run.name)
+        for name in ("rollouts.jsonl", "metrics.jsonl"):  # rows of the steps generated again go
+            drop_steps_from(out / name, state.acked_step + 1)
+        return out, state
     for name in ("rollouts.jsonl", "metrics.jsonl"):
         (out / name).unlink(missing_ok=True)
     return out, OrchestratorState(cfg.run.name)

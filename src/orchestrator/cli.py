@@ -16,6 +16,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from orchestrator.errors import ConfigError, OrchestratorError
+from orchestrator.procs import die_with_parent
 
 T = TypeVar("T")
 
@@ -27,6 +28,7 @@ COMMANDS = {
     "run": "run",
     "demo": "demo",
     "receive": "receive",
+    "report": "report",
 }
 
 EXIT_CONFIG = 2
@@ -72,6 +74,7 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    die_with_parent()
     try:
         return int(args._module.main(args))
     except ConfigError as e:

@@ -1,10 +1,39 @@
-"""Child processes the orchestrator starts (env workers, simulated servers): stopping them by their pid."""
+"""Child processes the orchestrator starts (env workers, simulated servers): stopping them by their pid, and
+making them end with their parent even when it is SIGKILLed (so a crashed run leaves no orphans)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import logging
+import os
 import signal
+
+log = logging.getLogger(__name__)
+
+PARENT_ENV = "ORCHESTRATOR_PARENT_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child we start: ours, ``extra``, and our pid for ``die_with_parent``."""
+    return {**os.environ, **(extra or {}), PARENT_ENV: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """In a child started with ``child_env``: ask the kernel for SIGTERM when the parent dies (Linux), and
+    exit now if it already has. The variable is removed so our own children do not inherit it."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError):  # not Linux: the parent stops us by pid, as usual
+        log.debug("no prctl here; this process will not follow its parent's death")
+    if os.getppid() != int(parent):
+        raise SystemExit(f"parent process {parent} is gone; exiting")
 
 
 async def terminate(proc: asyncio.subprocess.Process, timeout_s: float = 10.0, *, signal_first: bool = True) -> None:

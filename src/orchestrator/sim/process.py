@@ -10,7 +10,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from orchestrator.procs import terminate
+from orchestrator.procs import child_env, terminate
 from orchestrator.sim.server import SimServer
 
 
@@ -47,7 +47,7 @@ async def sim_process(args: Sequence[str] = (), *, timeout_s: float = 30.0) -> A
     """Run the simulated server as a subprocess on a free port; it is stopped (by its pid) on exit."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "sim-inference", "--port", "0", *args,
-        stdout=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, env=child_env(),
     )
     try:
         assert proc.stdout is not None

@@ -2,6 +2,9 @@
 
 For demos, tests and debugging (``orchestrator receive``): it trains nothing, but behaves like a trainer
 on the wire: it reads every step in order, takes ``train_s`` per step, then announces weights ``step + 1``.
+With a ``journal`` file it appends one JSON line per step received and, when started again, tells the
+orchestrator the last step in it (as a real trainer restarting from its checkpoint would), so tests can
+check delivery across crashes of either side: every step once, in order.
 """
 
 from __future__ import annotations
@@ -9,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import orjson
 
 from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import BatchReceiver
@@ -37,10 +43,17 @@ class ReferenceTrainer:
     max_steps: int | None = None
     received: list[ReceivedStep] = field(default_factory=list)
     on_batch: Callable[[Batch], None] = lambda _b: None
+    journal: Path | None = None
 
     async def run(self) -> None:
         """Consumes batches; produces checkpoint announcements. Ends after ``max_steps`` or when cancelled."""
-        receiver = BatchReceiver(self.address)
+        done = read_journal(self.journal)
+        last = int(done[-1]["step"]) if done else None
+        if last is not None:
+            log.info("trainer: journal %s ends at step %d; asking for the steps after it", self.journal, last)
+        receiver = BatchReceiver(self.address, last_step=last, auto_ack=False)
+        # a line per step, on the loop: the reference trainer does nothing else meanwhile
+        journal = open(self.journal, "ab") if self.journal else None  # noqa: SIM115, ASYNC230 - closed below
         try:
             while self.max_steps is None or len(self.received) < self.max_steps:
                 batch = await receiver.recv()
@@ -51,6 +64,10 @@ class ReferenceTrainer:
                                     float(np.mean(batch.scalars["advantage"])) if batch.num_samples else 0.0,
                                     tuple(routed.shape) if routed is not None else None)
                 self.received.append(info)
+                if journal:
+                    journal.write(orjson.dumps(asdict(info), option=orjson.OPT_APPEND_NEWLINE))
+                    journal.flush()
+                await receiver.ack(batch.step)  # after the journal line, so a killed trainer loses no step
                 log.info("trainer: step %d: %d samples, %d tokens (%d trained), routed experts %s",
                          info.step, info.samples, info.tokens, info.trained_tokens, info.routed_shape)
                 if self.train_s:
@@ -59,3 +76,18 @@ class ReferenceTrainer:
                     await receiver.announce(batch.step + 1)
         finally:
             receiver.close()
+            if journal:
+                journal.close()
+
+
+def read_journal(path: Path | None) -> list[dict[str, Any]]:
+    """The steps a ``ReferenceTrainer`` journal records, in the order received (a torn last line is skipped)."""
+    if path is None or not path.exists():
+        return []
+    out = []
+    for line in path.read_bytes().splitlines():
+        try:
+            out.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            continue
+    return out

@@ -18,7 +18,9 @@ call ``ack`` after training on it), report the last step held every STATUS_S whi
 ``announce(step)`` tells the orchestrator that weights ``step`` are ready. Importable without verifiers.
 
 Trainer -> orchestrator messages (msgpack maps): ``{"have": N}`` (acknowledges every step <= N; -1 for
-none), ``{"have": N, "hello": true}`` (a receiver started: resend what follows N), ``{"checkpoint": N}``.
+none), ``{"have": N, "hello": true}`` (a receiver started: resend what follows N), ``{"checkpoint": N}``
+(weights N are ready). Status messages repeat the last checkpoint announced, so an orchestrator restarted
+after the announcement still loads those weights instead of waiting for ones that were already announced.
 """
 
 from __future__ import annotations
@@ -164,14 +166,17 @@ class BatchSender:
             raw = await self.pull.recv()
             try:
                 msg = msgpack.unpackb(raw, raw=False)
-                if "checkpoint" in msg:
-                    self._checkpoints.put_nowait(int(msg["checkpoint"]))
-                    continue
-                have = int(msg["have"])
-            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+                checkpoint = None if msg.get("checkpoint") is None else int(msg["checkpoint"])
+                have = None if msg.get("have") is None else int(msg["have"])
+                if checkpoint is None and have is None:
+                    raise KeyError("neither 'have' nor 'checkpoint'")
+            except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as e:
                 log.warning("ignored a malformed message from the trainer (%d bytes): %s", len(raw), e)
                 continue
-            await self._report(have, bool(msg.get("hello")))
+            if checkpoint is not None:  # repeats are harmless: the weight sync skips what it has loaded
+                self._checkpoints.put_nowait(checkpoint)
+            if have is not None:
+                await self._report(have, bool(msg.get("hello")))
 
     async def _report(self, have: int, hello: bool) -> None:
         if hello and self.trainer_has is not None and have < self.trainer_has:
@@ -207,6 +212,8 @@ class _ReceiverCore:
 
     def __init__(self, last_step: int | None, auto_ack: bool) -> None:
         self.last_step = last_step  # the last step accepted (a trainer resuming from a checkpoint sets it)
+        self.acked = last_step  # the last step acknowledged: what the status messages report
+        self.announced: int | None = None  # the last checkpoint announced, repeated in status messages
         self.auto_ack = auto_ack
         self.rejected: dict[str, int] = {}
 
@@ -225,10 +232,16 @@ class _ReceiverCore:
         return batch
 
     def _status(self, hello: bool = False) -> bytes:
-        msg: dict[str, Any] = {"have": -1 if self.last_step is None else self.last_step}
+        msg: dict[str, Any] = {"have": -1 if self.acked is None else self.acked}
         if hello:
             msg["hello"] = True
+        if self.announced is not None:  # a restarted orchestrator learns the newest weights from this
+            msg["checkpoint"] = self.announced
         return msgpack.packb(msg)
+
+    def _announcement(self, step: int) -> bytes:
+        self.announced = step
+        return msgpack.packb({"checkpoint": step})
 
 
 class BatchReceiver(_ReceiverCore):
@@ -260,12 +273,14 @@ class BatchReceiver(_ReceiverCore):
                 return batch
 
     async def ack(self, step: int) -> None:
-        """Tell the orchestrator that every step up to ``step`` is in hand (sent by ``recv`` with auto_ack)."""
-        await self.push.send(msgpack.packb({"have": step}))
+        """Tell the orchestrator that every step up to ``step`` is in hand (sent by ``recv`` with auto_ack;
+        without it, call this once the step is safe, e.g. trained or journalled)."""
+        self.acked = step
+        await self.push.send(self._status())
 
     async def announce(self, step: int) -> None:
-        """Tell the orchestrator that weights ``step`` are ready to load."""
-        await self.push.send(msgpack.packb({"checkpoint": step}))
+        """Tell the orchestrator that weights ``step`` are ready to load (repeated in later status messages)."""
+        await self.push.send(self._announcement(step))
 
     def close(self) -> None:
         self.pull.close()
@@ -304,10 +319,11 @@ class SyncBatchReceiver(_ReceiverCore):
                 return batch
 
     def ack(self, step: int) -> None:
-        self.push.send(msgpack.packb({"have": step}))
+        self.acked = step
+        self.push.send(self._status())
 
     def announce(self, step: int) -> None:
-        self.push.send(msgpack.packb({"checkpoint": step}))
+        self.push.send(self._announcement(step))
 
     def close(self) -> None:
         self.pull.close()

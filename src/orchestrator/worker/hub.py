@@ -30,7 +30,7 @@ from typing import Any, cast
 import zmq
 
 from orchestrator.errors import EnvironmentLoadError, WireError
-from orchestrator.procs import terminate
+from orchestrator.procs import child_env, terminate
 from orchestrator.worker.protocol import HEARTBEAT_S, RolloutRecord, pack, split_records, unpack
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class WorkerHub:
         self._spawned += 1
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect", self.address,
-            "--id", name, "--nice", str(self.nice), env={**os.environ, **self.env_vars},
+            "--id", name, "--nice", str(self.nice), env=child_env(self.env_vars),
         )
         self._procs.append(proc)
         log.info("started env worker pid %d", proc.pid)

@@ -1,0 +1,61 @@
+"""Running ``orchestrator`` commands as real processes in tests: start, wait for a condition, find leftovers.
+
+Every process started here is stopped by its pid when its context exits (SIGKILL if it is still running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+Process = asyncio.subprocess.Process
+
+
+@contextlib.asynccontextmanager
+async def orchestrator_process(*args: str, log_level: str | None = None) -> AsyncIterator[Process]:
+    """``python -m orchestrator --log-level LEVEL ARGS...``; killed by pid on exit if still running.
+    ``log_level`` defaults to $ORCHESTRATOR_TEST_LOG_LEVEL, else WARNING."""
+    log_level = log_level or os.environ.get("ORCHESTRATOR_TEST_LOG_LEVEL", "WARNING")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "--log-level", log_level, *args)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+async def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, alive: Process | None = None,
+                     poll_s: float = 0.1) -> None:
+    """Poll ``ready`` until it holds; AssertionError naming ``what`` after ``timeout_s``, or at once if
+    ``alive`` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if alive is not None and alive.returncode is not None:
+            raise AssertionError(f"waiting for {what}: process {alive.pid} exited with {alive.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waiting for {what}: not within {timeout_s:.0f} s")
+        await asyncio.sleep(poll_s)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains ``text`` (e.g. a run's worker socket path)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmdline = (d / "cmdline").read_bytes()
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        if text.encode() in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":  # zombies have ended
+            pids.append(int(d.name))
+    return pids

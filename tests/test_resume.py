@@ -1,0 +1,108 @@
+"""Crashes of either side, as real processes: the trainer gets every step exactly once, in order.
+
+`orchestrator run` and the reference trainer (`orchestrator receive --journal`) run as subprocesses against a
+sim server; the journal is the trainer's record of what it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import orjson
+import pytest
+
+from orchestrator.state import load_state
+from orchestrator.testing.procs import orchestrator_process, processes_mentioning, wait_until
+from orchestrator.testing.sim import sim_process
+from orchestrator.transport.trainer import read_journal
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def write_job(tmp_path: Path, url: str, steps: int) -> tuple[Path, Path]:
+    out = tmp_path / "out"
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(f"""
+[run]
+name = "resume"
+output_dir = "{out}"
+max_steps = {steps}
+[inference]
+servers = ["{url}"]
+[scheduler]
+batch_size = 8
+max_inflight = 8
+[[env]]
+taskset = "orchestrator-arithmetic"
+group_size = 4
+workers = 1
+sampling = {{ max_tokens = 4 }}
+""")
+    return cfg, out
+
+
+def journal_steps(path: Path) -> list[int]:
+    return [int(r["step"]) for r in read_journal(path)]
+
+
+def file_steps(path: Path) -> list[int]:
+    return [orjson.loads(line)["step"] for line in path.read_bytes().splitlines()]
+
+
+@pytest.fixture(autouse=True)
+def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+async def test_sigkilled_orchestrator_resumes_and_the_trainer_gets_every_step_once(tmp_path: Path) -> None:
+    steps = 8
+    journal = tmp_path / "trainer.jsonl"
+    async with sim_process() as server:
+        cfg, out = write_job(tmp_path, server.url, steps)
+        async with orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--journal", str(journal),
+                                        "--train-s", "0.3") as trainer:
+            async with orchestrator_process("run", str(cfg)) as run:
+                await wait_until(lambda: len(journal_steps(journal)) >= 3, 150, "3 steps at the trainer", alive=run)
+                os.kill(run.pid, signal.SIGKILL)  # mid-run: no cleanup of any kind
+                await run.wait()
+            # its env workers follow it (parent-death signal): nothing is left to talk to the next run
+            await wait_until(lambda: not processes_mentioning(f"{out}/workers.sock"), 10, "orphaned env workers")
+            killed_at = load_state(out, "resume").acked_step
+            async with orchestrator_process("run", str(cfg), "--resume") as resumed:
+                code = await asyncio.wait_for(resumed.wait(), 150)
+            assert code == 0
+            assert trainer.returncode is None, "the trainer must outlive both orchestrator runs"
+    assert journal_steps(journal) == list(range(steps))  # no gap, no duplicate, in order
+    state = load_state(out, "resume")
+    assert (state.next_step, state.acked_step) == (steps, steps - 1)
+    # rows of the steps after the last acknowledged one were dropped and written again: each step once
+    metrics = file_steps(out / "metrics.jsonl")
+    assert metrics == list(range(steps)), f"killed with step {killed_at} acknowledged"
+    assert sorted(set(file_steps(out / "rollouts.jsonl"))) == list(range(steps))
+    assert file_steps(out / "rollouts.jsonl") == sorted(file_steps(out / "rollouts.jsonl"))
+
+
+async def test_trainer_absent_at_start_then_killed_and_restarted(tmp_path: Path) -> None:
+    steps = 8
+    journal = tmp_path / "trainer.jsonl"
+    address = f"ipc://{tmp_path / 'out'}/trainer.sock"
+    async with sim_process() as server:
+        cfg, out = write_job(tmp_path, server.url, steps)
+        async with orchestrator_process("run", str(cfg)) as run:
+            # no trainer: the first step waits in the send (with a warning), the run does not fail
+            await wait_until(lambda: bool(processes_mentioning(f"{out}/workers.sock")), 60, "env workers", alive=run)
+            await asyncio.sleep(8)
+            assert run.returncode is None
+            assert not (out / "metrics.jsonl").exists() or file_steps(out / "metrics.jsonl") == []
+            async with orchestrator_process("receive", address, "--journal", str(journal)) as trainer:
+                await wait_until(lambda: len(journal_steps(journal)) >= 4, 150, "4 steps at the trainer", alive=run)
+                os.kill(trainer.pid, signal.SIGKILL)
+                await trainer.wait()
+            await asyncio.sleep(1)
+            async with orchestrator_process("receive", address, "--journal", str(journal)):
+                code = await asyncio.wait_for(run.wait(), 150)
+    assert code == 0
+    assert journal_steps(journal) == list(range(steps))
