@@ -88,6 +88,10 @@ async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path)
         assert key in metrics[0], key
     rows = [orjson.loads(x) for x in (out / "rollouts.jsonl").read_bytes().splitlines()]
     assert len(rows) == sum(m["rollouts"] for m in metrics)
+    # per-worker throughput since the previous step: every finished rollout is counted once, by one worker
+    per_worker = [w for m in metrics for w in m["scheduler"]["workers"].values()]
+    assert 0 < sum(w["rollouts"] for w in per_worker) <= len(rows) + cfg.scheduler.max_inflight
+    assert all(w["rollouts_per_s"] >= 0 for w in per_worker)
     for row in rows:  # the async level: no rollout older than allowed reached a batch
         assert row["policy"] >= row["step"] - cfg.scheduler.max_async_level
     assert load_state(out, "t").next_step == 3

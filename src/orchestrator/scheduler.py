@@ -98,6 +98,8 @@ class Scheduler:
         self._group_done = asyncio.Event()
         self._counter = 0
         self.counts: Counter[str] = Counter()  # per step: completed, failed:<reason>, dropped, cancelled...
+        self._worker_seen: dict[str, int] = {}  # worker -> rollouts completed at the last take_counts
+        self._rates_t = time.monotonic()
         hub.on_record = self.on_record
         hub.on_lost = self.on_lost
 
@@ -228,9 +230,20 @@ class Scheduler:
 
     def take_counts(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counts)
-        out.update(inflight=self.inflight_rollouts, buffered=self.buffered,
-                   workers={w.name: w.completed for w in self.hub.workers.values()})
+        out.update(inflight=self.inflight_rollouts, buffered=self.buffered, workers=self._worker_rates())
         self.counts.clear()
+        return out
+
+    def _worker_rates(self) -> dict[str, dict[str, float]]:
+        """Per worker, since the last call: rollouts completed and rollouts/s."""
+        now = time.monotonic()
+        elapsed = max(now - self._rates_t, 1e-9)
+        self._rates_t = now
+        out = {}
+        for w in self.hub.workers.values():
+            n = w.completed - self._worker_seen.get(w.name, 0)
+            self._worker_seen[w.name] = w.completed
+            out[w.name] = {"rollouts": n, "rollouts_per_s": round(n / elapsed, 2)}
         return out
 
     def cursors(self) -> dict[str, int]:

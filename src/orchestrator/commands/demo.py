@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +49,15 @@ async def demo(cfg: JobConfig) -> None:
     from orchestrator.app import Orchestrator
     from orchestrator.commands.report import render_report
     from orchestrator.errors import OrchestratorError
-    from orchestrator.sim.process import sim_process
     from orchestrator.transport.trainer import ReferenceTrainer
 
     console = Console(stderr=True)
     if not console.is_terminal:
         console = Console(stderr=True, width=160)
-    sim = cfg.sim
-    args = sim_arguments(cfg)
     async with contextlib.AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(sim_process([*args, "--seed", str(sim.seed + i)]))
-                   for i in range(sim.servers)]
-        console.print(f"[bold]demo[/]: {len(servers)} simulated inference servers: "
-                      + ", ".join(s.url for s in servers))
-        cfg = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference,
-                                                                     servers=tuple(s.url for s in servers)))
+        cfg = await stack.enter_async_context(with_sim_servers(cfg))
+        console.print(f"[bold]demo[/]: {cfg.sim.servers} simulated inference servers: "
+                      + ", ".join(cfg.inference.servers))
         orch = await stack.enter_async_context(Orchestrator.open(cfg))
         trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps)
         progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
@@ -85,6 +80,19 @@ async def demo(cfg: JobConfig) -> None:
                       f"again with `orchestrator report {cfg.run.output_dir}`")
     except OrchestratorError as e:
         console.print(f"plots skipped: {e}")
+
+
+@contextlib.asynccontextmanager
+async def with_sim_servers(cfg: JobConfig) -> AsyncIterator[JobConfig]:
+    """Start the ``[sim]`` table's servers (subprocesses, stopped on exit); yields ``cfg`` pointing at them."""
+    from orchestrator.sim.process import sim_process
+
+    args = sim_arguments(cfg)
+    async with contextlib.AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(sim_process([*args, "--seed", str(cfg.sim.seed + i)]))
+                   for i in range(cfg.sim.servers)]
+        yield dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference,
+                                                                     servers=tuple(s.url for s in servers)))
 
 
 def sim_arguments(cfg: JobConfig) -> list[str]:
