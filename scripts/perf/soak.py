@@ -8,9 +8,9 @@ the demo's step (``scheduler.batch_size=16``) so 300 steps take minutes, not an 
 Prints, from the per-step metrics: ``rss_slope_mb_per_step`` (least squares over the second half of the
 steps, after warm-up; target <= 0.5), ``max_lag_ms`` per step as first-half and second-half medians and a
 least-squares slope (a trend means something accumulates on the loop), and open file descriptors and
-threads of this process after warm-up (step max(2, steps/10)) and at the last step (must be equal) and
-before the orchestrator opened and after it closed (must be equal: nothing left behind). Progress goes to
-stderr every 10 steps. Last line with --json: one JSON object.
+threads of this process after warm-up (step >= max(2, steps/10) and >= 10 s) and at the last step (must
+be equal) and before the orchestrator opened and after it closed (must be equal: nothing left behind).
+Progress goes to stderr every 10 steps. Last line with --json: one JSON object.
 
     .venv/bin/python scripts/perf/soak.py --steps 300 --json
 """
@@ -36,6 +36,7 @@ from orchestrator.cli import run_async
 from orchestrator.config import load_config
 
 TARGET_RSS_SLOPE = 0.5
+WARM_S = 10.0  # start-up connections (first requests, workers joining) have settled
 DEFAULT_SETS = ["scheduler.batch_size=16", "scheduler.max_inflight=32"]
 
 
@@ -66,7 +67,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         rss: list[float] = []
         lag: list[float] = []
         marks: dict[str, int] = {}
-        warm = max(2, args.steps // 10)  # start-up connections (workers, first requests) have settled by then
+        warm = max(2, args.steps // 10)
 
         t0 = time.perf_counter()
         async with with_sim_servers(cfg) as cfg:
@@ -76,14 +77,16 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             zmq.asyncio.Context.instance().socket(zmq.PULL).close()  # its IO thread starts with a first socket
             marks.update(fds_before=fds(), threads_before=threads())
 
+            t_open = time.perf_counter()
             async with Orchestrator.open(cfg) as orch:
-                trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps)
+                # runs until cancelled: ending at the last step would close its sockets before fds_end is read
+                trainer = ReferenceTrainer(orch.sender.address)
 
                 def on_step(m: dict[str, Any]) -> None:
                     rss.append(float(m["rss_mb"]))
                     lag.append(float(m["lag"]["max"]))
                     n = len(rss)
-                    if n == warm:
+                    if "fds_start" not in marks and n >= warm and time.perf_counter() - t_open >= WARM_S:
                         marks.update(fds_start=fds(), threads_start=threads())
 
                     if n == args.steps:
@@ -95,8 +98,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
 
                 orch.on_step = on_step
                 async with asyncio.TaskGroup() as tg:
-                    tg.create_task(trainer.run())
+                    trainer_task = tg.create_task(trainer.run())
                     await orch.run()
+                    trainer_task.cancel()
             await asyncio.sleep(0.5)  # closed sockets and finished threads settle
             marks.update(fds_after=fds(), threads_after=threads())
     half = len(rss) // 2
