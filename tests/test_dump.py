@@ -86,7 +86,7 @@ def test_corrupt_or_missing_dump_is_a_wire_error(tmp_path: Path) -> None:
     with pytest.raises(WireError, match="truncated"):
         load_dump(path)
     (path / "batch.frames").write_bytes(b"garbage!" + data[8:])
-    with pytest.raises(WireError, match="not a frames file"):
+    with pytest.raises(WireError, match="bad magic"):
         load_dump(path)
     with pytest.raises(WireError, match="not a step dump"):
         load_dump(tmp_path / "missing")

@@ -12,8 +12,9 @@ so a dump directory is complete or absent, never half written:
 ``rollouts.jsonl``   the step's rollout rows, as appended to the run's ``rollouts.jsonl``
 ``config.toml``      the resolved job config (when given), so replay uses the same advantage and filters
 
-A ``.frames`` file is 8 magic bytes, a little-endian uint64 frame count, one uint64 length per frame, then
-the frames, each starting at a 64-byte boundary so loaded columns are aligned numpy views. Files are not
+A ``.frames`` file is the filesystem transport's frame file (transport/filesystem.py) with its own magic:
+8 magic bytes, a little-endian uint64 frame count, one uint64 length per frame, then the frames, each
+starting at a 64-byte boundary; it is mapped on load, so columns are aligned numpy views of the file. Files are not
 fsynced: a dump is a debugging aid, not state; a crash can lose it but never leaves a partial one.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgpack
-import numpy as np
 import orjson
 
 from orchestrator.errors import WireError
+from orchestrator.transport.filesystem import read_frame_file, write_frame_file
 from orchestrator.transport.wire import Batch, decode, encode
 from orchestrator.worker.protocol import RolloutRecord
 
@@ -187,39 +187,12 @@ def load_dump(path: str | Path) -> StepDump:
 
 def write_frames(path: Path, frames: Iterable[Any]) -> int:
     """Write buffers (bytes, memoryviews, contiguous arrays) as a ``.frames`` file; returns its size in bytes."""
-    views = [memoryview(f).cast("B") for f in frames]
-    head = struct.pack(f"<8sQ{len(views)}Q", MAGIC, len(views), *(v.nbytes for v in views))
-    with open(path, "wb") as f:
-        pos = f.write(head)
-        for v in views:
-            pos += f.write(b"\0" * (-pos % ALIGN))
-            pos += f.write(v)
-    return pos
+    return write_frame_file(path, frames, magic=MAGIC, durable=False)
 
 
 def read_frames(path: Path) -> list[memoryview]:
-    """The frames of a ``.frames`` file: views of one buffer holding the whole file."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        raw = np.empty(size + ALIGN, np.uint8)  # the file starts at a 64-byte boundary, so every frame does
-        start = -raw.ctypes.data % ALIGN
-        mv = raw[start:start + size].data
-        got = f.readinto(mv)
-    if got != size or size < 16 or bytes(mv[:8]) != MAGIC:
-        raise WireError(f"{path}: not a frames file")
-    (count,) = struct.unpack_from("<Q", mv, 8)
-    if 16 + 8 * count > size:
-        raise WireError(f"{path}: truncated frame table ({count} frames)")
-    lengths = struct.unpack_from(f"<{count}Q", mv, 16)
-    buf = mv
-    out, pos = [], 16 + 8 * count
-    for n in lengths:
-        pos += -pos % ALIGN
-        if pos + n > len(buf):
-            raise WireError(f"{path}: truncated (frame of {n} bytes at offset {pos}, file has {len(buf)})")
-        out.append(mv[pos:pos + n])
-        pos += n
-    return out
+    """The frames of a ``.frames`` file: views of the mapped file."""
+    return read_frame_file(path, magic=MAGIC, error=WireError)
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:

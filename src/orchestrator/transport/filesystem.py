@@ -33,6 +33,7 @@ import os
 import re
 import struct
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -81,51 +82,74 @@ def _layout(lengths: list[int]) -> tuple[int, list[int]]:
     return pos, starts
 
 
-def write_batch_file(path: Path, frames: list[Any]) -> int:
-    """Write ``frames`` to ``path`` atomically (temp file in the same directory, fsync, rename); bytes written."""
-    lengths = [memoryview(f).nbytes for f in frames]
+def write_frame_file(path: Path, frames: Iterable[Any], *, magic: bytes = MAGIC, durable: bool = True) -> int:
+    """Write ``frames`` (bytes, memoryviews, contiguous arrays) as a frame file; returns its size in bytes.
+    ``durable``: atomically (temp file in the same directory, fsync, rename, fsync of the directory);
+    otherwise straight to ``path`` (step dumps, whose directory is renamed into place as a whole)."""
+    views = [memoryview(f) for f in frames]
+    for i, v in enumerate(views):
+        if not v.c_contiguous:
+            raise ValueError(f"{path}: frame {i} is not C-contiguous; nothing written")
+    views = [v.cast("B") for v in views]
+    lengths = [v.nbytes for v in views]
     size, starts = _layout(lengths)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp") if durable else path
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | (os.O_EXCL if durable else os.O_TRUNC), 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths))
-            for frame, start in zip(frames, starts, strict=True):
+            f.write(magic + struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths))
+            for view, start in zip(views, starts, strict=True):
                 f.write(b"\0" * (start - f.tell()))
-                f.write(frame)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
+                f.write(view)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if durable:
+            tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    if durable:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
     return size
+
+
+def read_frame_file(path: Path, *, magic: bytes = MAGIC, error: type[WireError] = CorruptBatchFile
+                    ) -> list[memoryview]:
+    """Map a frame file and return its frames as views of the map (page-aligned, so every frame is
+    64-byte aligned); ``error`` (naming the file) if it is not one or is truncated."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < len(magic) + 8:
+            raise error(f"{path}: {size} bytes, shorter than the file header")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(mapped)  # frames are slices of it; it is unmapped when the last one is freed
+    if view[: len(magic)] != magic:
+        raise error(f"{path}: bad magic {bytes(view[:len(magic)])!r}, expected {magic!r}")
+    (count,) = struct.unpack_from("<Q", view, len(magic))
+    if not 1 <= count <= MAX_FRAMES or size < len(magic) + 8 + 8 * count:
+        raise error(f"{path}: frame count {count} does not fit a {size}-byte file")
+    lengths = list(struct.unpack_from(f"<{count}Q", view, len(magic) + 8))
+    end, starts = _layout(lengths)
+    if end != size:
+        raise error(f"{path}: {size} bytes, its frame table implies {end} (truncated or padded)")
+    return [view[a:a + n] for a, n in zip(starts, lengths, strict=True)]
+
+
+def write_batch_file(path: Path, frames: list[Any]) -> int:
+    """Write a batch's wire frames to ``path`` atomically; bytes written."""
+    return write_frame_file(path, frames)
 
 
 def read_batch_file(path: Path) -> Batch:
     """Map ``path`` and decode it without copies; CorruptBatchFile (naming the file) if it is invalid."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < len(MAGIC) + 8:
-            raise CorruptBatchFile(f"{path}: {size} bytes, shorter than the file header")
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    view = memoryview(mapped)  # the arrays returned view slices of it; it is unmapped when they are freed
-    if view[: len(MAGIC)] != MAGIC:
-        raise CorruptBatchFile(f"{path}: bad magic {bytes(view[:len(MAGIC)])!r}, expected {MAGIC!r}")
-    (count,) = struct.unpack_from("<Q", view, len(MAGIC))
-    if not 1 <= count <= MAX_FRAMES or size < len(MAGIC) + 8 + 8 * count:
-        raise CorruptBatchFile(f"{path}: frame count {count} does not fit a {size}-byte file")
-    lengths = list(struct.unpack_from(f"<{count}Q", view, len(MAGIC) + 8))
-    end, starts = _layout(lengths)
-    if end != size:
-        raise CorruptBatchFile(f"{path}: {size} bytes, its frame table implies {end} (truncated or padded)")
+    frames = read_frame_file(path)
     try:
-        return decode([view[a:a + n] for a, n in zip(starts, lengths, strict=True)])
+        return decode(frames)
     except WireError as e:
         raise CorruptBatchFile(f"{path}: {e}") from None
 
