@@ -10,12 +10,14 @@ import pytest
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig, load_config
-from orchestrator.errors import EnvironmentLoadError
+from orchestrator.errors import EnvironmentLoadError, TransportError
 from orchestrator.pipeline.dump import load_dump
 from orchestrator.sim.server import Faults
 from orchestrator.state import load_state
 from orchestrator.testing.sim import sim_servers
+from orchestrator.transport.filesystem import FileBatchReceiver
 from orchestrator.transport.trainer import ReferenceTrainer
+from orchestrator.transport.zmq_link import write_marker
 
 pytestmark = pytest.mark.slow
 
@@ -179,3 +181,35 @@ sampling = { max_tokens = 4 }
     metrics = [orjson.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_bytes().splitlines()]
     reported = sum(m["scheduler"].get("failed:worker_died", 0) for m in metrics)
     assert reported >= len(died)
+
+
+async def test_filesystem_transport_with_marker_checkpoints(tmp_path: Path) -> None:
+    batches, markers = tmp_path / "batches", tmp_path / "markers"
+    async with sim_servers(1) as servers:
+        cfg = job(tmp_path, [servers[0].url], extra=f"""
+[transport]
+kind = "filesystem"
+directory = "{batches}"
+checkpoint_source = "marker"
+marker_dir = "{markers}"
+""")
+        receiver = FileBatchReceiver(batches)
+        got: list[int] = []
+
+        async def trainer() -> None:
+            while len(got) < cfg.run.max_steps:
+                batch = await receiver.arecv()
+                got.append(batch.step)
+                await asyncio.to_thread(write_marker, markers, batch.step + 1)
+
+        async with Orchestrator.open(cfg) as orch, asyncio.timeout(150), asyncio.TaskGroup() as tg:
+            tg.create_task(trainer())
+            await orch.run()
+        assert got == [0, 1, 2]
+        assert servers[0].version >= 1  # marker announcements reached the weight sync
+        assert load_state(tmp_path / "out", "t").acked_step == 2
+        # a new run into a directory still holding batch files is refused, naming them
+        (batches / "step_00000007.batch").write_bytes(b"left over")
+        with pytest.raises(TransportError, match=r"steps \[7\] from an earlier run"):
+            async with Orchestrator.open(cfg):
+                pass

@@ -15,10 +15,10 @@ import gc
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -32,6 +32,8 @@ from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_s
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduler import Scheduler
 from orchestrator.state import OrchestratorState, load_state, save_state
+from orchestrator.transport.filesystem import FileBatchSender
+from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.process import Worker
@@ -49,7 +51,7 @@ class RunSummary:
 
 
 class Orchestrator:
-    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: BatchSender,
+    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: Sender,
                  state: OrchestratorState) -> None:
         self.cfg = cfg
         self.pool = pool
@@ -80,8 +82,7 @@ class Orchestrator:
         env_vars = {"HOME": os.environ.get("HOME", str(out))}
         async with contextlib.AsyncExitStack() as stack:
             pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
-            sender = await stack.enter_async_context(BatchSender.open(batch_address, cfg.transport.send_hwm,
-                                                                      require_report=resume))
+            sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume))
             hub = await stack.enter_async_context(WorkerHub.open(worker_address, setup, workers, env_vars,
                                                                      cfg.scheduler.worker_nice))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
@@ -186,6 +187,29 @@ class Orchestrator:
         save_state(self.out, self.state)
         metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
         return metrics
+
+
+class Sender(Protocol):
+    """What the orchestrator uses of a batch sender (``BatchSender``, ``FileBatchSender``)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def unacked(self) -> Mapping[int, Any]: ...  # sent, not yet acknowledged
+    @property
+    def acked(self) -> int: ...  # the last step acknowledged, -1 for none
+    async def send(self, batch: Batch) -> bool: ...  # False: skipped, the trainer already has it
+    async def wait_acked(self) -> None: ...
+    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[int]: ...
+
+
+def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender]:
+    """The batch sender ``[transport] kind`` names: ZMQ (default) or files in a shared directory."""
+    t = cfg.transport
+    if t.kind == "filesystem":
+        assert t.directory is not None  # config cross-check
+        return FileBatchSender.open(t.directory, t.send_hwm, resume=resume)
+    return BatchSender.open(address, t.send_hwm, require_report=resume)
 
 
 def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorState]:

@@ -463,6 +463,9 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                "checkpoint_source = 'marker'")
     if t.kind == "filesystem" and t.directory is None:
         yield f"{source('transport.directory')}: transport.directory: required when kind = 'filesystem'"
+    if t.kind == "filesystem" and t.checkpoint_source != "marker":
+        yield (f"{source('transport.checkpoint_source')}: transport.checkpoint_source: must be 'marker' when "
+               "kind = 'filesystem' (there is no message channel back from the trainer)")
     sim = cfg.sim
     if (sim.layers == 0) != (sim.top_k == 0):
         yield f"{source('sim.top_k')}: sim.layers / sim.top_k: set both (routed experts) or neither"

@@ -53,6 +53,10 @@ class DuplicateStep(WireError):
     """A step that was already received, or that arrives out of order."""
 
 
+class TransportError(OrchestratorError):
+    """The transport cannot start or go on as configured (e.g. a batch directory holding another run)."""
+
+
 class EnvironmentLoadError(OrchestratorError):
     """An environment could not be loaded; the message names the environment."""
 

@@ -27,17 +27,18 @@ Importable without verifiers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import os
 import re
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import DuplicateStep, WireError
+from orchestrator.errors import DuplicateStep, TransportError, WireError
 from orchestrator.transport.wire import Batch, decode, encode
 
 log = logging.getLogger(__name__)
@@ -155,24 +156,70 @@ def read_batch_file(path: Path) -> Batch:
 
 
 class FileBatchSender:
-    """Orchestrator side: one file per step in ``directory``; at most ``max_pending`` un-consumed files."""
+    """Orchestrator side: one file per step in ``directory``; at most ``max_pending`` un-consumed files.
+
+    It has the interface the orchestrator uses of ``BatchSender``: a step counts as acknowledged once its
+    file is durably in the directory (the trainer will find it there), so ``acked`` is the last step
+    written and nothing is kept in memory. With ``resume``, a step whose file is already there is skipped
+    (``send`` returns False); without it, leftover batch files are refused at start, as they belong to
+    another run. Checkpoints are announced with marker files (``marker_announcements``)."""
 
     def __init__(self, directory: str | Path, *, max_pending: int = 2, warn_s: float = 30.0,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, resume: bool = False) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_pending, self.warn_s, self.poll_s = max_pending, warn_s, poll_s
+        self.resume = resume
         self.next_step: int | None = None
         self.bytes_sent = 0
         self.waiting = False  # true while send is held back by max_pending files
+        self.acked = -1  # the last step written
+        self.unacked: dict[int, Any] = {}  # always empty: a written file is durable
+        self.skipped: list[int] = []
+        self.on_ack: Callable[[int], None] = lambda _step: None
 
-    async def send(self, batch: Batch) -> None:
-        """Write one step. Waits (never drops) while ``max_pending`` files are not yet consumed, re-counting
-        them every ``poll_s``; the file is written in a worker thread."""
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, directory: str | Path, max_pending: int = 2, *, resume: bool = False
+                   ) -> AsyncIterator[FileBatchSender]:
+        """A sender for the orchestrator; TransportError if ``directory`` holds another run's batch files."""
+        sender = cls(directory, max_pending=max_pending, resume=resume)
+        leftover = await asyncio.to_thread(pending_steps, sender.directory)
+        if leftover and not resume:
+            raise TransportError(f"{sender.directory} holds batch files of steps {sorted(leftover)[:5]} from an "
+                                 "earlier run: remove them, or pass --resume to continue that run")
+        yield sender
+        pending = await asyncio.to_thread(pending_steps, sender.directory)
+        if pending:
+            log.info("closing with %d batch files not yet read by the trainer in %s", len(pending), sender.directory)
+
+    @property
+    def address(self) -> str:
+        return str(self.directory)
+
+    async def wait_acked(self) -> None:
+        """Nothing to wait for: every step sent is on disk."""
+
+    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[int]:
+        """Checkpoint steps from marker files (the filesystem transport has no message channel)."""
+        if marker_dir is None:
+            raise TransportError("the filesystem transport needs transport.checkpoint_source = 'marker'")
+        return marker_announcements(marker_dir)
+
+    async def send(self, batch: Batch) -> bool:
+        """Write one step (True), or skip it (False) when resuming and its file is already there. Waits
+        (never drops) while ``max_pending`` files are not yet consumed, re-counting them every ``poll_s``;
+        the file is written in a worker thread."""
         if self.next_step is not None and batch.step != self.next_step:
             raise DuplicateStep(f"refusing to write step {batch.step}: the next step is {self.next_step}")
+        if self.resume and batch_path(self.directory, batch.step).exists():
+            log.info("step %d not written: %s already holds it", batch.step, self.directory)
+            self.skipped.append(batch.step)
+            self.next_step = self.acked = batch.step
+            self.next_step += 1
+            return False
         started = warned = time.monotonic()
         try:
             while len(await asyncio.to_thread(pending_steps, self.directory)) >= self.max_pending:
@@ -187,12 +234,28 @@ class FileBatchSender:
             self.waiting = False
         self.bytes_sent += await asyncio.to_thread(self._write, batch)
         self.next_step = batch.step + 1
+        self.acked = batch.step
+        self.on_ack(batch.step)
+        return True
 
     def _write(self, batch: Batch) -> int:
         path = batch_path(self.directory, batch.step)
         if path.exists():
             raise DuplicateStep(f"refusing to write step {batch.step}: {path} already exists")
         return write_batch_file(path, encode(batch))
+
+
+async def marker_announcements(marker_dir: Path, poll_s: float = 0.1) -> AsyncIterator[int]:
+    """Checkpoint steps announced as marker files ``step_<N>.ready`` in ``marker_dir`` (``write_marker``),
+    each once, in increasing order; polls the directory in a worker thread every ``poll_s``."""
+    seen = -1
+    while True:
+        names = await asyncio.to_thread(lambda: [p.stem for p in marker_dir.glob("step_*.ready")])
+        steps = [int(n.removeprefix("step_")) for n in names if n.removeprefix("step_").isdigit()]
+        for step in sorted(x for x in steps if x > seen):
+            seen = step
+            yield step
+        await asyncio.sleep(poll_s)
 
 
 class FileBatchReceiver:

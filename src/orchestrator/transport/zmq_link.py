@@ -39,6 +39,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.errors import DuplicateStep, WireError
+from orchestrator.transport.filesystem import marker_announcements
 from orchestrator.transport.wire import Batch, decode, encode
 
 log = logging.getLogger(__name__)
@@ -195,14 +196,8 @@ class BatchSender:
     async def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[int]:
         """Checkpoint steps announced by the trainer (ZMQ, or marker files when ``marker_dir`` is set)."""
         if marker_dir is not None:
-            seen = -1
-            while True:
-                names = await asyncio.to_thread(lambda: [p.stem for p in marker_dir.glob("step_*.ready")])
-                steps = [int(n.removeprefix("step_")) for n in names if n.removeprefix("step_").isdigit()]
-                for s in sorted(x for x in steps if x > seen):
-                    seen = s
-                    yield s
-                await asyncio.sleep(0.1)
+            async for step in marker_announcements(marker_dir):
+                yield step
         while True:
             yield await self._checkpoints.get()
 
