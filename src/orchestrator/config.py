@@ -96,7 +96,6 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class TransportConfig:
     kind: Literal["zmq", "shm", "filesystem"] = opt("zmq", doc="how batches reach the trainer")
-    format: Literal["native", "prime-rl"] = opt("native", doc="wire layout of a batch")
     address: str | None = opt(None, doc="ZMQ address to bind; unset means ipc:// in output_dir")
     send_hwm: int = opt(2, ge=1, doc="batches queued in ZMQ before sends wait (back-pressure)")
     checkpoint_source: Literal["zmq", "marker"] = opt("zmq", doc="how the trainer announces checkpoints")
@@ -455,9 +454,6 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
             yield (f"{source(f'inference.servers[{i}]')}: inference.servers[{i}]: expected an http:// or "
                    f"https:// URL, got {url!r}")
     t = cfg.transport
-    if t.format == "prime-rl" and t.kind != "zmq":
-        yield (f"{source('transport.format')}: transport.format: 'prime-rl' works only with "
-               f"transport.kind = 'zmq' (got {t.kind!r})")
     if t.checkpoint_source == "marker" and t.marker_dir is None:
         yield (f"{source('transport.marker_dir')}: transport.marker_dir: required when "
                "checkpoint_source = 'marker'")
