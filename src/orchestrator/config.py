@@ -12,6 +12,7 @@ once. The only conversion is TOML's integer to a float field (``1`` for ``1.0``)
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -190,7 +191,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
 
     def source(key: str) -> str:
         for k in set_keys:
-            if key == k or key.startswith((k + ".", k + "[")):
+            if key == k or key.startswith((k + ".", k + "[")) or k.startswith((key + ".", key + "[")):
                 return f"--set {k}"
         if key.startswith("env[") and "]" in key:
             i = int(key[4 : key.index("]")])
@@ -203,9 +204,26 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     cfg = _build(JobConfig, raw, "", problems, source)
     if not problems:
         problems.extend(_cross_checks(typing.cast(JobConfig, cfg), source))
+    if not problems:
+        problems.extend(_hook_problems(typing.cast(JobConfig, cfg), source))
     if problems:
         raise ConfigError(problems)
     return typing.cast(JobConfig, cfg)
+
+
+def _hook_problems(cfg: JobConfig, source: Any) -> list[str]:
+    """Build the advantage function and the filters once, so a hook that cannot be imported or arguments a
+    filter does not take are config errors here, before anything starts (not a failure minutes later)."""
+    from orchestrator.pipeline.advantage import AdvantageFn  # the pipeline imports this module
+    from orchestrator.pipeline.filters import FilterSet
+
+    problems: list[str] = []
+    for build in (lambda: AdvantageFn(cfg.pipeline), lambda: FilterSet(cfg.pipeline.filters, vocab_size=2**17)):
+        try:
+            build()
+        except ConfigError as e:
+            problems += [f"{source(p.split(':', 1)[0].split('.args')[0])}: {p}" for p in e.problems]
+    return problems
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -231,9 +249,12 @@ def _read_with_includes(path: Path) -> tuple[dict[str, Any], list[tuple[str, int
     includes = raw.pop("include", [])
     if not isinstance(includes, list) or not all(isinstance(x, str) for x in includes):
         raise ConfigError([f"{path}: include: expected a list of file paths, got {includes!r}"])
-    for inc in includes:
+    for n, inc in enumerate(includes):
         inc_path = path.parent / inc
-        inc_raw = _read_toml(inc_path)
+        try:
+            inc_raw = _read_toml(inc_path)
+        except ConfigError as e:  # say which file names it, and where
+            raise ConfigError([f"{path}: include[{n}]: {p}" for p in e.problems]) from None
         extra = sorted(set(inc_raw) - {"env"})
         if extra:
             raise ConfigError([f"{inc_path}: {k}: unknown key (an included file holds only [[env]] tables)"
@@ -407,6 +428,9 @@ def _build(tp: Any, value: Any, key: str, problems: list[str], source: Any) -> A
 def _check_bounds(value: Any, meta: Mapping[str, Any], key: str, problems: list[str], source: Any) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool):
         return
+    if not math.isfinite(value):
+        problems.append(f"{source(key)}: {key}: expected a finite number, got {value!r}")
+        return
     for name, word in (("ge", ">="), ("gt", ">"), ("le", "<=")):
         bound = meta.get(name)
         if bound is None:
@@ -454,6 +478,9 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
             yield (f"{source(f'inference.servers[{i}]')}: inference.servers[{i}]: expected an http:// or "
                    f"https:// URL, got {url!r}")
     t = cfg.transport
+    for key, address in (("scheduler.worker_address", s.worker_address), ("transport.address", t.address)):
+        if address is not None and not address.startswith(("tcp://", "ipc://")):
+            yield f"{source(key)}: {key}: expected a tcp://HOST:PORT or ipc://PATH address, got {address!r}"
     if t.checkpoint_source == "marker" and t.marker_dir is None:
         yield (f"{source('transport.marker_dir')}: transport.marker_dir: required when "
                "checkpoint_source = 'marker'")

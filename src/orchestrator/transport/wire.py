@@ -103,9 +103,12 @@ def decode(frames: Sequence[Any]) -> Batch:
     if h.get("v") != FORMAT_VERSION:
         raise WireError(f"format version {h.get('v')!r}, this receiver reads {FORMAT_VERSION}")
     try:
-        n, offsets = int(h["n"]), np.asarray(h["offsets"], dtype=np.int64)
-        step, run, cols, scalars = int(h["step"]), str(h["run"]), list(h["columns"]), dict(h["scalars"])
-    except (KeyError, TypeError, ValueError) as e:
+        n, step = h["n"], h["step"]
+        if not (isinstance(n, int) and isinstance(step, int)) or n < 0 or step < 0:
+            raise ValueError(f"n and step must be integers >= 0, got {n!r} and {step!r}")
+        offsets = np.asarray(h["offsets"], dtype=np.int64)
+        run, cols, scalars = str(h["run"]), list(h["columns"]), dict(h["scalars"])
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise WireError(f"header misses or mangles a field: {e!r}") from None
     if offsets.shape != (n + 1,) or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
         raise WireError(f"offsets do not describe {n} samples")
@@ -116,8 +119,10 @@ def decode(frames: Sequence[Any]) -> Batch:
     for c in cols:
         try:
             name, dtype, tail, idx = str(c["name"]), np.dtype(c["dtype"]), tuple(int(x) for x in c["tail"]), c["frame"]
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise WireError(f"bad column entry {c!r}: {e}") from None
+        if dtype.kind not in "biuf" or dtype.itemsize == 0 or any(x < 0 for x in tail):
+            raise WireError(f"column {name}: dtype {dtype.str} / tail {list(tail)} is not a numeric column")
         if not isinstance(idx, int) or not 1 <= idx < len(frames):
             raise WireError(f"column {name}: frame index {idx!r} out of range")
         buf = _buffer(frames[idx])

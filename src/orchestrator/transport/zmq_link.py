@@ -38,7 +38,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from orchestrator.errors import DuplicateStep, WireError
+from orchestrator.errors import DuplicateStep, TransportError, WireError
 from orchestrator.transport.filesystem import marker_announcements
 from orchestrator.transport.wire import Batch, decode, encode
 
@@ -86,9 +86,12 @@ class BatchSender:
             pull.setsockopt(zmq.LINGER, 0)
             if address.startswith("ipc://"):
                 Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
-            push.bind(address)
-            bound = push.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for port 0
-            pull.bind(ckpt_address(bound))
+            try:
+                push.bind(address)
+                bound = push.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for 0
+                pull.bind(ckpt_address(bound))
+            except zmq.ZMQError as e:
+                raise TransportError(f"cannot bind the trainer's address {address}: {e}") from None
             sender = cls(push, pull, bound, hwm, warn_s, require_report)
             reader = asyncio.create_task(sender._read_trainer(), name="trainer-channel")
             try:
@@ -171,7 +174,7 @@ class BatchSender:
                 have = None if msg.get("have") is None else int(msg["have"])
                 if checkpoint is None and have is None:
                     raise KeyError("neither 'have' nor 'checkpoint'")
-            except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as e:
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError, msgpack.UnpackException) as e:
                 log.warning("ignored a malformed message from the trainer (%d bytes): %s", len(raw), e)
                 continue
             if checkpoint is not None:  # repeats are harmless: the weight sync skips what it has loaded

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import zmq
 
-from orchestrator.errors import EnvironmentLoadError, WireError
+from orchestrator.errors import EnvironmentLoadError, TransportError, WireError
 from orchestrator.procs import child_env, terminate
 from orchestrator.worker.protocol import HEARTBEAT_S, RolloutRecord, pack, split_records, unpack
 
@@ -80,9 +80,14 @@ class WorkerHub:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if address.startswith("ipc://"):
-            Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
-        sock.bind(address)
+        try:
+            if address.startswith("ipc://"):
+                Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+            sock.bind(address)
+        except zmq.ZMQError as e:  # close both, or the context's finalizer hangs a later gc.collect()
+            sock.close()
+            ctx.term()
+            raise TransportError(f"cannot bind the env workers' address {address}: {e}") from None
         address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         hub = cls(sock, address, setup, local, dict(env_vars or {}), nice)
         try:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -58,6 +59,9 @@ def episode_record(ep: Any, header: dict[str, Any]) -> tuple[dict[str, Any], lis
     if trace is not None:
         errors += [f"{e.type}: {e.message}" for e in (trace.errors or []) if f"{e.type}: {e.message}" not in errors]
     ok = bool(ep.ok and trace is not None and trace.ok and not errors)
+    reward = float(trace.reward or 0.0) if trace is not None else 0.0
+    if ok and not math.isfinite(reward):  # one NaN would turn the whole group's advantages into NaN
+        ok, errors = False, [f"invalid_reward: the environment returned a reward of {reward}"]
     frames: list[Any] = []
     shapes: list[list[int]] = []
     if ok and trace is not None:
@@ -68,7 +72,7 @@ def episode_record(ep: Any, header: dict[str, Any]) -> tuple[dict[str, Any], lis
             ok, errors = False, [f"inconsistent_sample: {e}"]
     header.update(
         ok=ok,
-        reward=float(trace.reward or 0.0) if trace is not None else 0.0,
+        reward=reward if math.isfinite(reward) else None,
         metrics={k: float(v) for k, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
         if trace is not None else {},
         error=errors[0] if errors else None,

@@ -100,7 +100,7 @@ class RolloutRecord:
 
     @property
     def reward(self) -> float:
-        return float(self.header.get("reward", 0.0))
+        return float(self.header.get("reward") or 0.0)  # None: a failed rollout with no usable reward
 
     @property
     def ok(self) -> bool:
