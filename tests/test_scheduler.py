@@ -183,3 +183,16 @@ async def test_provider_failures_reach_the_pool(tmp_path: Path) -> None:
         hub.close()
     assert pool.metrics["failed:provider"] == 4
     assert not pool.servers[0].in_rotation  # failures_to_evict (3) in a row
+
+
+async def test_a_step_that_cannot_fill_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("orchestrator.scheduler.STALL_WARN_S", 0.2)
+    async with running(config(tmp_path), lambda e, r: "provider_error: down", delay_s=0.01) as (sched, _):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await sched.next_step(0)
+    stalls = [r.getMessage() for r in caplog.records if "step 0 has 0 of 8" in r.getMessage()]
+    assert stalls, [r.getMessage() for r in caplog.records]
+    assert "provider_error" in stalls[-1]
+    assert "groups dropped" in stalls[-1]

@@ -41,6 +41,8 @@ from orchestrator.worker.protocol import RolloutRecord
 
 log = logging.getLogger(__name__)
 
+STALL_WARN_S = 60.0  # a step that has not grown for this long gets a warning saying why, and again after as long
+
 
 @dataclass
 class Group:
@@ -213,10 +215,15 @@ class Scheduler:
         taken: list[Group] = []
         count = 0
         target = self.s.batch_size or self.s.token_budget or 0
+        waiting_since = time.monotonic()
         while count < target:
             while not self.done:
                 self._group_done.clear()
-                await self._group_done.wait()
+                try:
+                    async with asyncio.timeout(STALL_WARN_S):
+                        await self._group_done.wait()
+                except TimeoutError:
+                    self._warn_stall(step, count, target, time.monotonic() - waiting_since)
             group = self.done.popleft()
             self.buffered -= len(group.survivors)
             self._wake.set()
@@ -227,6 +234,13 @@ class Scheduler:
             count += len(group.survivors) if self.s.batch_size else sum(int(r.header.get("tokens", 0))
                                                                          for r in group.survivors)
         return taken
+
+    def _warn_stall(self, step: int, count: int, target: int, waited_s: float) -> None:
+        """Say why a step is not filling: e.g. an environment whose every rollout fails never fills one."""
+        failed = {k.removeprefix("failed:"): v for k, v in self.counts.items() if k.startswith("failed:")}
+        log.warning("step %d has %d of %d after %.0f s: %d rollouts in flight, %d groups dropped, failures %s",
+                    step, count, target, waited_s, self.inflight_rollouts, self.counts["dropped_groups"],
+                    failed or "none")
 
     def take_counts(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counts)
