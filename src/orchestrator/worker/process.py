@@ -84,6 +84,13 @@ def episode_record(ep: Any, header: dict[str, Any]) -> tuple[dict[str, Any], lis
     return header, frames
 
 
+def failed_header(header: dict[str, Any], error: Exception) -> dict[str, Any]:
+    """``header`` completed as a failed rollout whose environment raised ``error``."""
+    header.update(ok=False, reward=0.0, metrics={}, error=f"env_error: {type(error).__name__}: {error}",
+                  stop=None, is_timeout=False, samples=[], tokens=0)
+    return header
+
+
 class Worker:
     def __init__(self, address: str, worker_id: str) -> None:
         self.address = address
@@ -162,9 +169,16 @@ class Worker:
         """Run one group's rollouts; send their records together when the last one ends, or FLUSH_S
         after the latest one finished while others still run (so a slow sibling delays nobody long)."""
         loaded = self.envs[msg["env"]]
-        task = loaded.tasks[msg["task"] % len(loaded.tasks)]
-        ctx = self._model_context(msg["server"], msg["sampling"])
-        slots = loaded.env.slots(task, len(msg["rids"]))
+        try:
+            task = loaded.tasks[msg["task"] % len(loaded.tasks)]
+            ctx = self._model_context(msg["server"], msg["sampling"])
+            slots = loaded.env.slots(task, len(msg["rids"]))
+        except Exception as e:  # the group's setup failed: each of its rollouts fails; the worker goes on
+            failed: list[tuple[dict[str, Any], list[Any]]] = [
+                (failed_header(self._header(loaded, rid, msg), e), []) for rid in msg["rids"]]
+            await sock.send_multipart(records_message(msg["group"], failed), copy=False)
+            self.groups.pop(msg["group"], None)
+            return
         done: asyncio.Queue[tuple[dict[str, Any], list[Any]]] = asyncio.Queue()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -184,17 +198,19 @@ class Worker:
         finally:
             self.groups.pop(msg["group"], None)
 
+    def _header(self, loaded: LoadedEnv, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"rid": rid, "group": msg["group"], "env": loaded.name, "task": msg["task"],
+                "policy_step": msg["policy_step"], "worker": self.worker_id, "server": msg["server"]}
+
     async def _run_one(self, done: asyncio.Queue[tuple[dict[str, Any], list[Any]]], loaded: LoadedEnv, slot: Any,
                        ctx: Any, rid: str, msg: dict[str, Any]) -> None:
         start = time.monotonic()
-        header: dict[str, Any] = {"rid": rid, "group": msg["group"], "env": loaded.name, "task": msg["task"],
-                                  "policy_step": msg["policy_step"], "worker": self.worker_id, "server": msg["server"]}
+        header = self._header(loaded, rid, msg)
+        frames: list[Any] = []
         try:
             ep = await loaded.env.run_slot(slot, ctx)
             header, frames = episode_record(ep, header)
         except Exception as e:  # an env that raises fails this rollout, not the worker
-            header.update(ok=False, reward=0.0, metrics={}, error=f"env_error: {type(e).__name__}: {e}",
-                          stop=None, is_timeout=False, samples=[], tokens=0)
-            frames = []
+            failed_header(header, e)
         header["wall_s"] = round(time.monotonic() - start, 4)
         done.put_nowait((header, frames))

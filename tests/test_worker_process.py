@@ -1,0 +1,50 @@
+"""The env worker's group runner, on a real ZMQ pair: failures of a group's setup fail its rollouts only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from orchestrator.worker.process import LoadedEnv, Worker
+from orchestrator.worker.protocol import split_records, unpack
+
+
+class SlotsRaise:
+    """An environment whose ``slots`` raises (what verifiers does on a task it cannot serve)."""
+
+    def __init__(self) -> None:
+        self.taskset = [{"prompt": "1 + 1"}]
+
+    def slots(self, task: Any, n: int) -> list[Any]:
+        raise RuntimeError(f"cannot make {n} slots for {task}")
+
+
+async def test_a_group_whose_setup_raises_fails_each_rollout_and_the_worker_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = zmq.asyncio.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://worker-test")
+        b.connect("inproc://worker-test")
+        worker = Worker("inproc://unused", "w0")
+        worker.envs["bad"] = LoadedEnv("bad", SlotsRaise())
+        monkeypatch.setattr(worker, "_model_context", lambda server, sampling: None)
+        msg = {"group": "g7", "env": "bad", "task": 0, "rids": ["g7-0", "g7-1"], "server": "http://127.0.0.1:9/v1",
+               "sampling": {}, "policy_step": 3}
+        await worker._run_group(a, msg)  # returns: no exception reaches the worker's TaskGroup
+        frames = await b.recv_multipart(copy=False)
+        head = unpack(frames[0].buffer)
+        records = split_records(head, [f.buffer for f in frames[1:]])
+        assert [r.header["rid"] for r in records] == ["g7-0", "g7-1"]
+        assert all(not r.ok for r in records)
+        assert all(r.header["error"] == "env_error: RuntimeError: cannot make 2 slots for {'prompt': '1 + 1'}"
+                   for r in records)
+        assert records[0].header["policy_step"] == 3
+        assert "g7" not in worker.groups
+    finally:
+        a.close()
+        b.close()
+        ctx.term()
