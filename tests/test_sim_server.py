@@ -133,6 +133,20 @@ async def test_hung_request_never_answers() -> None:
         assert srv.counters.hangs == 1
 
 
+async def test_down_server_refuses_and_counts_refused_requests() -> None:
+    async with sim_servers(1, faults=Faults(down=True)) as [srv], aiohttp.ClientSession() as s:
+        assert (await generate(s, srv))[0] == 503
+        chat = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with s.post(srv.url + "/chat/completions", json=chat) as r:
+            assert r.status == 503
+        async with s.get(srv.url.removesuffix("/v1") + "/health") as r:
+            assert r.status == 503
+        assert (srv.counters.down, srv.counters.requests) == (2, 0)  # generate and chat; probes are not counted
+        srv.faults = Faults()
+        assert (await generate(s, srv))[0] == 200
+        assert (srv.counters.down, srv.counters.requests) == (2, 1)
+
+
 async def test_subprocess_server_prints_address_and_stops() -> None:
     async with sim_process(["--layers", "2", "--top-k", "2"]) as proc, aiohttp.ClientSession() as s:
         assert proc.url.startswith("http://127.0.0.1:")

@@ -156,9 +156,11 @@ class Scheduler:
             self.counts["completed"] += 1
             self.pool.report_success(group.server)
         else:
-            if record.header.get("stop") == "provider_error" or record.header.get("is_timeout"):
-                # env workers call the server directly: their provider failures feed the pool's health
-                self.pool.report_failure(group.server, f"provider: {record.header.get('error')}")
+            h = record.header
+            if h.get("stop") == "provider_error" or h.get("is_timeout") or h.get("server_fault"):
+                # env workers call the server directly: failures that are the server's feed the pool's health
+                kind = "provider" if h.get("stop") == "provider_error" or h.get("is_timeout") else "malformed"
+                self.pool.report_failure(group.server, f"{kind}: {h.get('error')}")
             reason = str(record.header.get("error") or "unknown").split(":")[0]
             self.counts[f"failed:{reason}"] += 1
             log.warning("rollout %s (%s) failed: %s", rid, group.env, record.header.get("error"))
@@ -198,6 +200,7 @@ class Scheduler:
                 self.counts["cancelled"] += len(group.missing)
             elif now - group.started > self.s.group_timeout_s:
                 reason = f"group_timeout: running for more than {self.s.group_timeout_s:g} s"
+                self.pool.report_failure(group.server, f"timeout: group {group.gid} {reason}")  # a hung server
             else:
                 continue
             await self.hub.cancel(group.gid, sorted(group.missing))

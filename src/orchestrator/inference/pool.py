@@ -251,8 +251,8 @@ class InferencePool:
         """pause, update_weights, resume (resume also after a failed update); one sync per server at a time."""
         t = self.cfg.weight_sync_timeout_s
         async with server.sync_lock:
-            await self._timed(server.api.call_admin("pause", {}), t, f"pause on {server.url}")
-            try:
+            try:  # pause inside: a pause cut short (cancelled at shutdown) may still have paused the server
+                await self._timed(server.api.call_admin("pause", {}), t, f"pause on {server.url}")
                 await self._timed(server.api.call_admin("update_weights", {"step": step, "path": path}), t,
                                   f"update_weights on {server.url}")
             finally:

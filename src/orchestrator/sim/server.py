@@ -58,6 +58,7 @@ class Counters:
     hangs: int = 0
     malformed: int = 0
     drops: int = 0
+    down: int = 0  # generate/chat requests refused with 503 while ``faults.down`` (health probes are not counted)
 
 
 class SimServer:
@@ -235,6 +236,7 @@ class SimServer:
         """Apply latency, then maybe a 500, a hang or a dropped connection (None: answer normally)."""
         f = self.faults
         if f.down:
+            self.counters.down += 1
             return self._json({"error": "server is down"}, status=503)
         if f.latency_ms or f.latency_max_ms:
             hi = f.latency_max_ms if f.latency_max_ms is not None else f.latency_ms

@@ -88,7 +88,8 @@ class SimCluster:
 
     async def _start(self, i: int, port: int) -> None:
         server = SimServer(**self._kwargs[i])
-        runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=0.0)
+        # shutdown_timeout 0 means "no limit" in aiohttp 3.14: kill() would wait for held (paused, hung) requests
+        runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=0.01)
         await runner.setup()
         try:
             site = web.TCPSite(runner, "127.0.0.1", port, reuse_address=True)

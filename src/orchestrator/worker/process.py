@@ -14,6 +14,7 @@ import gc
 import logging
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -25,6 +26,10 @@ from orchestrator.samples import SampleError, samples_from_trace
 from orchestrator.worker.protocol import FLUSH_S, HEARTBEAT_S, pack, records_message, sample_frames, unpack
 
 log = logging.getLogger(__name__)
+
+# verifiers' interception proxy answers the harness 5xx when the inference server's reply was unusable
+# (malformed JSON, bad token strings, NaN logprobs): the server's fault, which its health should count
+SERVER_FAULT = re.compile(r"Error code: 5\d\d")
 
 
 class LoadedEnv:
@@ -71,6 +76,7 @@ def episode_record(ep: Any, header: dict[str, Any]) -> tuple[dict[str, Any], lis
         except SampleError as e:
             ok, errors = False, [f"inconsistent_sample: {e}"]
     header.update(
+        server_fault=any(SERVER_FAULT.search(e) for e in errors),
         ok=ok,
         reward=reward if math.isfinite(reward) else None,
         metrics={k: float(v) for k, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
