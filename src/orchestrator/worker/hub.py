@@ -36,7 +36,7 @@ from orchestrator.worker.protocol import HEARTBEAT_S, RolloutRecord, pack, split
 log = logging.getLogger(__name__)
 
 DEAD_AFTER_S = 10 * HEARTBEAT_S
-DRAIN_MAX = 64  # messages handled per reader wake-up before other callbacks get the loop
+DRAIN_MAX = 16  # messages handled per reader wake-up before other callbacks get the loop
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum cost
 
 
