@@ -144,6 +144,8 @@ BAD = [
      "env[1].name: 'orchestrator.envs.arithmetic' is already used"),
     ("not a URL", GOOD.replace("http://127.0.0.1:8000/v1", "127.0.0.1:8000"),
      "inference.servers[0]: expected an http:// or https:// URL"),
+    ("prime-rl without a tcp address", GOOD + '\n[transport]\nkind = "prime-rl"\ncheckpoint_source = "marker"\n'
+     'marker_dir = "m"\n', "transport.address: kind = 'prime-rl' needs the trainer's tcp://HOST:PORT"),
     ("filesystem without markers", GOOD + '\n[transport]\nkind = "filesystem"\ndirectory = "b"\n',
      "transport.checkpoint_source: must be 'marker' when kind = 'filesystem'"),
     ("marker without dir", GOOD + '\n[transport]\ncheckpoint_source = "marker"\n',

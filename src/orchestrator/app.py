@@ -33,6 +33,7 @@ from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduler import Scheduler
 from orchestrator.state import OrchestratorState, load_state, save_state
 from orchestrator.transport.filesystem import FileBatchSender
+from orchestrator.transport.primerl import PrimeRLSender
 from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
@@ -164,6 +165,8 @@ class Orchestrator:
         extra = {"samples": result.batch.num_samples, "policy": sched.policy, "sent": sent,
                  "orch_cpu_ms_per_rollout": round((time.process_time() - cpu0) * 1e3 / max(len(result.rows), 1), 3),
                  "filters": result.filter_counts, "scheduler": counts, "pool": dict(self.pool.metrics)}
+        if (shm := getattr(self.sender, "pool", None)) is not None:  # kind = shm: live MB and spans of the pool
+            extra.update(shm.metrics())
         rows = result.rows
         del groups, result  # the batch's column memory goes now, before the collection below
         metrics = await asyncio.to_thread(self._finish_step, step, rows, phase, lag, t0, extra)
@@ -204,12 +207,17 @@ class Sender(Protocol):
 
 
 def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender]:
-    """The batch sender ``[transport] kind`` names: ZMQ (default) or files in a shared directory."""
+    """The batch sender ``[transport] kind`` names: ZMQ (default), files in a shared directory, or prime-rl."""
     t = cfg.transport
+    if t.kind == "prime-rl":
+        assert t.address is not None  # config cross-check
+        temperature = {e.label: e.sampling.temperature for e in cfg.env}
+        return PrimeRLSender.open(t.address, cfg.run.name.encode(), t.send_hwm, temperature=temperature)
     if t.kind == "filesystem":
         assert t.directory is not None  # config cross-check
         return FileBatchSender.open(t.directory, t.send_hwm, resume=resume)
-    return BatchSender.open(address, t.send_hwm, require_report=resume)
+    shm_bytes = t.shm_pool_mb << 20 if t.kind == "shm" else None  # shm: columns through a same-node pool
+    return BatchSender.open(address, t.send_hwm, require_report=resume, shm_bytes=shm_bytes)
 
 
 def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorState]:

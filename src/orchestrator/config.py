@@ -96,13 +96,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class TransportConfig:
-    kind: Literal["zmq", "shm", "filesystem"] = opt("zmq", doc="how batches reach the trainer")
+    kind: Literal["zmq", "shm", "filesystem", "prime-rl"] = opt(
+        "zmq", doc="how batches reach the trainer; prime-rl: its TrainingBatch to a prime-rl trainer at address")
     address: str | None = opt(None, doc="ZMQ address to bind; unset means ipc:// in output_dir")
     send_hwm: int = opt(2, ge=1, doc="batches queued in ZMQ before sends wait (back-pressure)")
     checkpoint_source: Literal["zmq", "marker"] = opt("zmq", doc="how the trainer announces checkpoints")
     marker_dir: str | None = opt(None, doc="checkpoint marker files' directory (checkpoint_source = marker)")
     directory: str | None = opt(None, doc="batch directory (kind = filesystem)")
-    shm_pool_mb: int = opt(4096, ge=1, doc="shared-memory pool size (kind = shm)")
+    shm_pool_mb: int = opt(4096, ge=1, doc="shared-memory pool size (kind = shm); a bigger step goes as frames")
 
 
 @dataclass(frozen=True)
@@ -486,9 +487,15 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                "checkpoint_source = 'marker'")
     if t.kind == "filesystem" and t.directory is None:
         yield f"{source('transport.directory')}: transport.directory: required when kind = 'filesystem'"
-    if t.kind == "filesystem" and t.checkpoint_source != "marker":
+    if t.kind == "prime-rl" and not (t.address or "").startswith("tcp://"):
+        yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' needs the trainer's "
+               f"tcp://HOST:PORT (its receiver binds; we connect), got {t.address!r}")
+    if t.kind in ("filesystem", "prime-rl") and t.checkpoint_source != "marker":
         yield (f"{source('transport.checkpoint_source')}: transport.checkpoint_source: must be 'marker' when "
-               "kind = 'filesystem' (there is no message channel back from the trainer)")
+               f"kind = {t.kind!r} (there is no message channel back from the trainer)")
+    if t.kind == "shm" and t.address is not None and not t.address.startswith("ipc://"):
+        yield (f"{source('transport.address')}: transport.address: kind = 'shm' is same-node only and needs an "
+               f"ipc://PATH address (or none: ipc:// in output_dir), got {t.address!r}; use kind = 'zmq' for tcp")
     sim = cfg.sim
     if (sim.layers == 0) != (sim.top_k == 0):
         yield f"{source('sim.top_k')}: sim.layers / sim.top_k: set both (routed experts) or neither"

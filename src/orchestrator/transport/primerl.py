@@ -23,16 +23,26 @@ Scalars prime-rl has no field for (``reward``, ``rollout``, ...) are not sent. I
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import struct
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
+import zmq
+import zmq.asyncio
 
-from orchestrator.errors import WireError
+from orchestrator.errors import TransportError, WireError
+from orchestrator.transport.filesystem import marker_announcements
 from orchestrator.transport.wire import Batch
+
+log = logging.getLogger(__name__)
 
 PRIMERL_COMMIT = "3ab5e04c4cb412ee5c19e49b9afc9f89261dce3d"
 SAMPLE_FIELDS = ("token_ids", "mask", "logprobs", "temperatures", "env_name", "ref_logprobs", "mm_kwargs",
@@ -251,3 +261,73 @@ def _kind(value: Any) -> str:
     if isinstance(value, list):
         return f"an array of {len(value)}"
     return "nil" if value is None else type(value).__name__
+
+
+class PrimeRLSender:
+    """Orchestrator side of prime-rl's ZMQ batch transport (``[transport] kind = "prime-rl"``).
+
+    As prime-rl's own orchestrator did at commit 3ab5e04c: a PUSH socket *connected* to the trainer's bound
+    PULL at ``address`` (``tcp://TRAINER:PORT``), one ``[sender_id, TrainingBatch]`` message per step. prime-rl's
+    trainer sends nothing back, so a step counts as acknowledged once ZMQ has queued it (the high-water mark
+    back-pressures), a resumed run cannot learn which steps the trainer holds (it resends from the last
+    step queued before the crash), and checkpoints come as marker files (``checkpoint_source = "marker"``).
+    """
+
+    def __init__(self, push: zmq.asyncio.Socket, address: str, sender_id: bytes,
+                 temperature: float | Mapping[str, float], warn_s: float) -> None:
+        self.push, self._address, self.sender_id = push, address, sender_id
+        self.temperature, self.warn_s = temperature, warn_s
+        self._acked = -1
+        self.unacked: dict[int, Any] = {}
+        self.bytes_sent = 0
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, address: str, sender_id: bytes, hwm: int = 2, *,
+                   temperature: float | Mapping[str, float] = 1.0, warn_s: float = 30.0
+                   ) -> AsyncIterator[PrimeRLSender]:
+        ctx = zmq.asyncio.Context()
+        push = ctx.socket(zmq.PUSH)
+        try:
+            push.setsockopt(zmq.SNDHWM, hwm)
+            push.setsockopt(zmq.LINGER, 2000)
+            push.connect(address)
+            yield cls(push, address, sender_id, temperature, warn_s)
+        finally:
+            push.close()
+            ctx.term()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def acked(self) -> int:
+        return self._acked
+
+    async def wait_acked(self) -> None:
+        """Nothing to wait for: prime-rl's trainer does not acknowledge."""
+
+    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[int]:
+        if marker_dir is None:
+            raise TransportError("kind = 'prime-rl' needs transport.checkpoint_source = 'marker'")
+        return marker_announcements(marker_dir)
+
+    async def send(self, batch: Batch) -> bool:
+        """Queue one step for the trainer; waits (polling, never blocking the loop) while ZMQ's queue is full
+        or no trainer is connected, warning every ``warn_s``."""
+        frames = encode_primerl(batch, self.sender_id, temperature=self.temperature)
+        t0 = last = time.monotonic()
+        while True:
+            try:
+                await self.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                await asyncio.sleep(0.01)
+                if time.monotonic() - last >= self.warn_s:
+                    last = time.monotonic()
+                    log.warning("no prime-rl trainer takes step %d at %s (%.0f s so far); waiting", batch.step,
+                                self._address, last - t0)
+        self._acked = batch.step
+        self.bytes_sent += sum(len(f) for f in frames)
+        return True
