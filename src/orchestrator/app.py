@@ -87,7 +87,12 @@ class Orchestrator:
             hub = await stack.enter_async_context(WorkerHub.open(worker_address, setup, workers, env_vars,
                                                                      cfg.scheduler.worker_nice))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
-            yield cls(cfg, pool, hub, sender, state)
+            try:
+                yield cls(cfg, pool, hub, sender, state)
+            finally:  # on shutdown too: acknowledgements that came after the last step's save count
+                if sender.acked > state.acked_step:
+                    state.acked_step = sender.acked
+                    save_state(out, state)  # small and atomic; blocking, but the loop is ending anyway
 
     async def run(self) -> RunSummary:
         """Run steps ``state.acked_step + 1`` .. ``max_steps - 1``; returns per-step metrics.
