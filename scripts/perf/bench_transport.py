@@ -7,7 +7,13 @@ to the receiver holding numpy arrays of every column; the raw baseline sends the
 
 Prints ``ipc_ratio`` and ``tcp_ratio`` (raw time / our time: 1.0 is parity, target >= 0.9), ``header_ms``
 (encode + decode of the header for all samples) and ``list_encode_ms`` (the same token columns as msgpack
-lists of ints and floats, the naive alternative). Last line with --json: one JSON object.
+lists of ints and floats, the naive alternative).
+
+Shared memory (``transport.kind = "shm"``): the same batches through a pool of two batches (``hwm = 2``),
+timed the same way, against a numpy copy of the same column bytes into one warm buffer, in the same run:
+``shm_gbps``, ``memcpy_gbps`` and ``shm_ratio`` (memcpy time / shm time; target >= 0.4). The pool is warmed
+by one untimed pass first (its pages are faulted in once and reused for the rest of a job);
+``shm_cold_gbps`` is that first pass. Last line with --json: one JSON object.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, decode, encode
+from orchestrator.transport.wire import shm_layout
 
 
 def make_batch(samples: int, tokens: int, layers: int, top_k: int) -> Batch:
@@ -56,6 +63,50 @@ async def ours(address: str, batches: list[Batch]) -> float:
             return time.perf_counter() - start
         finally:
             receiver.close()
+
+
+async def shm(address: str, batches: list[Batch]) -> tuple[float, float]:
+    """Seconds to send and receive ``batches`` through a fresh pool (cold: first touch of its pages), then
+    the same again (warm). The columns received are views of the receiver's mapping."""
+    pool_bytes = 2 * shm_layout(batches[0].columns)[1]
+    async with BatchSender.open(address, hwm=2, shm_bytes=pool_bytes) as sender:
+        receiver = BatchReceiver(sender.address)
+        try:
+            await asyncio.sleep(0.2)  # connected
+            times = []
+            for first in (0, len(batches)):
+                start = time.perf_counter()
+                send = asyncio.gather(*(sender.send(Batch(b.run, first + i, b.columns, b.offsets, b.scalars))
+                                        for i, b in enumerate(batches)))
+                for _ in batches:
+                    got = await receiver.recv()  # releases the previous one
+                    assert got.shm_pool is not None
+                    assert got.columns["routed_experts"].shape[0] == got.num_tokens
+                await send
+                times.append(time.perf_counter() - start)
+            await receiver.release(got)
+            await sender.wait_acked()
+            return times[0], times[1]
+        finally:
+            receiver.close()
+
+
+def memcpy(batch: Batch, steps: int) -> float:
+    """Seconds for ``steps`` numpy copies of ``batch``'s column bytes into one buffer (faulted in first)."""
+    cols = [np.ascontiguousarray(c).reshape(-1).view(np.uint8) for c in batch.columns.values()]
+    dst = np.empty(sum(c.size for c in cols), np.uint8)
+
+    def once() -> None:
+        at = 0
+        for c in cols:
+            dst[at:at + c.size] = c
+            at += c.size
+
+    once()
+    start = time.perf_counter()
+    for _ in range(steps):
+        once()
+    return time.perf_counter() - start
 
 
 async def raw(address: str, frames: list[list[Any]]) -> float:
@@ -103,6 +154,13 @@ def main() -> None:
             result[f"{kind}_gbps"] = round(nbytes * args.steps / our_s / 1e9, 2)
             result[f"{kind}_raw_gbps"] = round(nbytes * args.steps / raw_s / 1e9, 2)
             result[f"{kind}_ratio"] = round(raw_s / our_s, 3)
+        runs = [asyncio.run(shm(f"ipc://{tmp}/shm.sock", batches)) for _ in range(2)]
+    column_bytes = sum(c.nbytes for c in base.columns.values()) * args.steps
+    shm_s, copy_s = min(warm for _cold, warm in runs), min(memcpy(base, args.steps) for _ in range(2))
+    result["shm_cold_gbps"] = round(column_bytes / min(cold for cold, _warm in runs) / 1e9, 2)
+    result["shm_gbps"] = round(column_bytes / shm_s / 1e9, 2)
+    result["memcpy_gbps"] = round(column_bytes / copy_s / 1e9, 2)
+    result["shm_ratio"] = round(copy_s / shm_s, 3)
     reps = 20
     start = time.perf_counter()
     for _ in range(reps):
@@ -113,7 +171,8 @@ def main() -> None:
     result["list_encode_ms"] = round((time.perf_counter() - start) * 1e3, 1)
     if not args.json:
         print(f"ipc {result['ipc_gbps']} GB/s vs raw {result['ipc_raw_gbps']} (ratio {result['ipc_ratio']}); "
-              f"tcp {result['tcp_gbps']} vs raw {result['tcp_raw_gbps']} (ratio {result['tcp_ratio']})")
+              f"tcp {result['tcp_gbps']} vs raw {result['tcp_raw_gbps']} (ratio {result['tcp_ratio']}); "
+              f"shm {result['shm_gbps']} GB/s vs memcpy {result['memcpy_gbps']} (ratio {result['shm_ratio']})")
     print(json.dumps(result))
 
 

@@ -3,12 +3,14 @@
 Frame 0 is a small msgpack header; each following frame is one column's raw bytes, all samples
 concatenated. ``Batch`` holds the columns and per-sample offsets; ``encode`` makes the frames without
 copying column bytes; ``decode`` wraps received frames with ``np.frombuffer`` (zero copies) after
-checking every size against the header. Importable without verifiers.
+checking every size against the header. The shared-memory variant (``encode_shm_header``) is the header
+alone, naming where each column lies in the sender's pool; ``decode`` then views the receiver's mapping
+of that pool. Importable without verifiers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,10 @@ from orchestrator.errors import WireError
 FORMAT_VERSION = 1
 TOKEN_COLUMNS = {"token_ids": "int32", "loss_mask": "uint8", "logprobs": "float32"}
 ROUTED = "routed_experts"
+SHM_ALIGN = 64  # every column in a shared-memory pool starts at a multiple of this
+
+# pool id, pool size -> the receiver's read-only mapping of that pool (raises WireError if it cannot map it)
+ShmResolver = Callable[[str, int], memoryview]
 
 
 @dataclass
@@ -31,6 +37,7 @@ class Batch:
     columns: dict[str, np.ndarray]  # token columns [T] and optionally routed_experts [T, layers, top_k]
     offsets: np.ndarray  # int64 [n + 1]
     scalars: dict[str, list[Any]]  # per-sample: advantage, reward, env, ... (n each)
+    shm_pool: str | None = None  # set by a receiver: the columns view this shared-memory pool (see release)
 
     @property
     def num_samples(self) -> int:
@@ -85,13 +92,38 @@ def encode(batch: Batch) -> list[Any]:
         arr = np.ascontiguousarray(arr)
         cols.append({"name": name, "dtype": arr.dtype.str, "tail": list(arr.shape[1:]), "frame": len(frames) + 1})
         frames.append(arr.reshape(-1).view(np.uint8).data)  # a bytes view; works for empty shapes too
-    header = {"v": FORMAT_VERSION, "run": batch.run, "step": batch.step, "n": batch.num_samples,
-              "offsets": batch.offsets.tolist(), "scalars": batch.scalars, "columns": cols}
-    return [msgpack.packb(header, use_bin_type=True), *frames]
+    return [msgpack.packb(_header(batch, cols), use_bin_type=True), *frames]
 
 
-def decode(frames: Sequence[Any]) -> Batch:
-    """A Batch viewing ``frames`` (bytes, memoryviews or zmq Frames) without copying; WireError if invalid."""
+def shm_layout(columns: Mapping[str, np.ndarray]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Where each (C-contiguous) column goes in one span: name -> (offset in the span, bytes), and the span's
+    size; every offset and the size are multiples of SHM_ALIGN (the size at least SHM_ALIGN)."""
+    layout: dict[str, tuple[int, int]] = {}
+    at = 0
+    for name, arr in columns.items():
+        layout[name] = (at, arr.nbytes)
+        at += -(-arr.nbytes // SHM_ALIGN) * SHM_ALIGN
+    return layout, max(at, SHM_ALIGN)
+
+
+def encode_shm_header(batch: Batch, columns: Mapping[str, np.ndarray], at: Mapping[str, tuple[int, int]],
+                      pool_id: str, pool_size: int) -> bytes:
+    """The one frame of a shared-memory batch: the v1 header whose columns name ``shm_offset`` (absolute, in
+    the pool) and ``nbytes`` instead of a frame, plus ``shm``: the pool's id and size."""
+    cols = [{"name": name, "dtype": arr.dtype.str, "tail": list(arr.shape[1:]), "shm_offset": at[name][0],
+             "nbytes": at[name][1]} for name, arr in columns.items()]
+    return msgpack.packb({**_header(batch, cols), "shm": {"id": pool_id, "size": pool_size}}, use_bin_type=True)
+
+
+def _header(batch: Batch, cols: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"v": FORMAT_VERSION, "run": batch.run, "step": batch.step, "n": batch.num_samples,
+            "offsets": batch.offsets.tolist(), "scalars": batch.scalars, "columns": cols}
+
+
+def decode(frames: Sequence[Any], shm: ShmResolver | None = None) -> Batch:
+    """A Batch viewing ``frames`` (bytes, memoryviews or zmq Frames) without copying; WireError if invalid.
+    A shared-memory header's columns view the mapping ``shm`` returns for the pool it names (no copies
+    either); without ``shm`` such a header is a WireError."""
     if not frames:
         raise WireError("empty message: no header frame")
     try:
@@ -112,20 +144,21 @@ def decode(frames: Sequence[Any]) -> Batch:
         raise WireError(f"header misses or mangles a field: {e!r}") from None
     if offsets.shape != (n + 1,) or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
         raise WireError(f"offsets do not describe {n} samples")
-    if len(frames) != len(cols) + 1:
+    region = _shm_region(h, shm) if "shm" in h else None
+    if region is None and len(frames) != len(cols) + 1:
         raise WireError(f"{len(frames) - 1} column frames, header lists {len(cols)}")
+    if region is not None and len(frames) != 1:
+        raise WireError(f"a shared-memory batch is one frame, got {len(frames)}")
     tokens = int(offsets[-1])
     columns: dict[str, np.ndarray] = {}
     for c in cols:
         try:
-            name, dtype, tail, idx = str(c["name"]), np.dtype(c["dtype"]), tuple(int(x) for x in c["tail"]), c["frame"]
+            name, dtype, tail = str(c["name"]), np.dtype(c["dtype"]), tuple(int(x) for x in c["tail"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise WireError(f"bad column entry {c!r}: {e}") from None
         if dtype.kind not in "biuf" or dtype.itemsize == 0 or any(x < 0 for x in tail):
             raise WireError(f"column {name}: dtype {dtype.str} / tail {list(tail)} is not a numeric column")
-        if not isinstance(idx, int) or not 1 <= idx < len(frames):
-            raise WireError(f"column {name}: frame index {idx!r} out of range")
-        buf = _buffer(frames[idx])
+        buf = _frame_buffer(c, name, frames) if region is None else _shm_buffer(c, name, region)
         need = tokens * int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
         if len(buf) != need:
             raise WireError(f"column {name}: frame has {len(buf)} bytes, header implies {need}")
@@ -133,7 +166,32 @@ def decode(frames: Sequence[Any]) -> Batch:
     for k, v in scalars.items():
         if not isinstance(v, list) or len(v) != n:
             raise WireError(f"scalar {k!r} does not have {n} values")
-    return Batch(run, step, columns, offsets, scalars)
+    return Batch(run, step, columns, offsets, scalars, shm_pool=None if region is None else str(h["shm"]["id"]))
+
+
+def _frame_buffer(c: Mapping[str, Any], name: str, frames: Sequence[Any]) -> memoryview:
+    idx = c.get("frame")
+    if not isinstance(idx, int) or not 1 <= idx < len(frames):
+        raise WireError(f"column {name}: frame index {idx!r} out of range")
+    return _buffer(frames[idx])
+
+
+def _shm_region(h: Mapping[str, Any], shm: ShmResolver | None) -> memoryview:
+    pool = h["shm"]
+    if not (isinstance(pool, dict) and isinstance(pool.get("id"), str) and isinstance(pool.get("size"), int)):
+        raise WireError(f"header field shm must be a map with a str id and an int size, got {pool!r}")
+    if shm is None:
+        raise WireError(f"a shared-memory batch (pool {pool['id']}), and this receiver maps no pool")
+    return shm(pool["id"], pool["size"])
+
+
+def _shm_buffer(c: Mapping[str, Any], name: str, region: memoryview) -> memoryview:
+    at, nbytes = c.get("shm_offset"), c.get("nbytes")
+    if not (isinstance(at, int) and isinstance(nbytes, int)) or at < 0 or nbytes < 0 or at % SHM_ALIGN:
+        raise WireError(f"column {name}: shm_offset {at!r} / nbytes {nbytes!r} are not a {SHM_ALIGN}-aligned span")
+    if at + nbytes > len(region):
+        raise WireError(f"column {name}: bytes {at}..{at + nbytes} lie outside the {len(region)}-byte pool")
+    return region[at:at + nbytes]
 
 
 def _buffer(frame: Any) -> memoryview:

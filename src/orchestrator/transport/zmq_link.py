@@ -9,13 +9,16 @@ or slow trainer back-pressures the pipeline and memory stays bounded by ``hwm`` 
 (``require_report=True``) the sender waits for the trainer's report before sending anything and skips
 the steps the trainer already has, so the trainer sees no step twice and no gap.
 ``announcements()`` yields the checkpoint steps the trainer announces, over ZMQ or as marker files
-(``step_<N>.ready``) in a directory.
+(``step_<N>.ready``) in a directory. With ``shm_bytes`` (same node, ipc:// only) the columns go through a
+shared-memory pool of that size (``orchestrator.transport.shm``) and the ZMQ message is the header alone;
+a step's span is freed when the trainer acknowledges (releases) it.
 
 Trainer side, ``BatchReceiver`` (asyncio) and ``SyncBatchReceiver`` (plain threads): connect PULL and
 PUSH, decode batches without copies, reject a corrupt, duplicate or out-of-order step with a WireError
 (counted in ``rejected``; the receiver keeps running), acknowledge each accepted step (``auto_ack``; or
 call ``ack`` after training on it), report the last step held every STATUS_S while idle, and
-``announce(step)`` tells the orchestrator that weights ``step`` are ready. Importable without verifiers.
+``announce(step)`` tells the orchestrator that weights ``step`` are ready. Shared-memory batches are mapped
+on arrival (see the receivers' docstrings for when they are released). Importable without verifiers.
 
 Trainer -> orchestrator messages (msgpack maps): ``{"have": N}`` (acknowledges every step <= N; -1 for
 none), ``{"have": N, "hello": true}`` (a receiver started: resend what follows N), ``{"checkpoint": N}``
@@ -40,6 +43,7 @@ import zmq.asyncio
 
 from orchestrator.errors import DuplicateStep, TransportError, WireError
 from orchestrator.transport.filesystem import marker_announcements
+from orchestrator.transport.shm import PoolNotMapped, ShmAttachment, ShmPool, pool_socket_path, serve_pool
 from orchestrator.transport.wire import Batch, decode, encode
 
 log = logging.getLogger(__name__)
@@ -69,14 +73,30 @@ class BatchSender:
         self.unacked: dict[int, list[Any]] = {}  # step -> frames, in send order, at most ``window``
         self.skipped: list[int] = []  # steps not sent because the trainer already had them
         self.on_ack: Callable[[int], None] = lambda _step: None  # e.g. release a step's shared memory
+        self.pool: ShmPool | None = None  # set by open(shm_bytes=...): columns go through shared memory
         self._changed = asyncio.Event()  # set on every trainer report
+        self._sending = asyncio.Lock()  # concurrent sends go one at a time, in call order
         self._checkpoints: asyncio.Queue[int] = asyncio.Queue()
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, address: str, hwm: int = 2, warn_s: float = 30.0, *,
-                   require_report: bool = False) -> AsyncIterator[BatchSender]:
-        """Bind; the trainer channel is read by a task this context owns. ``hwm``: unacknowledged steps kept."""
+    async def open(cls, address: str, hwm: int = 2, warn_s: float = 30.0, *, require_report: bool = False,
+                   shm_bytes: int | None = None) -> AsyncIterator[BatchSender]:
+        """Bind; the trainer channel is read by a task this context owns. ``hwm``: unacknowledged steps kept.
+        ``shm_bytes``: send columns through a shared-memory pool of that size, served next to ``address``."""
+        if shm_bytes is not None:
+            pool_socket_path(address)  # TransportError for tcp://, before anything starts
+        async with contextlib.AsyncExitStack() as stack:
+            pool = None if shm_bytes is None else stack.enter_context(contextlib.closing(ShmPool(shm_bytes, warn_s)))
+            sender = await stack.enter_async_context(cls._open(address, hwm, warn_s, require_report))
+            if pool is not None:  # served once the batch address is ours; closed before the pool is
+                await stack.enter_async_context(serve_pool(pool, pool_socket_path(sender.address)))
+                sender.pool, sender.on_ack = pool, pool.release_through
+            yield sender
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def _open(cls, address: str, hwm: int, warn_s: float, require_report: bool) -> AsyncIterator[BatchSender]:
         ctx = zmq.asyncio.Context()
         push = ctx.socket(zmq.PUSH)
         pull = ctx.socket(zmq.PULL)
@@ -114,7 +134,12 @@ class BatchSender:
 
     async def send(self, batch: Batch) -> bool:
         """Send one step, or skip it (False) when the trainer already has it; waits, never drops, while
-        ``hwm`` steps are unacknowledged or (``require_report``) the trainer has not reported yet."""
+        ``hwm`` steps are unacknowledged or (``require_report``) the trainer has not reported yet, and (shared
+        memory) while the pool has no room for the step's columns."""
+        async with self._sending:
+            return await self._send(batch)
+
+    async def _send(self, batch: Batch) -> bool:
         if self.next_step is not None and batch.step != self.next_step:
             raise DuplicateStep(f"refusing to send step {batch.step}: the next step is {self.next_step}")
         if self.require_report:
@@ -126,8 +151,13 @@ class BatchSender:
             return False
         await self._wait(lambda: len(self.unacked) < self.window, batch.step,
                          f"has not acknowledged steps {sorted(self.unacked)}")
-        frames = encode(batch)
-        await self._push(frames, batch.step)
+        frames = encode(batch) if self.pool is None else await self.pool.frames(batch)
+        try:
+            await self._push(frames, batch.step)
+        except BaseException:
+            if self.pool is not None:  # never sent: its span is free again
+                self.pool.drop(batch.step)
+            raise
         self.unacked[batch.step] = frames
         self.next_step = batch.step + 1
         self.bytes_sent += sum(len(f) for f in frames)
@@ -206,28 +236,62 @@ class BatchSender:
 
 
 class _ReceiverCore:
-    """What both receivers share: validation, ordering, counts and the messages back."""
+    """What both receivers share: validation, ordering, counts, the shared-memory mapping and the messages
+    back."""
 
-    def __init__(self, last_step: int | None, auto_ack: bool) -> None:
+    def __init__(self, address: str, last_step: int | None, auto_ack: bool) -> None:
         self.last_step = last_step  # the last step accepted (a trainer resuming from a checkpoint sets it)
         self.acked = last_step  # the last step acknowledged: what the status messages report
         self.announced: int | None = None  # the last checkpoint announced, repeated in status messages
         self.auto_ack = auto_ack
         self.rejected: dict[str, int] = {}
+        self.shm = ShmAttachment(address)  # maps the sender's pool when a shared-memory batch arrives
+        self._unreleased: int | None = None  # auto_ack: a shared-memory step released by the next recv
+
+    def _due_release(self) -> int | None:
+        """The step a ``recv`` call releases first (auto_ack, shared memory): the previous batch is done."""
+        step, self._unreleased = self._unreleased, None
+        return step
+
+    def _acks_now(self, batch: Batch) -> bool:
+        """Whether ``recv`` acknowledges ``batch`` before returning it: auto_ack and not shared memory (a
+        shared-memory batch is acknowledged, i.e. released, by the next ``recv``)."""
+        if self.auto_ack and batch.shm_pool is not None:
+            self._unreleased = batch.step
+            return False
+        return self.auto_ack
+
+    def _set_acked(self, step: int) -> None:
+        self.acked = step
+        if self._unreleased is not None and self._unreleased <= step:
+            self._unreleased = None
 
     def _accept(self, frames: Sequence[Any]) -> Batch | None:
+        """The batch in ``frames``, or None (rejected and counted); PoolNotMapped: call ``_fetch``, then again."""
         try:
-            batch = decode(frames)
+            batch = decode(frames, self.shm.region)
             if self.last_step is not None and batch.step != self.last_step + 1:
                 kind = "duplicate" if batch.step <= self.last_step else "out of order"
                 raise DuplicateStep(f"step {batch.step} is {kind}: the last step received was {self.last_step}")
         except WireError as e:
-            key = type(e).__name__
-            self.rejected[key] = self.rejected.get(key, 0) + 1
-            log.error("rejected a batch: %s", e)
+            self._reject(e)
             return None
         self.last_step = batch.step
         return batch
+
+    def _fetch(self, need: PoolNotMapped) -> bool:
+        """Blocking, briefly: map the pool a header named; False (counted) if it cannot be had."""
+        try:
+            self.shm.fetch(need.pool_id, need.size)
+        except WireError as e:
+            self._reject(e)
+            return False
+        return True
+
+    def _reject(self, e: WireError) -> None:
+        key = type(e).__name__
+        self.rejected[key] = self.rejected.get(key, 0) + 1
+        log.error("rejected a batch: %s", str(e))  # not e: its traceback would keep the batch's views alive
 
     def _status(self, hello: bool = False) -> bytes:
         msg: dict[str, Any] = {"have": -1 if self.acked is None else self.acked}
@@ -244,11 +308,22 @@ class _ReceiverCore:
 
 class BatchReceiver(_ReceiverCore):
     """Trainer side on asyncio. ``recv()`` returns the next valid batch; invalid ones are counted in
-    ``rejected``."""
+    ``rejected``.
+
+    Shared memory (the orchestrator runs ``transport.kind = "shm"``): the batch's columns are read-only views
+    of the orchestrator's pool, mapped on the first such batch (and again after the orchestrator restarts).
+    Acknowledging a step *releases* it: the orchestrator then reuses its bytes for later steps, so the
+    trainer must not touch the batch's arrays (or views of them) after the release; copy what it keeps.
+    With ``auto_ack`` a batch is released when ``recv()`` is called again (or by ``release(batch)`` /
+    ``ack(step)`` earlier); without it, by ``release`` / ``ack``. A trainer that holds a step longer
+    (e.g. several steps in flight) holds the pool's space: the orchestrator waits for room, memory stays
+    bounded. Frame batches (kind = "zmq") are acknowledged on receipt with ``auto_ack``, as before.
+    Fetching the pool's fd is a brief blocking call on a local socket (at most FETCH_TIMEOUT_S).
+    """
 
     def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, *, last_step: int | None = None,
                  auto_ack: bool = True) -> None:
-        super().__init__(last_step, auto_ack)
+        super().__init__(address, last_step, auto_ack)
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -260,37 +335,52 @@ class BatchReceiver(_ReceiverCore):
         zmq.Socket.shadow(self.push.underlying).send(self._status(hello=True), flags=zmq.NOBLOCK)
 
     async def recv(self) -> Batch:
+        if (done := self._due_release()) is not None:
+            await self.ack(done)
         while True:
             if not await self.pull.poll(int(STATUS_S * 1000)):
                 await self.push.send(self._status())
                 continue
-            batch = self._accept(await self.pull.recv_multipart(copy=False))
+            frames = await self.pull.recv_multipart(copy=False)
+            try:
+                batch = self._accept(frames)
+            except PoolNotMapped as need:  # off the loop: the sender may be on this very loop
+                batch = self._accept(frames) if await asyncio.to_thread(self._fetch, need) else None
             if batch is not None:
-                if self.auto_ack:
+                if self._acks_now(batch):
                     await self.ack(batch.step)
                 return batch
 
     async def ack(self, step: int) -> None:
         """Tell the orchestrator that every step up to ``step`` is in hand (sent by ``recv`` with auto_ack;
-        without it, call this once the step is safe, e.g. trained or journalled)."""
-        self.acked = step
+        without it, call this once the step is safe, e.g. trained or journalled). Shared memory: this
+        releases those steps' arrays."""
+        self._set_acked(step)
         await self.push.send(self._status())
+
+    async def release(self, batch: Batch) -> None:
+        """Done with ``batch`` (and every earlier one): ``ack(batch.step)``."""
+        await self.ack(batch.step)
 
     async def announce(self, step: int) -> None:
         """Tell the orchestrator that weights ``step`` are ready to load (repeated in later status messages)."""
         await self.push.send(self._announcement(step))
 
     def close(self) -> None:
+        """Close the sockets and drop the pool's mapping (unmapped once no batch views it)."""
         self.pull.close()
         self.push.close()
+        self.shm.close()
 
 
 class SyncBatchReceiver(_ReceiverCore):
-    """Trainer side without asyncio: the same behaviour as ``BatchReceiver`` with blocking calls."""
+    """Trainer side without asyncio: the same behaviour as ``BatchReceiver`` with blocking calls, shared
+    memory included: with ``auto_ack`` a shared-memory batch is released by the next ``recv()`` (or by
+    ``release(batch)`` / ``ack(step)``); do not touch its arrays after that."""
 
     def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
                  last_step: int | None = None, auto_ack: bool = True) -> None:
-        super().__init__(last_step, auto_ack)
+        super().__init__(address, last_step, auto_ack)
         self.ctx = ctx or zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -303,6 +393,8 @@ class SyncBatchReceiver(_ReceiverCore):
     def recv(self, timeout_s: float | None = None) -> Batch:
         """The next valid batch; TimeoutError after ``timeout_s`` (None: wait for ever)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if (done := self._due_release()) is not None:
+            self.ack(done)
         while True:
             wait = STATUS_S if deadline is None else min(STATUS_S, deadline - time.monotonic())
             if wait <= 0:
@@ -310,15 +402,22 @@ class SyncBatchReceiver(_ReceiverCore):
             if not self.pull.poll(int(wait * 1000)):
                 self.push.send(self._status())
                 continue
-            batch = self._accept(self.pull.recv_multipart(copy=False))
+            frames = self.pull.recv_multipart(copy=False)
+            try:
+                batch = self._accept(frames)
+            except PoolNotMapped as need:
+                batch = self._accept(frames) if self._fetch(need) else None
             if batch is not None:
-                if self.auto_ack:
+                if self._acks_now(batch):
                     self.ack(batch.step)
                 return batch
 
     def ack(self, step: int) -> None:
-        self.acked = step
+        self._set_acked(step)
         self.push.send(self._status())
+
+    def release(self, batch: Batch) -> None:
+        self.ack(batch.step)
 
     def announce(self, step: int) -> None:
         self.push.send(self._announcement(step))
@@ -326,6 +425,7 @@ class SyncBatchReceiver(_ReceiverCore):
     def close(self) -> None:
         self.pull.close()
         self.push.close()
+        self.shm.close()
 
 
 def write_marker(directory: Path, step: int) -> Path:

@@ -1,0 +1,93 @@
+"""One side of the shared-memory transport as its own process, for tests/test_shm.py.
+
+``python tests/shm_peer.py recv ADDRESS --steps N [--last-step K] [--report-every M]``: a SyncBatchReceiver
+(auto_ack: each batch is released by the next recv); checks every batch against ``peer_batch(step)``; prints
+one JSON line per step received, ``{"step", "fds", "maps", "fetches"}`` (open fds, mappings of the pool in
+/proc/self/maps, pools fetched); releases the last batch and exits after N steps.
+
+``python tests/shm_peer.py send ADDRESS --steps N --pool BYTES [--start S] [--hwm H]``: a BatchSender with a
+pool of BYTES; sends steps S..S+N-1, printing ``{"sent": step}`` after each, waits (at most 10 s) for the
+trainer's acknowledgements and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.transport import Batch, BatchSender, SyncBatchReceiver
+
+MEMFD = "/memfd:orchestrator-batches"
+
+
+def peer_batch(step: int, samples: int = 4, tokens_each: int = 16) -> Batch:
+    """A small batch whose every byte depends on ``step``, so a stale or overwritten view shows."""
+    total = samples * tokens_each
+    base = np.arange(total, dtype=np.int64) + step * 7919
+    chunks = {"token_ids": [base.astype(np.int32)], "loss_mask": [(base % 2).astype(np.uint8)],
+              "logprobs": [(base / 1000).astype(np.float32)],
+              "routed_experts": [(base[:, None, None] + np.arange(8).reshape(1, 4, 2)).astype(np.uint8) % 251]}
+    scalars = {"advantage": [float(step)] * samples, "env": ["e"] * samples}
+    return Batch.from_columns("peer", step, chunks, [tokens_each] * samples, scalars)
+
+
+def matches(batch: Batch) -> bool:
+    want = peer_batch(batch.step)
+    return all(np.array_equal(batch.columns[k], v) for k, v in want.columns.items()) and len(batch.columns) == 4
+
+
+def memfd_maps() -> int:
+    return sum(MEMFD in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def open_fds() -> int:
+    return sum(1 for _ in Path("/proc/self/fd").iterdir())
+
+
+def receive(address: str, steps: int, last_step: int | None) -> None:
+    receiver = SyncBatchReceiver(address, last_step=last_step)
+    batch = None
+    try:
+        for _ in range(steps):
+            batch = receiver.recv(timeout_s=20)
+            if not matches(batch) or batch.shm_pool is None:
+                raise SystemExit(f"step {batch.step}: wrong contents or not shared memory")
+            print(json.dumps({"step": batch.step, "fds": open_fds(), "maps": memfd_maps(),
+                              "fetches": receiver.shm.fetches}), flush=True)
+        if batch is not None:
+            receiver.release(batch)
+    finally:
+        receiver.close()
+
+
+async def send(address: str, steps: int, start: int, pool: int, hwm: int) -> None:
+    async with BatchSender.open(address, hwm, warn_s=5.0, shm_bytes=pool) as sender:
+        for step in range(start, start + steps):
+            await sender.send(peer_batch(step))
+            print(json.dumps({"sent": step}), flush=True)
+        async with asyncio.timeout(10):
+            await sender.wait_acked()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["recv", "send"])
+    p.add_argument("address")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--last-step", type=int, default=None)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--pool", type=int, default=1 << 20)
+    p.add_argument("--hwm", type=int, default=2)
+    args = p.parse_args()
+    if args.mode == "recv":
+        receive(args.address, args.steps, args.last_step)
+    else:
+        asyncio.run(send(args.address, args.steps, args.start, args.pool, args.hwm))
+
+
+if __name__ == "__main__":
+    main()
