@@ -355,7 +355,9 @@ async def test_500s_hangs_and_malformed_replies(tmp_path: Path) -> None:
                             "malformed": r"^HarnessError: .*Error code: 502\b"})
     everything = scheduler_failures(run.metrics)
     # <=: rows are those of the groups steps took; all-failed groups are dropped, some are still buffered at the end
-    assert all(0 < rows[kind] <= everything[reason] for kind, reason in kinds.items()), (rows, everything)
+    # (a kind can have no row at all when every group it hit was dropped, e.g. hung groups: their survivors are rare)
+    assert all(rows[kind] <= everything[reason] for kind, reason in kinds.items()), (rows, everything)
+    assert sum(rows.values()) > 0, rows
 
 
 async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
