@@ -23,11 +23,9 @@ Scalars prime-rl has no field for (``reward``, ``rollout``, ...) are not sent. I
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import struct
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +39,7 @@ import zmq.asyncio
 from orchestrator.errors import TransportError, WireError
 from orchestrator.transport.filesystem import marker_announcements
 from orchestrator.transport.wire import Batch
+from orchestrator.transport.zmq_link import push_polling
 
 log = logging.getLogger(__name__)
 
@@ -317,17 +316,7 @@ class PrimeRLSender:
         """Queue one step for the trainer; waits (polling, never blocking the loop) while ZMQ's queue is full
         or no trainer is connected, warning every ``warn_s``."""
         frames = encode_primerl(batch, self.sender_id, temperature=self.temperature)
-        t0 = last = time.monotonic()
-        while True:
-            try:
-                await self.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:
-                await asyncio.sleep(0.01)
-                if time.monotonic() - last >= self.warn_s:
-                    last = time.monotonic()
-                    log.warning("no prime-rl trainer takes step %d at %s (%.0f s so far); waiting", batch.step,
-                                self._address, last - t0)
+        await push_polling(self.push, frames, f"step {batch.step} (prime-rl)", self._address, self.warn_s)
         self._acked = batch.step
         self.bytes_sent += sum(len(f) for f in frames)
         return True

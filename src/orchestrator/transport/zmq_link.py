@@ -59,6 +59,22 @@ def ckpt_address(address: str) -> str:
     return address + ".ckpt"
 
 
+async def push_polling(sock: zmq.asyncio.Socket, frames: Sequence[Any], what: str, address: str, warn_s: float
+                       ) -> None:
+    """Queue one message on a PUSH socket without blocking the loop: poll every 10 ms while its queue is full
+    or no peer is connected, warning every ``warn_s`` that nobody takes ``what``."""
+    t0 = last = time.monotonic()
+    while True:
+        try:
+            await sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return
+        except zmq.Again:
+            await asyncio.sleep(0.01)
+            if time.monotonic() - last >= warn_s:
+                last = time.monotonic()
+                log.warning("no trainer takes %s at %s (%.0f s so far); waiting", what, address, last - t0)
+
+
 class BatchSender:
     def __init__(self, push: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str, window: int,
                  warn_s: float, require_report: bool) -> None:
@@ -180,19 +196,7 @@ class BatchSender:
                             time.monotonic() - t0)
 
     async def _push(self, frames: Sequence[Any], step: int) -> None:
-        """Queue one message in ZMQ; polls (never blocks the loop) while its queue is full or no trainer is
-        connected."""
-        t0 = last = time.monotonic()
-        while True:
-            try:
-                await self.push.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                await asyncio.sleep(0.01)
-                if time.monotonic() - last >= self.warn_s:
-                    last = time.monotonic()
-                    log.warning("no trainer takes step %d at %s (%.0f s so far); waiting", step, self.address,
-                                last - t0)
+        await push_polling(self.push, frames, f"step {step}", self.address, self.warn_s)
 
     async def _read_trainer(self) -> None:
         """Consumes the trainer's messages; produces acknowledgements, resends and checkpoint steps."""
