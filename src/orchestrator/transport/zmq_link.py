@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import zmq
@@ -239,6 +239,20 @@ class BatchSender:
             yield await self._checkpoints.get()
 
 
+_S = TypeVar("_S", bound=zmq.Socket[Any])
+
+
+def _connect(ctx: zmq.Context[_S], address: str) -> tuple[_S, _S]:
+    """A receiver's sockets: PULL from ``address`` (batches), PUSH to its ``.ckpt`` twin (acks, checkpoints)."""
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.connect(address)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(ckpt_address(address))
+    return pull, push
+
+
 class _ReceiverCore:
     """What both receivers share: validation, ordering, counts, the shared-memory mapping and the messages
     back."""
@@ -329,12 +343,7 @@ class BatchReceiver(_ReceiverCore):
                  auto_ack: bool = True) -> None:
         super().__init__(address, last_step, auto_ack)
         self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.connect(address)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 1000)
-        self.push.connect(ckpt_address(address))
+        self.pull, self.push = _connect(self.ctx, address)
         # queued until the orchestrator is there; sent on a sync view so no loop is needed yet
         zmq.Socket.shadow(self.push.underlying).send(self._status(hello=True), flags=zmq.NOBLOCK)
 
@@ -386,12 +395,7 @@ class SyncBatchReceiver(_ReceiverCore):
                  last_step: int | None = None, auto_ack: bool = True) -> None:
         super().__init__(address, last_step, auto_ack)
         self.ctx = ctx or zmq.Context.instance()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.connect(address)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 1000)
-        self.push.connect(ckpt_address(address))
+        self.pull, self.push = _connect(self.ctx, address)
         self.push.send(self._status(hello=True), flags=zmq.NOBLOCK)
 
     def recv(self, timeout_s: float | None = None) -> Batch:
