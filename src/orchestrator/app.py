@@ -198,7 +198,7 @@ class Orchestrator:
 
 
 class Sender(Protocol):
-    """What the orchestrator uses of a batch sender (``BatchSender``, ``FileBatchSender``)."""
+    """What the orchestrator uses of a batch sender (``BatchSender``, ``FileBatchSender``, ``PrimeRLSender``)."""
 
     @property
     def address(self) -> str: ...
