@@ -46,8 +46,24 @@ def test_without_routed_experts() -> None:
         ([Node([1, 2], [True, True], [-1.0])], "1 logprobs for 2 sampled tokens"),
         ([Node([1], [True], [float("nan")])], "non-finite logprob"),
         ([Node([1], routed_experts=routed(1, 2, 3)), Node([2], routed_experts=routed(1, 4, 3))], "shapes differ"),
+        ([Node([1]), Node([2**40])], "node 1: .*"),  # not an int32 token id
+        ([Node([1], [True], ["x"])], "node 0: .*"),  # type: ignore[list-item]
+        ([Node([1, 2]), Node([3], [True], [-1.0, -2.0])], "node 1: 2 logprobs for 1 sampled tokens"),
+        ([Node([1, 2], [True, True], [-1.0, 0.0]), Node([3], [True], [float("inf")])], "node 1: non-finite"),
     ],
 )
 def test_inconsistent_data_is_a_sample_error(nodes: list[Node], message: str) -> None:
     with pytest.raises(SampleError, match=message):
         build_sample(nodes)
+
+
+def test_any_sequence_type_gives_the_same_sample() -> None:
+    as_lists = build_sample([Node([1, 2], [False, True], [-0.5]),
+                             Node([3], [np.True_], [-1.5])])  # type: ignore[list-item]
+    as_other = build_sample([Node((1, 2), (False, True), (-0.5,)),  # type: ignore[arg-type]
+                             Node(np.array([3]), np.array([7]), np.array([-1.5]))])  # type: ignore[arg-type]
+    for a, b in [(as_lists.token_ids, as_other.token_ids), (as_lists.loss_mask, as_other.loss_mask),
+                 (as_lists.logprobs, as_other.logprobs)]:
+        assert a.dtype == b.dtype
+        assert a.tolist() == b.tolist()
+    assert as_lists.loss_mask.tolist() == [0, 1, 1]

@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=20, help="best of N runs, for build and memcpy alike")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args()
 

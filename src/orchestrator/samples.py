@@ -11,11 +11,15 @@ verifiers' ``MessageNode`` without importing verifiers.
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
+assert array("i").itemsize == 4, "token ids are gathered as C int, which must be 32-bit"
 
 
 class SampleError(ValueError):
@@ -56,48 +60,81 @@ class Sample:
 
 
 def build_sample(nodes: Sequence[NodeLike]) -> Sample:
-    """The sample of one root-to-leaf path of nodes. Raises SampleError on inconsistent node data."""
-    ids: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
-    lps: list[np.ndarray] = []
+    """The sample of one root-to-leaf path of nodes. Raises SampleError on inconsistent node data.
+
+    The Python lists of every node are appended into one C buffer per column (``array`` and ``bytes``
+    convert a list without creating a numpy array per node), then each column becomes one numpy array and
+    is checked once, vectorised. Only routed experts, already arrays, are concatenated.
+    """
+    ids, lps, mask = array("i"), array("d"), bytearray()
+    ends: list[int] = []  # token offset after each node
+    lp_ends: list[int] = []  # logprob offset after each node
     routed: list[np.ndarray] = []
     for i, node in enumerate(nodes):
         n = len(node.token_ids)
-        tok = np.asarray(node.token_ids, dtype=np.int32)
-        # an input node (no logprobs, no True in its mask) needs no per-token conversion of its mask
-        plain = not node.logprobs and True not in node.mask
-        mask = np.zeros(n, dtype=bool) if plain or not len(node.mask) else np.asarray(node.mask, dtype=bool)
-        if plain and len(node.mask) not in (0, n):
-            raise SampleError(f"node {i}: mask has {len(node.mask)} entries for {n} tokens")
-        if mask.size != n:
-            raise SampleError(f"node {i}: mask has {mask.size} entries for {n} tokens")
-        sampled = int(np.count_nonzero(mask))
-        if len(node.logprobs) != sampled:
-            raise SampleError(f"node {i}: {len(node.logprobs)} logprobs for {sampled} sampled tokens")
-        lp = np.zeros(n, dtype=np.float32)
-        if sampled:
-            lp[mask] = node.logprobs
-        if not np.all(np.isfinite(lp)):
-            raise SampleError(f"node {i}: non-finite logprob")
-        ids.append(tok)
-        masks.append(mask)
-        lps.append(lp)
+        m = len(node.mask)
+        if m not in (0, n):
+            raise SampleError(f"node {i}: mask has {m} entries for {n} tokens")
+        try:
+            _append(ids, node.token_ids)
+            _append(lps, node.logprobs)
+            mask += _mask_bytes(node.mask) if m else bytes(n)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise SampleError(f"node {i}: {e}") from None
+        ends.append(len(ids))
+        lp_ends.append(len(lps))
         if node.routed_experts is not None:
             r = np.asarray(node.routed_experts)
             if r.ndim != 3 or r.shape[0] != n:
                 raise SampleError(f"node {i}: routed experts shape {r.shape} for {n} tokens "
                                   "(expected [tokens, layers, top_k])")
             routed.append(r.astype(np.uint8, copy=False))
-    if routed and len(routed) != len(ids):
-        raise SampleError(f"routed experts on {len(routed)} of {len(ids)} nodes")
+    if routed and len(routed) != len(ends):
+        raise SampleError(f"routed experts on {len(routed)} of {len(ends)} nodes")
     if routed and len({r.shape[1:] for r in routed}) > 1:
         raise SampleError(f"routed experts shapes differ across nodes: {sorted({r.shape[1:] for r in routed})}")
+    sampled = np.frombuffer(mask, np.uint8) != 0
+    positions = np.flatnonzero(sampled)
+    _check_logprob_counts(positions, ends, lp_ends)
+    sampled_lps = np.frombuffer(lps, np.float64).astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(sampled_lps))
+    if bad.size:
+        raise SampleError(f"node {bisect_right(lp_ends, int(bad[0]))}: non-finite logprob")
+    logprobs = np.zeros(sampled.size, np.float32)
+    logprobs[positions] = sampled_lps
     return Sample(
-        token_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
-        loss_mask=np.concatenate(masks).view(np.uint8) if masks else np.zeros(0, np.uint8),
-        logprobs=np.concatenate(lps) if lps else np.zeros(0, np.float32),
+        token_ids=np.frombuffer(ids, np.int32),
+        loss_mask=sampled.view(np.uint8),
+        logprobs=logprobs,
         routed_experts=np.concatenate(routed) if routed else None,
     )
+
+
+def _append(column: array[Any], values: Any) -> None:
+    if type(values) is list:
+        column.fromlist(values)  # one C loop, no per-element iterator
+    else:
+        column.extend(values)
+
+
+def _mask_bytes(values: Any) -> bytes:
+    """One byte per token, nonzero where sampled; ``bytes(list)`` is the fast path for a list of bools."""
+    if type(values) is list:
+        try:
+            return bytes(values)
+        except (TypeError, ValueError):  # e.g. numpy bools or values > 255: take the general path
+            pass
+    return np.asarray(values, dtype=bool).tobytes()
+
+
+def _check_logprob_counts(positions: np.ndarray, ends: list[int], lp_ends: list[int]) -> None:
+    """Every node must carry exactly one logprob per sampled token (``positions``: sampled token indices)."""
+    per_node_sampled = np.diff(np.searchsorted(positions, ends), prepend=0)
+    per_node_lps = np.diff(np.asarray(lp_ends, np.int64), prepend=0)
+    wrong = np.flatnonzero(per_node_sampled != per_node_lps)
+    if wrong.size:
+        i = int(wrong[0])
+        raise SampleError(f"node {i}: {per_node_lps[i]} logprobs for {per_node_sampled[i]} sampled tokens")
 
 
 def samples_from_trace(trace: Any) -> list[Sample]:
