@@ -14,8 +14,12 @@ Prints ``orch_cpu_ms_per_rollout`` (this process's CPU time / rollouts, start-up
 ``baseline_rollouts_per_s``, ``baseline_cpu_ms_per_rollout`` and ``throughput_ratio`` (target >= 1.0).
 ``max_lag_cpu_ms`` / ``max_lag_wait_ms`` split the worst sample: CPU the loop's thread ran in it, and time
 it was runnable but had no core (see orchestrator.lagmon).
-Last line with --json: JSON. 2 cores run 2 workers, the sim server and the orchestrator here, so lag
-includes time the OS gave the loop's thread to someone else.
+
+The machine's own floor, in the same run: while the 1 ms pass runs, a probe process runs an empty uvloop
+loop with the same 1 ms lag monitor and nothing else. Its ``idle_loop_max_lag_ms`` / ``idle_loop_p99_lag_ms``
+are stalls no code of ours caused (the OS or hypervisor gave the core away); ``max_lag_over_idle_ms`` is how
+far our worst exceeds them. 2 cores run 2 workers, the sim server and the orchestrator here.
+Last line with --json: JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -35,6 +40,23 @@ from orchestrator.assets import tokenizer_dir
 from orchestrator.cli import run_async
 from orchestrator.procs import terminate
 from orchestrator.sim.process import sim_process
+
+PROBE = """
+import asyncio, json, signal, uvloop
+from orchestrator.lagmon import LagMonitor
+
+async def main():
+    lag = LagMonitor(interval_s=0.001, window=1_000_000, warn_ms=1e6, error_ms=1e6)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    task = asyncio.create_task(lag.run())
+    print("ready", flush=True)
+    await stop.wait()
+    task.cancel()
+    print(json.dumps(lag.stats().as_dict()), flush=True)
+
+uvloop.run(main())
+"""
 
 SERVE = """
 import sys
@@ -52,7 +74,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def ours(url: str, rollouts: int, out: Path, lag_interval_s: float) -> dict[str, Any]:
+async def ours(url: str, rollouts: int, out: Path, lag_interval_s: float, probe: bool = False) -> dict[str, Any]:
     from orchestrator.app import Orchestrator
     from orchestrator.config import load_config
 
@@ -92,9 +114,11 @@ sampling = {{ max_tokens = 8 }}
             orch.on_step = lambda m: None
             run = asyncio.ensure_future(orch.run())
             await orch.hub.wait_ready(2, 300)
+            idle = await start_probe() if probe else None
             cpu0, t0 = time.process_time(), time.perf_counter()
             summary = await run
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+            idle_lag = await stop_probe(idle) if idle else {}
         finally:
             await terminate(trainer, 5)
     done = sum(m["rollouts"] for m in summary.metrics)
@@ -102,7 +126,29 @@ sampling = {{ max_tokens = 8 }}
     return {"rollouts": done, "rollouts_per_s": round(done / wall, 1),
             "orch_cpu_ms_per_rollout": round(cpu * 1e3 / done, 3),
             "max_lag_ms": worst["max"], "max_lag_cpu_ms": worst["worst_cpu"], "max_lag_wait_ms": worst["worst_wait"],
-            "p99_lag_ms": max(m["lag"]["p99"] for m in summary.metrics)}
+            "p99_lag_ms": max(m["lag"]["p99"] for m in summary.metrics),
+            "idle_loop_max_lag_ms": round(idle_lag.get("max", 0.0), 3),
+            "idle_loop_p99_lag_ms": round(idle_lag.get("p99", 0.0), 3)}
+
+
+async def start_probe() -> asyncio.subprocess.Process:
+    """The empty-loop lag probe (PROBE), started and sampling."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", PROBE, stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    async with asyncio.timeout(60):
+        if (await proc.stdout.readline()).strip() != b"ready":
+            raise RuntimeError("the lag probe did not start")
+    return proc
+
+
+async def stop_probe(proc: asyncio.subprocess.Process) -> dict[str, float]:
+    """Stop the probe; its lag statistics (ms) over the time it ran."""
+    assert proc.stdout is not None
+    proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(30):
+        line = await proc.stdout.readline()
+    await terminate(proc, 5, signal_first=False)
+    return dict(json.loads(line))
 
 
 async def baseline(url: str, rollouts: int, concurrency: int) -> dict[str, Any]:
@@ -148,11 +194,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # it stands in for GPU servers on other hosts: on this 2-core box it yields to the processes under test
             os.setpriority(os.PRIO_PROCESS, sim.pid, 5)
             mine = await ours(sim.url, args.rollouts, Path(tmp) / "cpu", 0.1)
-            fine = await ours(sim.url, args.rollouts, Path(tmp) / "lag", 0.001)
+            fine = await ours(sim.url, args.rollouts, Path(tmp) / "lag", 0.001, probe=True)
             base = await baseline(sim.url, args.rollouts, args.concurrency)
     mine.update(max_lag_ms_10hz=mine["max_lag_ms"],
                 orch_cpu_ms_per_rollout_1ms_sampling=fine["orch_cpu_ms_per_rollout"])
-    mine.update({k: fine[k] for k in ("max_lag_ms", "max_lag_cpu_ms", "max_lag_wait_ms", "p99_lag_ms")})
+    mine.update({k: fine[k] for k in ("max_lag_ms", "max_lag_cpu_ms", "max_lag_wait_ms", "p99_lag_ms",
+                                      "idle_loop_max_lag_ms", "idle_loop_p99_lag_ms")})
+    mine["max_lag_over_idle_ms"] = round(mine["max_lag_ms"] - mine["idle_loop_max_lag_ms"], 3)
     return {**mine, "baseline_rollouts_per_s": base["rollouts_per_s"],
             "baseline_cpu_ms_per_rollout": base["cpu_ms_per_rollout"], "baseline_ok": base["ok"],
             "throughput_ratio": round(mine["rollouts_per_s"] / base["rollouts_per_s"], 3)}
