@@ -15,33 +15,11 @@ import orjson
 import pytest
 
 from orchestrator.state import load_state
-from orchestrator.testing.procs import orchestrator_process, processes_mentioning, wait_until
+from orchestrator.testing.procs import orchestrator_process, processes_mentioning, wait_until, write_job
 from orchestrator.testing.sim import sim_process
 from orchestrator.transport.trainer import read_journal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-
-
-def write_job(tmp_path: Path, url: str, steps: int) -> tuple[Path, Path]:
-    out = tmp_path / "out"
-    cfg = tmp_path / "job.toml"
-    cfg.write_text(f"""
-[run]
-name = "resume"
-output_dir = "{out}"
-max_steps = {steps}
-[inference]
-servers = ["{url}"]
-[scheduler]
-batch_size = 8
-max_inflight = 8
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 4 }}
-""")
-    return cfg, out
 
 
 def journal_steps(path: Path) -> list[int]:
@@ -61,7 +39,7 @@ async def test_sigkilled_orchestrator_resumes_and_the_trainer_gets_every_step_on
     steps = 8
     journal = tmp_path / "trainer.jsonl"
     async with sim_process() as server:
-        cfg, out = write_job(tmp_path, server.url, steps)
+        cfg, out = write_job(tmp_path, server.url, steps, "resume")
         async with orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--journal", str(journal),
                                         "--train-s", "0.3") as trainer:
             async with orchestrator_process("run", str(cfg)) as run:
@@ -90,7 +68,7 @@ async def test_trainer_absent_at_start_then_killed_and_restarted(tmp_path: Path)
     journal = tmp_path / "trainer.jsonl"
     address = f"ipc://{tmp_path / 'out'}/trainer.sock"
     async with sim_process() as server:
-        cfg, out = write_job(tmp_path, server.url, steps)
+        cfg, out = write_job(tmp_path, server.url, steps, "resume")
         async with orchestrator_process("run", str(cfg)) as run:
             # no trainer: the first step waits in the send (with a warning), the run does not fail
             await wait_until(lambda: bool(processes_mentioning(f"{out}/workers.sock")), 60, "env workers", alive=run)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.testing.procs import processes_mentioning
+from orchestrator.testing.procs import orchestrator_process, processes_mentioning, wait_until, write_job
 from orchestrator.testing.sim import sim_process
 
 pytestmark = pytest.mark.slow
@@ -19,35 +19,13 @@ pytestmark = pytest.mark.slow
 
 async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    out = tmp_path / "out"
     async with sim_process() as server:
-        cfg = tmp_path / "job.toml"
-        cfg.write_text(f"""
-[run]
-name = "shutdown"
-output_dir = "{out}"
-max_steps = 1000
-[inference]
-servers = ["{server.url}"]
-[scheduler]
-batch_size = 8
-max_inflight = 8
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 4 }}
-""")
-        run = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "run", str(cfg))
-        trainer = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "receive", f"ipc://{out}/trainer.sock")
-        try:
-            deadline = time.monotonic() + 120
-            metrics = out / "metrics.jsonl"
-            while not (metrics.exists() and metrics.read_bytes().count(b"\n") >= 1):
-                assert time.monotonic() < deadline, "no step within 120 s"
-                assert run.returncode is None, f"run exited early with {run.returncode}"
-                await asyncio.sleep(0.2)
+        cfg, out = write_job(tmp_path, server.url, 1000, "shutdown")
+        metrics = out / "metrics.jsonl"
+        async with (orchestrator_process("run", str(cfg)) as run,
+                    orchestrator_process("receive", f"ipc://{out}/trainer.sock")):
+            await wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, 120,
+                             "one step", alive=run)
             assert processes_mentioning(f"{out}/workers.sock"), "no env worker was running"
             run.send_signal(signal.SIGTERM)
             start = time.monotonic()
@@ -56,11 +34,6 @@ sampling = {{ max_tokens = 4 }}
             assert code == 130
             await asyncio.sleep(0.5)
             assert processes_mentioning(f"{out}/workers.sock") == []
-        finally:
-            for proc in (run, trainer):
-                if proc.returncode is None:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    await proc.wait()
 
 
 HUNG_CLEANUP = """

@@ -59,3 +59,27 @@ def processes_mentioning(text: str) -> list[int]:
         if text.encode() in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":  # zombies have ended
             pids.append(int(d.name))
     return pids
+
+
+def write_job(directory: Path, url: str, steps: int, name: str) -> tuple[Path, Path]:
+    """A small job (arithmetic, one env worker, 8 rollouts a step) for runs as real processes: writes
+    ``directory/job.toml``; returns it and the run's output directory."""
+    out = directory / "out"
+    cfg = directory / "job.toml"
+    cfg.write_text(f"""
+[run]
+name = "{name}"
+output_dir = "{out}"
+max_steps = {steps}
+[inference]
+servers = ["{url}"]
+[scheduler]
+batch_size = 8
+max_inflight = 8
+[[env]]
+taskset = "orchestrator-arithmetic"
+group_size = 4
+workers = 1
+sampling = {{ max_tokens = 4 }}
+""")
+    return cfg, out
