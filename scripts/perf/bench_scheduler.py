@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -114,11 +116,10 @@ sampling = {{ max_tokens = 8 }}
             orch.on_step = lambda m: None
             run = asyncio.ensure_future(orch.run())
             await orch.hub.wait_ready(2, 300)
-            idle = await start_probe() if probe else None
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            summary = await run
-            cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-            idle_lag = await stop_probe(idle) if idle else {}
+            async with lag_probe(probe) as idle_lag:
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                summary = await run
+                cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
         finally:
             await terminate(trainer, 5)
     done = sum(m["rollouts"] for m in summary.metrics)
@@ -131,24 +132,26 @@ sampling = {{ max_tokens = 8 }}
             "idle_loop_p99_lag_ms": round(idle_lag.get("p99", 0.0), 3)}
 
 
-async def start_probe() -> asyncio.subprocess.Process:
-    """The empty-loop lag probe (PROBE), started and sampling."""
+@contextlib.asynccontextmanager
+async def lag_probe(enabled: bool) -> AsyncIterator[dict[str, float]]:
+    """Runs the empty-loop lag probe (PROBE) for the body; the yielded dict gets its lag statistics (ms)
+    when the body ends. The probe is stopped by its pid however the body ends."""
+    stats: dict[str, float] = {}
+    if not enabled:
+        yield stats
+        return
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", PROBE, stdout=asyncio.subprocess.PIPE)
     assert proc.stdout is not None
-    async with asyncio.timeout(60):
-        if (await proc.stdout.readline()).strip() != b"ready":
-            raise RuntimeError("the lag probe did not start")
-    return proc
-
-
-async def stop_probe(proc: asyncio.subprocess.Process) -> dict[str, float]:
-    """Stop the probe; its lag statistics (ms) over the time it ran."""
-    assert proc.stdout is not None
-    proc.send_signal(signal.SIGTERM)
-    async with asyncio.timeout(30):
-        line = await proc.stdout.readline()
-    await terminate(proc, 5, signal_first=False)
-    return dict(json.loads(line))
+    try:
+        async with asyncio.timeout(60):
+            if (await proc.stdout.readline()).strip() != b"ready":
+                raise RuntimeError("the lag probe did not start")
+        yield stats
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            stats.update(json.loads(await proc.stdout.readline()))
+    finally:
+        await terminate(proc, 5)
 
 
 async def baseline(url: str, rollouts: int, concurrency: int) -> dict[str, Any]:
