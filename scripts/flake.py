@@ -3,9 +3,10 @@
     .venv/bin/python scripts/flake.py                 # 5 runs, one busy process per core
     .venv/bin/python scripts/flake.py --runs 10 --load 3 -- -k faults
 
-Each run is a fresh ``pytest`` process; the busy processes (plain Python spin loops, not niced) run for the
-whole session and are stopped by their pid at the end, however it ends. Prints one line per run (exit
-status, wall time, failed tests) and a summary; the last line is a JSON object. Exits 1 if any run failed.
+Each run is a fresh ``pytest`` process, its output kept in ``outputs/flake/run_N.log``. The busy processes
+(plain Python spin loops, not niced) run for the whole session and are stopped by their pid at the end,
+however it ends. Prints one line per run (exit status, wall time, failed tests) and a summary; the last line
+is a JSON object. Exits 1 if any run failed.
 """
 
 from __future__ import annotations
@@ -29,22 +30,27 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5, help="suite runs (default 5)")
     p.add_argument("--load", type=int, default=os.cpu_count() or 2, help="busy processes (default: one per core)")
     p.add_argument("--stop-on-failure", action="store_true", help="stop after the first failed run")
+    p.add_argument("--logs", type=Path, default=REPO / "outputs" / "flake",
+                   help="each run's full pytest output goes to LOGS/run_N.log (default: outputs/flake)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args()
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args.pytest_args]
     limit = 4 * 3600  # a spinner outlives no session by more than this, even if this script is SIGKILLed
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN.format(limit=limit)]) for _ in range(args.load)]
     runs: list[dict[str, object]] = []
+    args.logs.mkdir(parents=True, exist_ok=True)
     try:
         print(f"flake: {args.runs} runs of the suite with {args.load} busy processes", flush=True)
         for i in range(args.runs):
             t0 = time.monotonic()
             proc = subprocess.run(pytest, cwd=REPO, capture_output=True, text=True, check=False)
             wall = time.monotonic() - t0
+            (args.logs / f"run_{i}.log").write_text(proc.stdout + proc.stderr)
             failed = sorted(set(FAILED.findall(proc.stdout)))
             tail = proc.stdout.strip().splitlines()[-1:] or ["(no output)"]
             runs.append({"run": i, "rc": proc.returncode, "wall_s": round(wall, 1), "failed": failed})
-            print(f"run {i}: exit {proc.returncode} in {wall:.0f} s: {tail[0]}", flush=True)
+            print(f"run {i}: exit {proc.returncode} in {wall:.0f} s: {tail[0]} (log: {args.logs}/run_{i}.log)",
+                  flush=True)
             for name in failed:
                 print(f"    {name}", flush=True)
             if proc.returncode and not failed:  # a crash or a collection error: show the end of the output

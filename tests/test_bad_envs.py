@@ -161,23 +161,24 @@ def test_the_job_finishes_its_steps_despite_failing_environments(job: FaultyJob)
         assert m["failed"] == sum(1 for r in job.rows if r["step"] == m["step"] and not r["ok"])
 
 
-@pytest.mark.parametrize(("env", "reason"), [("rollout", "InjectedFault: injected fault in rollout (task "),
-                                             ("scoring", "InjectedFault: injected fault in scoring (task ")])
-def test_env_errors_are_failed_rollouts_with_their_reason(job: FaultyJob, env: str, reason: str) -> None:
+@pytest.mark.parametrize(("env", "failure", "reason"), [
+    ("rollout", "env_error", "InjectedFault: injected fault in rollout (task "),
+    ("scoring", "scoring_error", "InjectedFault: injected fault in scoring (task ")])
+def test_env_errors_are_failed_rollouts_with_their_reason(job: FaultyJob, env: str, failure: str, reason: str) -> None:
     failed, ok = job.failed(env), job.ok(env)
     assert failed, f"no failed {env} rollout reached a step"
     assert ok, f"no {env} rollout survived (rate 0.5 leaves half of every group)"
     for row in failed:
+        assert row["failure"] == failure, row
         assert reason in row["error"], row
         assert row["advantage"] is None  # nothing of it is trained on
         assert row["tokens"] == 0
     # the rollouts that did not fail in those groups were trained on as usual
     assert {r["group"] for r in failed} <= {r["group"] for r in ok}
     assert all(math.isfinite(r["reward"]) for r in ok)
-    # counted in metrics, by the reason's first word, at least once per failed row that reached a step
+    # counted in metrics, by failure kind, at least once per failed row that reached a step
     counts = job.scheduler_counts()
-    for kind, n in Counter(r["error"].split(":")[0] for r in failed).items():
-        assert counts[f"failed:{kind}"] >= n, (kind, counts)
+    assert counts[f"failed:{failure}"] >= len(failed), counts
     assert sum(m["failed"] for m in job.metrics) >= len(failed)
     # and logged once per rollout, naming the env
     assert any(f"({env}) failed: " in line and reason in line for line in job.warnings)
@@ -197,8 +198,7 @@ def test_invalid_task_data_fails_its_rollouts_with_a_clear_reason(job: FaultyJob
     # counted in metrics (the log also has what happened after the last step's counts were taken)
     counts = job.scheduler_counts()
     assert counts["dropped_groups"] >= 1
-    reason = logged[0].split(" failed: ", 1)[1].split(":")[0]
-    assert counts[f"failed:{reason}"] >= 4, counts
+    assert counts["failed:env_error"] >= 4, counts
 
 
 def test_a_nan_reward_never_reaches_the_trainer(job: FaultyJob) -> None:
@@ -210,7 +210,7 @@ def test_a_nan_reward_never_reaches_the_trainer(job: FaultyJob) -> None:
     assert bad == [], f"{len(bad)} non-finite advantages sent to the trainer, e.g. {bad[:3]}"
     failed = job.failed("nan-reward")
     assert failed, "no nan-reward rollout failed"
-    assert all("reward" in r["error"].lower() for r in failed), failed[:2]
+    assert all(r["failure"] == "invalid_reward" and "reward" in r["error"].lower() for r in failed), failed[:2]
 
 
 # ------------------------------------------------------------------------------ a taskset that cannot load

@@ -9,20 +9,20 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import load_config, to_toml
-from orchestrator.errors import ConfigError, WireError
+from orchestrator.errors import ConfigError, Failure, WireError
 from orchestrator.pipeline.dump import ReplayGroup, dump_due, dump_path, load_dump, write_dump
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.testing.steps import synthetic_config, synthetic_groups
 from orchestrator.transport.wire import encode
-from orchestrator.worker.protocol import RolloutRecord
+from orchestrator.worker.protocol import AssignedRollout, RolloutHeader, RolloutRecord
 
 VOCAB = 1000
 
 
 def step_groups() -> list[ReplayGroup]:
     groups = synthetic_groups(12, 3, 64, 2, 2, group_size=4, seed=1)
-    failed = RolloutRecord({"rid": "g0-x", "group": "g0", "env": groups[0].env, "ok": False, "reward": 0.0,
-                            "error": "group_timeout", "samples": [], "tokens": 0}, [])
+    base = AssignedRollout("g0-x", "g0", groups[0].env, 0, 0, "w", "http://127.0.0.1:9/v1")
+    failed = RolloutRecord(RolloutHeader.failed(base, Failure.GROUP_TIMEOUT, "running for more than 1 s"), [])
     groups[0].records.append(failed)
     groups[0].size += 1
     return groups

@@ -9,11 +9,12 @@ trainer once and in order, that memory stays flat, and that what the run reports
 What the relations below rest on. The arithmetic env makes one model call per rollout, and neither verifiers'
 clients nor the built-in harness retry, so one injected fault fails exactly one rollout. A rollout's record reaches
 ``Scheduler.on_record``, which counts a failure in ``scheduler["failed:<kind>"]`` of the step whose
-``take_counts`` comes next, and reports a provider error (HTTP 5xx, a cut or refused connection) to the pool, whose
-``pool["failed:provider"]`` is cumulative. ``take_counts`` and the copy of the pool's metrics run with no await
-between them, so the running sum of the first equals the second at every step, exactly.
+``take_counts`` comes next, and reports a server's failure (HTTP 5xx, a cut or refused connection, a malformed
+reply) to the pool, whose ``pool["failed:<kind>"]`` is cumulative. ``take_counts`` and the copy of the pool's
+metrics run with no await between them, so the running sum of the first equals the second at every step, exactly.
 
-Two tests fail today, on purpose: they show bugs (see their docstrings).
+No count here depends on timing: on a loaded machine a slow rollout may be failed by its group timeout before its
+fault (a 500, a malformed reply) reaches it, so those relations are inequalities with the timeouts as the slack.
 """
 
 from __future__ import annotations
@@ -41,19 +42,22 @@ from orchestrator.testing.sim import Faults, SimCluster, sim_cluster
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 GROUP = 4
 FAILURES_TO_EVICT = 3
 WARN_INTERVAL_S = 0.5
 LATENCY: dict[str, Any] = {"latency_ms": 10.0, "latency_max_ms": 60.0}  # requests stay in flight long enough to be hit
-JOB_TIMEOUT_S = 60.0
-TEST_TIMEOUT_S = 90.0  # the job plus starting and stopping the servers
+# Bounds, not expectations: a job takes 5-20 s on a quiet 2-core machine and several times that with both cores
+# busy (scripts/flake.py); these only stop a job that would never end.
+JOB_TIMEOUT_S = 150.0
+TEST_TIMEOUT_S = 200.0  # the job plus starting and stopping the servers
 DRAIN_TRAIN_S = 2.0  # the trainer's time per step while a test waits for in-flight rollouts to be handled
 # Memory: each step's heap is freed (gc + malloc_trim) before its RSS is read, so past the first steps RSS must stay
 # flat; growth means something keeps failed rollouts, hung requests or dead connections alive.
 RSS_STEP_GROWTH_MB = 40.0
 RSS_JOB_GROWTH_MB = 150.0  # the whole job in this process: sim servers, pool, hub, trainer, pandas' first use
+PROVIDER, TIMEOUT, MALFORMED = "failed:provider_error", "failed:group_timeout", "failed:malformed_reply"
 
 
 @pytest.fixture(autouse=True)
@@ -215,20 +219,21 @@ def check_delivery_and_memory(run: Run, steps: int) -> None:
     assert run.rss_after - run.rss_before < RSS_JOB_GROWTH_MB, (run.rss_before, run.rss_after)
 
 
-def check_rows(run: Run, kinds: Mapping[str, str]) -> Counter[str]:
-    """Every failed rollout row names its error, of exactly one kind in ``kinds`` (name -> regex); each step's
-    ``failed`` and ``rollouts`` are its rows. Returns the failed rows per kind."""
+def check_rows(run: Run, kinds: Mapping[str, tuple[str, str]]) -> Counter[str]:
+    """Every failed rollout row names its failure and error, of exactly one kind in ``kinds`` (name -> (failure,
+    regex of the error)); each step's ``failed`` and ``rollouts`` are its rows. Returns the failed rows per kind."""
     for m in run.metrics:
         rows = [r for r in run.rows if r["step"] == m["step"]]
         assert (m["rollouts"], m["failed"]) == (len(rows), sum(not r["ok"] for r in rows))
     per_kind: Counter[str] = Counter()
     for r in run.rows:
         if r["ok"]:
-            assert r["error"] is None
+            assert (r["failure"], r["error"]) == (None, None)
             continue
         assert r["error"], r
-        matched = [k for k, pattern in kinds.items() if re.search(pattern, r["error"])]
-        assert len(matched) == 1, f"failed rollout of an unexpected kind: {r['error']!r}"
+        matched = [k for k, (failure, pattern) in kinds.items()
+                   if r["failure"] == failure and re.search(pattern, r["error"])]
+        assert len(matched) == 1, f"failed rollout of an unexpected kind: {r['failure']}: {r['error']!r}"
         per_kind[matched[0]] += 1
     return per_kind
 
@@ -244,8 +249,8 @@ def check_provider_failures_reach_the_pool(metrics: list[dict[str, Any]]) -> Non
     """Exact: each step, the pool's cumulative provider failures equal the scheduler's provider errors so far."""
     running = 0
     for m in metrics:
-        running += m["scheduler"].get("failed:ProviderError", 0)
-        assert m["pool"].get("failed:provider", 0) == running, m["step"]
+        running += m["scheduler"].get(PROVIDER, 0)
+        assert m["pool"].get(PROVIDER, 0) == running, m["step"]
 
 
 # ------------------------------------------------------------------------------------------------ job tests
@@ -269,7 +274,7 @@ async def test_server_killed_mid_step_then_restarted_on_the_same_url(
             facts["cut"] = doomed.counters.hangs
             facts["step_at_kill"] = len(watch.metrics)
             # its cut rollouts fail as provider errors; it leaves rotation; the weight sync of a later step fails
-            await wait_until(lambda: orch.pool.metrics["failed:provider"] >= facts["cut"], 20, "cut rollouts failed",
+            await wait_until(lambda: orch.pool.metrics[PROVIDER] >= facts["cut"], 20, "cut rollouts failed",
                              poll_s=0.01)
             await wait_until(lambda: not pooled.in_rotation and orch.pool.metrics["weight_sync_failed"] >= 1, 20,
                              "the victim evicted and a weight sync failed on it", poll_s=0.01)
@@ -295,26 +300,26 @@ async def test_server_killed_mid_step_then_restarted_on_the_same_url(
     assert "no inference server in rotation" not in caplog.text
     check_provider_failures_reach_the_pool(run.metrics)
     failures = scheduler_failures(run.metrics)
-    assert set(failures) == {"failed:ProviderError"}
-    # >=: each request cut by the kill failed its rollout; rollouts sent to the victim between the kill and its
-    # eviction (refused connections, 503s) failed too, and nothing counts those exactly.
-    assert failures["failed:ProviderError"] >= facts["cut"] >= 1
-    rows = check_rows(run, {"provider": r"^ProviderError: "})
-    assert rows["provider"] <= failures["failed:ProviderError"]  # dropped all-failed groups leave no rows
+    assert set(failures) <= {PROVIDER, TIMEOUT}, failures  # a slow group may time out on a loaded machine
+    # >=: each request cut by the kill failed its rollout (or its group timed out first); rollouts sent to the victim
+    # between the kill and its eviction (refused connections, 503s) failed too, and nothing counts those exactly.
+    assert failures[PROVIDER] + failures[TIMEOUT] >= facts["cut"] >= 1
+    rows = check_rows(run, {"provider": ("provider_error", r"^ProviderError: "), "timeout": ("group_timeout", "")})
+    assert rows["provider"] <= failures[PROVIDER]  # dropped all-failed groups leave no rows
 
 
 async def test_500s_hangs_and_malformed_replies(tmp_path: Path) -> None:
     steps = 14
-    faults = {"error_rate": 0.2, "hang_rate": 0.2, "malformed_rate": 0.2}
-    kinds = {"errors": "failed:ProviderError", "hangs": "failed:group_timeout", "malformed": "failed:HarnessError"}
+    faults = {"error_rate": 0.2, "hang_rate": 0.1, "malformed_rate": 0.2}
+    kinds = {"errors": PROVIDER, "hangs": TIMEOUT, "malformed": MALFORMED}
     facts: dict[str, Any] = {}
     async with cluster3() as cluster:
-        # A hung request is failed by the group timeout: short, so hung groups give their room back soon, and long
-        # against a rollout once the env worker is warm (0.1-1 s) and against FLUSH_S (1 s, after which a hung
-        # rollout's finished siblings report), so only hung rollouts time out and no record comes after its group.
-        # A high async level lets steps take the survivors of timed-out groups (their rows show the timeout).
+        # A hung request is failed by the group timeout: short enough that hung groups give their room back soon,
+        # long against a rollout (0.1-1 s once the env worker is warm, a few seconds with both cores busy) and
+        # against FLUSH_S (1 s, after which a hung rollout's finished siblings report). A slow rollout that times
+        # out anyway is accounted for below. A high async level lets steps take the survivors of timed-out groups.
         cfg = job(tmp_path, cluster.urls, steps=steps, max_inflight=6 * GROUP, async_level=8,
-                  extra="group_timeout_s = 3.0")
+                  extra="group_timeout_s = 8.0")
 
         def inject() -> None:  # right after step 1 (its take_counts is past): the env worker is warm by then
             for i in range(3):
@@ -343,16 +348,23 @@ async def test_500s_hangs_and_malformed_replies(tmp_path: Path) -> None:
     assert facts["steps_at_drain"] <= steps - 2, "the job ended before the faulted rollouts were all handled"
     counted = scheduler_failures(run.metrics[2:])
     assert set(counted) <= set(kinds.values()), counted
-    # exact: one fault, one failed rollout, counted once, as its kind
-    assert {kind: counted[reason] for kind, reason in kinds.items()} == {kind: total[kind] for kind in kinds}
-    # and at every step, nothing counted that had not been injected before it
+    # One fault fails one rollout, counted once, as its kind, unless the rollout's group timed out first (a slow
+    # rollout on a loaded machine): then it counts as a timeout. A hung request always ends in its group's timeout.
+    assert counted[PROVIDER] <= total["errors"], (counted, total)
+    assert counted[MALFORMED] <= total["malformed"], (counted, total)
+    assert counted[TIMEOUT] >= total["hangs"], (counted, total)
+    missed = total["errors"] - counted[PROVIDER] + total["malformed"] - counted[MALFORMED]
+    assert missed <= counted[TIMEOUT] - total["hangs"], (counted, total)  # the timeouts account for every miss
+    # and at every step, nothing counted that had not been injected before it (timeouts aside: see above)
     for k in range(2, steps):
         so_far = scheduler_failures(run.metrics[2:k + 1])
-        assert all(so_far[reason] <= run.watch.injected[k][kind] for kind, reason in kinds.items()), k
+        assert all(so_far[reason] <= run.watch.injected[k][kind] for kind, reason in kinds.items()
+                   if reason != TIMEOUT), k
     check_provider_failures_reach_the_pool(run.metrics)
-    assert run.orch.pool.metrics["failed:provider"] == total["errors"]
-    rows = check_rows(run, {"errors": r"^ProviderError: Error code: 500\b", "hangs": r"^group_timeout: ",
-                            "malformed": r"^HarnessError: .*Error code: 502\b"})
+    assert run.orch.pool.metrics[PROVIDER] == counted[PROVIDER]
+    rows = check_rows(run, {"errors": ("provider_error", r"^ProviderError: Error code: 500\b"),
+                            "hangs": ("group_timeout", r"^running for more than "),
+                            "malformed": ("malformed_reply", r"^HarnessError: .*Error code: 502\b")})
     everything = scheduler_failures(run.metrics)
     # <=: rows are those of the groups steps took; all-failed groups are dropped, some are still buffered at the end
     # (a kind can have no row at all when every group it hit was dropped, e.g. hung groups: their survivors are rare)
@@ -381,7 +393,7 @@ async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: py
                              poll_s=0.01)
             facts["refused"] = injected(cluster)["down"]  # final: no server refuses anything any more
             # exact: every refused request failed one rollout, reported to the pool once
-            await wait_until(lambda: orch.pool.metrics["failed:provider"] == facts["refused"], 20,
+            await wait_until(lambda: orch.pool.metrics[PROVIDER] == facts["refused"], 20,
                              "each refused request counted as one provider failure", poll_s=0.01)
             facts["steps_left"] = steps - len(watch.metrics)
 
@@ -393,7 +405,7 @@ async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: py
     pool = run.orch.pool.metrics
     assert (pool["evictions"], pool["rejoins"]) == (3, 3)
     # each server left after 3 refusals in a row (the sim's admin endpoints ignore `down`: syncs never evict)
-    assert pool["failed:provider"] == facts["refused"] >= 3 * FAILURES_TO_EVICT
+    assert pool[PROVIDER] == facts["refused"] >= 3 * FAILURES_TO_EVICT
     # the waiting was logged: one warning per interval for the whole pool, each counted
     warnings = [r for r in caplog.records if "no inference server in rotation" in r.getMessage()]
     assert warnings
@@ -403,9 +415,10 @@ async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: py
     assert max(m["phase_s"]["wait"] for m in run.metrics) >= hold_s / 2
     check_provider_failures_reach_the_pool(run.metrics)
     failures = scheduler_failures(run.metrics)
-    assert set(failures) == {"failed:ProviderError"}
-    assert failures["failed:ProviderError"] == facts["refused"]  # every refused request was counted by a step
-    rows = check_rows(run, {"refused": r"^ProviderError: Error code: 503\b"})
+    assert set(failures) <= {PROVIDER, TIMEOUT}, failures  # a slow group may time out on a loaded machine
+    assert failures[PROVIDER] == facts["refused"]  # every refused request was counted by a step
+    rows = check_rows(run, {"refused": ("provider_error", r"^ProviderError: Error code: 503\b"),
+                            "timeout": ("group_timeout", "")})
     assert rows["refused"] <= facts["refused"]
 
 
@@ -413,14 +426,12 @@ async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: py
 
 
 async def test_a_server_answering_only_malformed_replies_leaves_rotation(tmp_path: Path) -> None:
-    """Fails today: env workers' malformed replies never reach the pool's health accounting.
+    """Env workers' malformed replies reach the pool's health accounting (found by this suite).
 
-    ``InferencePool.generate`` counts a ``MalformedReply`` as a failure of its server (``malformed``,
-    ``failed:malformed``, eviction after ``failures_to_evict`` in a row). Rollouts do not go through it: the env
-    worker's verifiers client parses the reply, its interception server turns the parse error into a 502 for the
-    harness, and the record arrives with ``stop = "harness_error"``. ``Scheduler.on_record`` reports only
-    ``provider_error`` and timeouts to the pool, so a server that answers nothing but garbage stays in rotation and,
-    since its groups fail at once and leave it the least loaded, keeps getting its share of groups, all dropped."""
+    The env worker's verifiers client parses the reply, its interception server turns the parse error into a 502
+    for the harness, and the worker classifies that as ``malformed_reply``, a server's fault. Without it a server
+    that answers nothing but garbage stays in rotation and, since its groups fail at once and leave it the least
+    loaded, keeps getting its share of groups, all dropped."""
     steps = 4
     async with cluster3() as cluster:
         cluster.set_faults(0, **LATENCY, malformed_rate=1.0)
@@ -430,7 +441,7 @@ async def test_a_server_answering_only_malformed_replies_leaves_rotation(tmp_pat
     check_delivery_and_memory(run, steps)  # the job copes: the other two servers make the steps
     assert bad.malformed >= FAILURES_TO_EVICT  # it answered enough garbage in a row to be evicted
     # each malformed reply failed its rollout (as a harness error) ...
-    assert scheduler_failures(run.metrics)["failed:HarnessError"] >= FAILURES_TO_EVICT
+    assert scheduler_failures(run.metrics)[MALFORMED] >= FAILURES_TO_EVICT
     # ... but the pool never heard of any of them
     pool = run.orch.pool.metrics
     assert pool["evictions"] >= 1, (f"{cluster.urls[0]} answered {bad.malformed} of {bad.requests} requests with "
@@ -438,13 +449,9 @@ async def test_a_server_answering_only_malformed_replies_leaves_rotation(tmp_pat
 
 
 async def test_killing_a_server_cuts_a_request_waiting_on_its_pause() -> None:
-    """Fails today: ``SimCluster.kill`` never returns while the server is handling a request that waits.
-
-    ``SimCluster._start`` builds its ``AppRunner`` with ``shutdown_timeout=0.0``, which aiohttp (``ceil_timeout``)
-    reads as no limit, so ``runner.cleanup()`` waits for every handler still running. ``kill`` releases held (hung)
-    requests first, but not one waiting on a pause (a weight sync in progress), nor one held after the release
-    while the runner closes: the kill, documented to cut in-flight requests, hangs instead. The job tests above
-    work around it (``kill``, ``settle``)."""
+    """``SimCluster.kill`` returns while the server is handling a request that waits on a pause (found by this
+    suite: an ``AppRunner`` with ``shutdown_timeout=0.0`` waited for every running handler, since aiohttp reads 0 as
+    no limit)."""
     async with sim_cluster(1) as cluster, aiohttp.ClientSession() as session:
         server = cluster[0]
         root = cluster.urls[0].removesuffix("/v1")

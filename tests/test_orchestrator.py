@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import orjson
@@ -169,18 +171,22 @@ sampling = { max_tokens = 4 }
 
             def kill_after_first_step(metrics: dict[str, object]) -> None:
                 if not killed:
-                    killed.append(orch.hub.kill_local(0))
+                    pid = orch.hub.local_pids()["local-0"]
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
 
             orch.on_step = kill_after_first_step
             async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
                 tg.create_task(trainer.run())
                 await orch.run()
-            spawned = orch.hub._spawned
+            restarts, pids = orch.hub.metrics["restarts"], orch.hub.local_pids()
     assert killed
     assert [r.step for r in trainer.received] == list(range(8))
-    assert spawned == 3  # two at start, one restart
+    assert restarts == 1  # restarted once, under its name
+    assert killed[0] not in pids.values()
+    assert len(pids) == 2
     rows = [orjson.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_bytes().splitlines()]
-    died = [r for r in rows if r["error"] and r["error"].startswith("worker_died")]
+    died = [r for r in rows if r["failure"] == "worker_died"]
     metrics = [orjson.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_bytes().splitlines()]
     reported = sum(m["scheduler"].get("failed:worker_died", 0) for m in metrics)
     assert reported >= len(died)

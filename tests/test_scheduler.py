@@ -12,6 +12,7 @@ import pytest
 from orchestrator.config import JobConfig, load_config
 from orchestrator.inference.pool import InferencePool
 from orchestrator.scheduler import Scheduler
+from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub, Outcome
 
 
@@ -41,21 +42,21 @@ async def test_whole_groups_fill_a_step(tmp_path: Path) -> None:
         groups = await asyncio.wait_for(sched.next_step(0), 5)
     assert sum(len(g.survivors) for g in groups) == 8
     assert all(g.size == 4 for g in groups)
-    assert hub.assigned[0]["server"] == "http://127.0.0.1:9/v1"
+    assert hub.assigned[0].server == "http://127.0.0.1:9/v1"
 
 
 async def test_partial_group_trains_its_survivors(tmp_path: Path) -> None:
-    async with running(config(tmp_path), lambda e, rid: "boom: bad" if rid.endswith("-0") else 0.5) as (sched, _):
+    async with running(config(tmp_path), lambda e, rid: "env_error: bad" if rid.endswith("-0") else 0.5) as (sched, _):
         groups = await asyncio.wait_for(sched.next_step(0), 5)
         counts = sched.take_counts()
     assert all(len(g.survivors) == 3 for g in groups)
     assert all(len(g.records) == 4 for g in groups)
-    assert counts["failed:boom"] >= len(groups)  # groups that finished after the step count too
+    assert counts["failed:env_error"] >= len(groups)  # groups that finished after the step count too
 
 
 async def test_all_failed_group_is_dropped_and_counted(tmp_path: Path) -> None:
     def outcome(env: str, rid: str) -> Outcome:
-        return "provider_error: down" if rid.startswith("g1-") else 1.0
+        return "env_error: broken" if rid.startswith("g1-") else 1.0
 
     async with running(config(tmp_path), outcome) as (sched, _):
         groups = await asyncio.wait_for(sched.next_step(0), 5)
@@ -100,8 +101,7 @@ async def test_boundary_of_async_level_is_inclusive(tmp_path: Path) -> None:
 async def test_stale_in_flight_groups_are_cancelled(tmp_path: Path) -> None:
     cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 0\nmax_off_policy_steps = 1")
     async with running(cfg, lambda e, r: None) as (sched, hub):  # nothing ever returns
-        await asyncio.sleep(0.05)
-        assert sched.inflight_rollouts == 8
+        await wait_until(lambda: sched.inflight_rollouts == 8, 10, "8 rollouts in flight", poll_s=0.01)
         await sched.set_policy(2)  # 0 < 2 - 1: every in-flight group is too old
         counts = sched.take_counts()
     assert counts["cancelled"] == 8
@@ -125,12 +125,12 @@ async def test_group_timeout_fails_missing_rollouts(tmp_path: Path) -> None:
 async def test_buffer_bound_pauses_generation(tmp_path: Path) -> None:
     cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 16\nmax_buffered_rollouts = 12")
     async with running(cfg) as (sched, hub):
-        await asyncio.sleep(0.1)  # nobody takes a step: the buffer fills up to the bound and stops
-        assert sched.buffered + sched.inflight_rollouts <= 12
+        # nobody takes a step: the buffer fills up to the bound and admission stops there
+        await wait_until(lambda: sched.buffered == 12, 10, "a full buffer", poll_s=0.01)
         assert len(hub.assigned) == 3
+        assert not sched._room(4)
         await asyncio.wait_for(sched.next_step(0), 5)
-        await asyncio.sleep(0.05)
-        assert len(hub.assigned) > 3  # taking a step made room
+        await wait_until(lambda: len(hub.assigned) > 3, 10, "taking a step made room", poll_s=0.01)
 
 
 async def test_mixing_ratio_follows_weights(tmp_path: Path) -> None:
@@ -141,7 +141,7 @@ async def test_mixing_ratio_follows_weights(tmp_path: Path) -> None:
         for step in range(10):
             await sched.set_policy(step)  # as weight sync after each trainer step would
             await asyncio.wait_for(sched.next_step(step), 5)
-        share = Counter(m["env"] for m in hub.assigned)
+        share = Counter(m.env for m in hub.assigned)
     ratio = share["a"] / (share["a"] + share["b"])
     assert 0.65 <= ratio <= 0.85, share
 
@@ -151,14 +151,15 @@ async def test_task_order_is_deterministic_under_seed(tmp_path: Path) -> None:
     for _ in range(2):
         async with running(config(tmp_path)) as (sched, hub):
             await asyncio.wait_for(sched.next_step(0), 5)
-            orders.append([m["task"] for m in hub.assigned[:2]])
+            orders.append([m.task for m in hub.assigned[:2]])
     assert orders[0] == orders[1]
 
 
 async def test_lost_worker_fails_its_rollouts(tmp_path: Path) -> None:
-    async with running(config(tmp_path, "batch_size = 4\nmax_inflight = 4"), lambda e, r: None) as (sched, _):
-        await asyncio.sleep(0.05)
-        sched.on_lost("w1", ["g1-0", "g1-1", "g1-2", "g1-3"])
+    async with running(config(tmp_path, "batch_size = 4\nmax_inflight = 4"), lambda e, r: None) as (sched, hub):
+        await wait_until(lambda: sched.inflight_rollouts == 4, 10, "4 rollouts in flight", poll_s=0.01)
+        hub.lose(["g1-0", "g1-1", "g1-2", "g1-3"])
+        await wait_until(lambda: "g1" not in sched.inflight, 10, "the lost rollouts failed", poll_s=0.01)
         counts: dict[str, Any] = sched.take_counts()
     assert counts["failed:worker_died"] == 4
     assert counts["dropped_groups"] == 1
@@ -174,15 +175,12 @@ def test_impossible_bounds_are_config_errors(tmp_path: Path, bad: str) -> None:
 
 async def test_provider_failures_reach_the_pool(tmp_path: Path) -> None:
     cfg = config(tmp_path, "batch_size = 4\nmax_inflight = 4")
-    hub = FakeWorkerHub({"a": 50}, lambda e, r: "provider_error: refused")
-    async with InferencePool.open(cfg.inference) as pool:
-        sched = Scheduler(cfg, pool, hub)  # type: ignore[arg-type]
-        hub.stop = "provider_error"
-        await sched._open("a", 4)
-        await asyncio.sleep(0.05)
-        hub.close()
-    assert pool.metrics["failed:provider"] == 4
-    assert not pool.servers[0].in_rotation  # failures_to_evict (3) in a row
+    async with running(cfg, lambda e, r: "provider_error: refused") as (sched, _):
+        pool = sched.pool
+        # the first group's 4 failures evict the only server (failures_to_evict = 3): no second group opens
+        await wait_until(lambda: not pool.servers[0].in_rotation and not sched.inflight, 10, "the server evicted",
+                         poll_s=0.01)
+    assert pool.metrics["failed:provider_error"] == 4
 
 
 async def test_a_step_that_cannot_fill_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture,

@@ -8,8 +8,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from orchestrator.errors import Failure
 from orchestrator.worker.process import LoadedEnv, Worker
-from orchestrator.worker.protocol import split_records, unpack
+from orchestrator.worker.protocol import Assign, Records, decode_worker_message, split_records
 
 
 class SlotsRaise:
@@ -32,17 +33,18 @@ async def test_a_group_whose_setup_raises_fails_each_rollout_and_the_worker_goes
         worker = Worker("inproc://unused", "w0")
         worker.envs["bad"] = LoadedEnv("bad", SlotsRaise())
         monkeypatch.setattr(worker, "_model_context", lambda server, sampling: None)
-        msg = {"group": "g7", "env": "bad", "task": 0, "rids": ["g7-0", "g7-1"], "server": "http://127.0.0.1:9/v1",
-               "sampling": {}, "policy_step": 3}
+        msg = Assign("g7", "bad", 0, ["g7-0", "g7-1"], "http://127.0.0.1:9/v1", {}, 3)
         await worker._run_group(a, msg)  # returns: no exception reaches the worker's TaskGroup
         frames = await b.recv_multipart(copy=False)
-        head = unpack(frames[0].buffer)
+        head = decode_worker_message(frames[0].buffer)
+        assert isinstance(head, Records)
         records = split_records(head, [f.buffer for f in frames[1:]])
-        assert [r.header["rid"] for r in records] == ["g7-0", "g7-1"]
-        assert all(not r.ok for r in records)
-        assert all(r.header["error"] == "env_error: RuntimeError: cannot make 2 slots for {'prompt': '1 + 1'}"
-                   for r in records)
-        assert records[0].header["policy_step"] == 3
+        assert [r.rid for r in records] == ["g7-0", "g7-1"]
+        assert all(not r.ok and r.header.failure is Failure.ENV for r in records)
+        assert all(r.header.error == "RuntimeError: cannot make 2 slots for {'prompt': '1 + 1'}" for r in records)
+        assert records[0].header.policy_step == 3
+        for r in records:
+            r.check()  # what the hub checks: a failed record names its failure and carries no data
         assert "g7" not in worker.groups
     finally:
         a.close()

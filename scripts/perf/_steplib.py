@@ -72,7 +72,7 @@ class StepInput:
 
     @property
     def tokens(self) -> int:
-        return sum(int(r.header.get("tokens", 0)) for g in self.groups for r in g.records)
+        return sum(r.tokens for g in self.groups for r in g.records)
 
 
 def synthetic_input(rollouts: int, turns: int, tokens: int, layers: int, top_k: int, *, group_size: int = 8,

@@ -38,6 +38,7 @@ from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.process import Worker
+from orchestrator.worker.protocol import EnvSpec, Setup
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +77,17 @@ class Orchestrator:
     async def open(cls, cfg: JobConfig, *, resume: bool = False) -> AsyncIterator[Orchestrator]:
         out, state = await asyncio.to_thread(_prepare_output, cfg, resume)
         workers = sum(e.workers for e in cfg.env)
-        setup = {"envs": [{"name": e.label, "taskset": e.taskset, "args": e.args} for e in cfg.env],
-                 "model": cfg.model.name, "tokenizer": cfg.model.tokenizer or str(tokenizer_dir())}
+        setup = Setup([EnvSpec(e.label, e.taskset, e.args) for e in cfg.env], cfg.model.name,
+                      cfg.model.tokenizer or str(tokenizer_dir()))
         worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
         env_vars = {"HOME": os.environ.get("HOME", str(out))}
         async with contextlib.AsyncExitStack() as stack:
             pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume))
-            hub = await stack.enter_async_context(WorkerHub.open(worker_address, setup, workers, env_vars,
-                                                                     cfg.scheduler.worker_nice))
+            hub = await stack.enter_async_context(WorkerHub.open(worker_address, setup, workers,
+                                                                 cfg.scheduler.remote_workers, env_vars,
+                                                                 cfg.scheduler.worker_nice))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             try:
                 yield cls(cfg, pool, hub, sender, state)
@@ -106,10 +108,14 @@ class Orchestrator:
             background = [tg.create_task(self.lag.run()), tg.create_task(self.pool.run()),
                           tg.create_task(self.hub.run())]
             local = sum(e.workers for e in cfg.env)
-            if local == 0:  # debugging mode: environments run on this loop
+            remote = cfg.scheduler.remote_workers
+            if local + remote == 0:  # debugging mode: environments run on this loop
                 log.warning("workers = 0: environments run inside the orchestrator process (debugging only)")
                 background.append(tg.create_task(_in_process_worker(self.hub.address)))
-            await self.hub.wait_ready(max(local, 1), WORKER_READY_TIMEOUT_S)
+            elif remote:
+                log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote,
+                         self.hub.address)
+            await self.hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
             if self.state.policy_step:
                 await self.pool.update_weights(self.state.policy_step)
             sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, self.state.task_cursors)
@@ -170,7 +176,8 @@ class Orchestrator:
         lag = self.lag.reset()
         extra = {"samples": result.batch.num_samples, "policy": sched.policy, "sent": sent,
                  "orch_cpu_ms_per_rollout": round((time.process_time() - cpu0) * 1e3 / max(len(result.rows), 1), 3),
-                 "filters": result.filter_counts, "scheduler": counts, "pool": dict(self.pool.metrics)}
+                 "filters": result.filter_counts, "scheduler": counts, "pool": dict(self.pool.metrics),
+                 "hub": dict(self.hub.metrics)}
         if (shm := getattr(self.sender, "pool", None)) is not None:  # kind = shm: live MB and spans of the pool
             extra.update(shm.metrics())
         rows = result.rows

@@ -90,6 +90,8 @@ class SchedulerConfig:
     max_off_policy_steps: int = opt(4, ge=0, doc="in-flight rollouts this many steps old are cancelled")
     group_timeout_s: float = opt(600.0, gt=0, doc="a group still running after this long is failed")
     worker_address: str | None = opt(None, doc="ZMQ address env workers connect to; unset: ipc:// in output_dir")
+    remote_workers: int = opt(0, ge=0, doc="env workers on other hosts (orchestrator env-worker --connect "
+                              "worker_address) that must be ready before the first group")
     max_buffered_rollouts: int = opt(1024, ge=1, doc="finished rollouts not in a step yet; full: no new work")
     worker_nice: int = opt(5, ge=0, le=19, doc="niceness added to local env workers, so the loop gets a busy CPU first")
 

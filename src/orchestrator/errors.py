@@ -5,20 +5,42 @@
     OrchestratorError                 base: anything this package raises on purpose
     ├── ConfigError                   the job's config is wrong (the CLI exits with status 2)
     ├── InferenceError                an inference server failed a request
-    │   ├── ServerUnavailable         no server in rotation, or the chosen one is out of rotation
     │   └── MalformedReply            a reply that does not match the protocol
     ├── WireError                     a transport message that cannot be accepted
     │   └── DuplicateStep             a step already received (or out of order)
     ├── EnvironmentLoadError          an environment could not be loaded
-    └── RolloutError                  a rollout failed; carries the reason recorded for it
+    └── WorkerError                   env workers cannot serve the job (none became ready in time)
 
-Catch only what you can handle: a failed rollout is data (counted and logged once), a ConfigError
-stops the process before anything starts, everything else propagates to the TaskGroup that owns the task.
+Catch only what you can handle: a failed rollout is data (a ``Failure`` kind, below, counted and logged once,
+never an exception), a ConfigError stops the process before anything starts, everything else propagates to
+the TaskGroup that owns the task.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
+
+
+class Failure(enum.StrEnum):
+    """Why a rollout failed: the reason counted in metrics (``failed:<kind>``) and written in each row."""
+
+    PROVIDER = "provider_error"  # the inference server refused or failed a request (HTTP error, connection)
+    TIMEOUT = "timeout"  # a request to the inference server, or the rollout's own deadline, timed out
+    MALFORMED = "malformed_reply"  # the inference server answered something that does not parse
+    ENV = "env_error"  # the environment (its harness, setup or task code) raised
+    SCORING = "scoring_error"  # the environment's reward or metric functions raised
+    INVALID_REWARD = "invalid_reward"  # a reward that is not a finite number
+    BAD_SAMPLE = "inconsistent_sample"  # trace data that cannot make a training sample
+    CORRUPT = "corrupt_record"  # a record whose frames do not match its header
+    WORKER_DIED = "worker_died"  # the env worker running it died, froze or was dropped
+    STALE = "stale"  # cancelled: sampled too many policy versions ago
+    GROUP_TIMEOUT = "group_timeout"  # its group ran longer than scheduler.group_timeout_s
+
+    @property
+    def server_fault(self) -> bool:
+        """Whether the inference server is to blame (it counts against that server's health)."""
+        return self in (Failure.PROVIDER, Failure.TIMEOUT, Failure.MALFORMED)
 
 
 class OrchestratorError(Exception):
@@ -34,15 +56,18 @@ class ConfigError(OrchestratorError):
 
 
 class InferenceError(OrchestratorError):
-    """An inference server failed a request (HTTP error, timeout, refused connection)."""
+    """An inference server failed a request (HTTP error, timeout, refused connection); ``kind`` says which."""
 
-
-class ServerUnavailable(InferenceError):
-    """No inference server is in rotation, or the requested one is not."""
+    def __init__(self, message: str, kind: Failure | None = None) -> None:
+        super().__init__(message)
+        self.kind = Failure.PROVIDER if kind is None else kind
 
 
 class MalformedReply(InferenceError):
     """An inference reply that does not match the protocol (bad JSON, bad token string, NaN logprob...)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, Failure.MALFORMED)
 
 
 class WireError(OrchestratorError):
@@ -61,9 +86,5 @@ class EnvironmentLoadError(OrchestratorError):
     """An environment could not be loaded; the message names the environment."""
 
 
-class RolloutError(OrchestratorError):
-    """A rollout failed; ``reason`` is the short machine-readable cause that is counted in metrics."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        self.reason = reason
-        super().__init__(f"{reason}: {message}")
+class WorkerError(OrchestratorError):
+    """Env workers cannot serve the job (e.g. none became ready in time); the message says what is missing."""

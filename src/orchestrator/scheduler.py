@@ -1,8 +1,9 @@
 """The rollout scheduler: continuous batching of groups, partial groups, off-policy bounds.
 
-``run()`` consumes room (in-flight and buffer capacity) and produces group assignments to env workers;
-it wakes when a group finishes or a step takes rollouts. ``on_record`` consumes finished rollouts (from
-the worker hub) and completes groups. ``next_step(step)`` waits for, and takes, the groups of one step.
+``run()`` owns two loops: admission consumes room (in-flight and buffer capacity) and produces group
+assignments to env workers, waking when a group finishes or a step takes rollouts; intake consumes the
+worker hub's events (finished rollouts, lost workers) and completes groups. ``next_step(step)`` waits for,
+and takes, the groups of one step.
 
 Rules, with every bound from the config:
 
@@ -30,18 +31,31 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from orchestrator.config import JobConfig
+from orchestrator.errors import Failure
 from orchestrator.inference.pool import InferencePool, Server
-from orchestrator.worker.hub import WorkerHub
-from orchestrator.worker.protocol import RolloutRecord
+from orchestrator.worker.hub import HubEvent, RecordsIn
+from orchestrator.worker.protocol import Assign, AssignedRollout, RolloutHeader, RolloutRecord
 
 log = logging.getLogger(__name__)
 
 STALL_WARN_S = 60.0  # a step that has not grown for this long gets a warning saying why, and again after as long
+
+
+class WorkerLink(Protocol):
+    """What the scheduler uses of the env workers (``WorkerHub``; ``testing.workers.FakeWorkerHub``)."""
+
+    events: asyncio.Queue[HubEvent]
+    tasks_per_env: dict[str, int]
+
+    def has_ready(self) -> bool: ...
+    def assign(self, msg: Assign) -> str: ...  # returns the worker's name
+    def cancel(self, group: str, rids: list[str]) -> None: ...
+    def worker_stats(self) -> dict[str, tuple[int, float | None]]: ...  # name -> (completed, RSS MB)
 
 
 @dataclass
@@ -52,6 +66,7 @@ class Group:
     policy: int
     size: int
     server: Server
+    worker: str = ""
     started: float = field(default_factory=time.monotonic)
     records: list[RolloutRecord] = field(default_factory=list)
     missing: set[str] = field(default_factory=set)
@@ -79,7 +94,7 @@ class TaskOrder:
 
 
 class Scheduler:
-    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, policy: int = 0,
+    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerLink, policy: int = 0,
                  cursors: dict[str, int] | None = None) -> None:
         self.cfg = cfg
         self.s = cfg.scheduler
@@ -102,8 +117,6 @@ class Scheduler:
         self.counts: Counter[str] = Counter()  # per step: completed, failed:<reason>, dropped, cancelled...
         self._worker_seen: dict[str, int] = {}  # worker -> rollouts completed at the last take_counts
         self._rates_t = time.monotonic()
-        hub.on_record = self.on_record
-        hub.on_lost = self.on_lost
 
     @property
     def inflight_rollouts(self) -> int:
@@ -114,23 +127,43 @@ class Scheduler:
         return used + size <= self.s.max_inflight and used + self.buffered + size <= self.s.max_buffered_rollouts
 
     async def run(self) -> None:
-        """Open groups while there is room; check group timeouts. Runs until cancelled."""
+        """Admission and intake (see the module docstring), until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._intake())
+            await self._admit()
+
+    async def _intake(self) -> None:
+        """Consumes the hub's events; produces completed groups. Wakes on each event."""
+        while True:
+            event = await self.hub.events.get()
+            if isinstance(event, RecordsIn):
+                for record in event.records:
+                    self.on_record(record)
+            else:
+                self.on_lost(event.worker, event.rids, event.why)
+
+    async def _admit(self) -> None:
+        """Open groups while there is room; check group timeouts."""
         while True:
             await self._expire()
             env = self.cfg.env[int(self.rng.choice(len(self.cfg.env), p=self.env_p))]
-            while not (self._room(env.group_size) and self.hub.has_ready()):
-                self._wake.clear()
-                try:
-                    async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it can swallow a cancel
-                        await self._wake.wait()
-                except TimeoutError:
-                    await self._expire()
-            await self._open(env.label, env.group_size)
+            while True:
+                while not (self._room(env.group_size) and self.hub.has_ready()):
+                    self._wake.clear()
+                    try:
+                        async with asyncio.timeout(1.0):  # not wait_for: on 3.11 it can swallow a cancel
+                            await self._wake.wait()
+                    except TimeoutError:
+                        await self._expire()
+                server = await self.pool.acquire(env.group_size)  # may wait for a server to rejoin rotation
+                if self.hub.has_ready():
+                    break
+                self.pool.release(server, env.group_size)  # the last worker left meanwhile
+            self._open(env.label, env.group_size, server)
             await asyncio.sleep(0)  # let records in before the next group, even when every await above was ready
 
-    async def _open(self, env_name: str, size: int) -> None:
+    def _open(self, env_name: str, size: int, server: Server) -> None:
         env = self.envs[env_name]
-        server = await self.pool.acquire(size)
         self._counter += 1
         gid = f"g{self._counter}"
         group = Group(gid, env_name, self.orders[env_name].next(), self.policy, size, server)
@@ -141,38 +174,38 @@ class Scheduler:
             self.by_rid[rid] = group
         sampling = {"max_tokens": env.sampling.max_tokens, "temperature": env.sampling.temperature,
                     "top_p": env.sampling.top_p}
-        await self.hub.assign({"group": gid, "env": env_name, "task": group.task, "rids": rids,
-                               "server": server.url, "sampling": sampling, "policy_step": self.policy})
+        group.worker = self.hub.assign(Assign(gid, env_name, group.task, rids, server.url, sampling, self.policy))
 
     def on_record(self, record: RolloutRecord) -> None:
-        rid = str(record.header.get("rid"))
-        group = self.by_rid.pop(rid, None)
-        if group is None or rid not in group.missing:
+        h = record.header
+        group = self.by_rid.pop(h.rid, None)
+        if group is None or h.rid not in group.missing:
             self.counts["late"] += 1  # a cancelled or timed-out group's straggler
             return
-        group.missing.discard(rid)
+        h.env, h.task, h.policy_step = group.env, group.task, group.policy  # ours, whatever the worker said
+        group.missing.discard(h.rid)
         group.records.append(record)
         if record.ok:
             self.counts["completed"] += 1
             self.pool.report_success(group.server)
         else:
-            h = record.header
-            if h.get("stop") == "provider_error" or h.get("is_timeout") or h.get("server_fault"):
-                # env workers call the server directly: failures that are the server's feed the pool's health
-                kind = "provider" if h.get("stop") == "provider_error" or h.get("is_timeout") else "malformed"
-                self.pool.report_failure(group.server, f"{kind}: {h.get('error')}")
-            reason = str(record.header.get("error") or "unknown").split(":")[0]
-            self.counts[f"failed:{reason}"] += 1
-            log.warning("rollout %s (%s) failed: %s", rid, group.env, record.header.get("error"))
+            kind = h.failure or Failure.ENV
+            if kind.server_fault:  # env workers call the server directly: its failures feed the pool's health
+                self.pool.report_failure(group.server, kind, h.error or "")
+            self.counts[f"failed:{kind}"] += 1
+            log.warning("rollout %s (%s) failed: %s: %s", h.rid, group.env, kind, h.error)
         if not group.missing:
             self._finish(group)
 
-    def on_lost(self, worker: str, rids: list[str]) -> None:
+    def on_lost(self, worker: str, rids: list[str], why: str) -> None:
         for rid in rids:
             group = self.by_rid.get(rid)
             if group is not None:
-                self.on_record(RolloutRecord({"rid": rid, "env": group.env, "ok": False,
-                                              "error": f"worker_died: env worker {worker} died"}, []))
+                self._fail(group, rid, Failure.WORKER_DIED, f"env worker {worker}: {why}")
+
+    def _fail(self, group: Group, rid: str, kind: Failure, why: str) -> None:
+        base = AssignedRollout(rid, group.gid, group.env, group.task, group.policy, group.worker, group.server.url)
+        self.on_record(RolloutRecord(RolloutHeader.failed(base, kind, why), []))
 
     def _finish(self, group: Group) -> None:
         del self.inflight[group.gid]
@@ -196,16 +229,16 @@ class Scheduler:
         limit = self.policy - self.s.max_off_policy_steps
         for group in list(self.inflight.values()):
             if group.policy < limit:
-                reason = f"stale: sampled with policy {group.policy}, now {self.policy}"
+                kind, why = Failure.STALE, f"sampled with policy {group.policy}, now {self.policy}"
                 self.counts["cancelled"] += len(group.missing)
             elif now - group.started > self.s.group_timeout_s:
-                reason = f"group_timeout: running for more than {self.s.group_timeout_s:g} s"
-                self.pool.report_failure(group.server, f"timeout: group {group.gid} {reason}")  # a hung server
+                kind, why = Failure.GROUP_TIMEOUT, f"running for more than {self.s.group_timeout_s:g} s"
+                self.pool.report_failure(group.server, Failure.TIMEOUT, f"group {group.gid} {why}")  # a hung server
             else:
                 continue
-            await self.hub.cancel(group.gid, sorted(group.missing))
+            self.hub.cancel(group.gid, sorted(group.missing))
             for rid in sorted(group.missing):
-                self.on_record(RolloutRecord({"rid": rid, "env": group.env, "ok": False, "error": reason}, []))
+                self._fail(group, rid, kind, why)
 
     async def set_policy(self, step: int) -> None:
         """The servers now sample with weights ``step``: cancel in-flight groups that became too old."""
@@ -234,8 +267,7 @@ class Scheduler:
                 self.counts["stale_rollouts"] += len(group.survivors)
                 continue
             taken.append(group)
-            count += len(group.survivors) if self.s.batch_size else sum(int(r.header.get("tokens", 0))
-                                                                         for r in group.survivors)
+            count += len(group.survivors) if self.s.batch_size else sum(r.tokens for r in group.survivors)
         return taken
 
     def _warn_stall(self, step: int, count: int, target: int, waited_s: float) -> None:
@@ -251,16 +283,16 @@ class Scheduler:
         self.counts.clear()
         return out
 
-    def _worker_rates(self) -> dict[str, dict[str, float]]:
-        """Per worker, since the last call: rollouts completed and rollouts/s."""
+    def _worker_rates(self) -> dict[str, dict[str, float | None]]:
+        """Per worker, since the last call: rollouts completed and rollouts/s; and its RSS in MB."""
         now = time.monotonic()
         elapsed = max(now - self._rates_t, 1e-9)
         self._rates_t = now
-        out = {}
-        for w in self.hub.workers.values():
-            n = w.completed - self._worker_seen.get(w.name, 0)
-            self._worker_seen[w.name] = w.completed
-            out[w.name] = {"rollouts": n, "rollouts_per_s": round(n / elapsed, 2)}
+        out: dict[str, dict[str, float | None]] = {}
+        for name, (completed, rss) in self.hub.worker_stats().items():
+            n = completed - self._worker_seen.get(name, 0)
+            self._worker_seen[name] = completed
+            out[name] = {"rollouts": n, "rollouts_per_s": round(n / elapsed, 2), "rss_mb": rss}
         return out
 
     def cursors(self) -> dict[str, int]:

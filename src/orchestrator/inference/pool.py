@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from orchestrator.config import InferenceConfig
-from orchestrator.errors import InferenceError, MalformedReply
+from orchestrator.errors import Failure, InferenceError, MalformedReply
 from orchestrator.inference.replies import Generation
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer
 
@@ -133,13 +133,13 @@ class InferencePool:
     def report_success(self, server: Server) -> None:
         server.failures = 0
 
-    def report_failure(self, server: Server, reason: str, *, evict: bool = False) -> None:
+    def report_failure(self, server: Server, kind: Failure, detail: str, *, evict: bool = False) -> None:
         """Count a failed request; evict the server after ``failures_to_evict`` in a row (or now: ``evict``)."""
         server.failures += 1
-        server.last_error = reason
-        self.metrics[f"failed:{reason.split(':')[0]}"] += 1
+        server.last_error = f"{kind}: {detail}"
+        self.metrics[f"failed:{kind}"] += 1
         if server.in_rotation and (evict or server.failures >= self.cfg.failures_to_evict):
-            self._set_rotation(server, False, f"{server.failures} failure(s) in a row, last: {reason}")
+            self._set_rotation(server, False, f"{server.failures} failure(s) in a row, last: {server.last_error}")
 
     def _set_rotation(self, server: Server, on: bool, why: str) -> None:
         if server.in_rotation == on:
@@ -182,7 +182,7 @@ class InferencePool:
             async with asyncio.timeout(timeout_s):
                 return await call
         except TimeoutError:
-            raise InferenceError(f"timeout: {what} took more than {timeout_s:g} s") from None
+            raise InferenceError(f"{what} took more than {timeout_s:g} s", Failure.TIMEOUT) from None
 
     # ------------------------------------------------------------------------------------------- calls
 
@@ -200,13 +200,13 @@ class InferencePool:
             except MalformedReply as e:
                 self.metrics["malformed"] += 1
                 log.warning("malformed reply from %s: %s", server.url, e)
-                self.report_failure(server, f"malformed: {e}")
+                self.report_failure(server, e.kind, str(e))
                 last = e
             except InferenceError as e:
-                timeout = str(e).startswith("timeout")
+                timeout = e.kind is Failure.TIMEOUT
                 self.metrics["timeouts"] += timeout
                 log.warning("generate on %s failed: %s", server.url, e)
-                self.report_failure(server, str(e), evict=timeout)
+                self.report_failure(server, e.kind, str(e), evict=timeout)
                 last = e
             else:
                 self.report_success(server)

@@ -70,10 +70,10 @@ class HttpInferenceServer:
             async with self._session.request(method, url, data=data, headers=_JSON) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise InferenceError(f"http_{resp.status}: {method} {url}: HTTP {resp.status}: {raw[:200]!r}")
+                    raise InferenceError(f"{method} {url}: HTTP {resp.status}: {raw[:200]!r}")
                 return raw
         except (aiohttp.ClientError, OSError) as e:
-            raise InferenceError(f"connection: {method} {url}: {type(e).__name__}: {e}") from None
+            raise InferenceError(f"{method} {url}: {type(e).__name__}: {e}") from None
 
 
 def _json_object(raw: bytes, what: str) -> dict[str, Any]:

@@ -35,11 +35,11 @@ import orjson
 from orchestrator.errors import WireError
 from orchestrator.transport.filesystem import read_frame_file, write_frame_file
 from orchestrator.transport.wire import Batch, decode, encode
-from orchestrator.worker.protocol import RolloutRecord
+from orchestrator.worker.protocol import RolloutRecord, header_from_dict, header_to_dict
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: rollout headers carry a failure kind
 MAGIC = b"ORCFRM01"
 ALIGN = 64
 _ROW_OPTS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
@@ -131,7 +131,8 @@ def write_dump(final: Path, step: int, groups: Sequence[GroupLike], batch: Batch
     tmp.mkdir()
     index = {"v": FORMAT_VERSION, "groups": [
         {"gid": g.gid, "env": g.env, "task": g.task, "policy": g.policy, "size": getattr(g, "size", len(g.records)),
-         "records": [{"header": r.header, "frames": len(r.frames)} for r in g.records]} for g in groups]}
+         "records": [{"header": header_to_dict(r.header), "frames": len(r.frames)} for r in g.records]}
+        for g in groups]}
     record_frames = [msgpack.packb(index, use_bin_type=True), *(f for g in groups for r in g.records for f in r.frames)]
     sizes = {"records": write_frames(tmp / "records.frames", record_frames),
              "batch": write_frames(tmp / "batch.frames", encode(batch))}
@@ -166,7 +167,7 @@ def load_dump(path: str | Path) -> StepDump:
         groups = [ReplayGroup(str(g["gid"]), str(g["env"]), int(g["task"]), int(g["policy"]), int(g["size"]))
                   for g in index["groups"]]
         counts = [[int(r["frames"]) for r in g["records"]] for g in index["groups"]]
-        headers = [[dict(r["header"]) for r in g["records"]] for g in index["groups"]]
+        headers = [[header_from_dict(r["header"]) for r in g["records"]] for g in index["groups"]]
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
         raise WireError(f"{path / 'records.frames'}: bad record index: {e!r}") from None
     if sum(map(sum, counts)) != len(frames) - 1:

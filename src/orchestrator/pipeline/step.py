@@ -68,28 +68,28 @@ class StepBuilder:
         rows: list[dict[str, Any]] = []
         trained: list[tuple[RolloutRecord, float]] = []
         for g, adv in zip(groups, advantages, strict=True):
-            rows += [{"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": r.header.get("rid"),
+            rows += [{"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": r.rid,
                       "reward": 0.0, "advantage": None, "ok": False, "filters": [], "filtered": False,
-                      "error": r.header.get("error"), "tokens": 0, "policy": g.policy, "off_policy": step - g.policy}
+                      "failure": r.header.failure, "error": r.header.error, "tokens": 0, "policy": g.policy,
+                      "off_policy": step - g.policy, "wall_s": r.header.wall_s, "worker": r.header.worker}
                      for r in g.records if not r.ok]
             for rec, a in zip(g.survivors, adv.tolist(), strict=True):
                 verdict = self.filters(rec, a)
                 if not verdict.filtered:
                     trained.append((rec, a))
                 h = rec.header
-                rows.append({"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": h.get("rid"),
+                rows.append({"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": h.rid,
                              "reward": rec.reward, "advantage": a, "ok": True, "filters": list(verdict.matched),
-                             "filtered": verdict.filtered, "error": None, "tokens": int(h.get("tokens", 0)),
-                             "samples": len(h.get("samples", [])), "policy": g.policy, "off_policy": step - g.policy,
-                             "metrics": h.get("metrics", {}), "stop": h.get("stop"), "wall_s": h.get("wall_s"),
-                             "worker": h.get("worker")})
+                             "filtered": verdict.filtered, "failure": None, "error": None, "tokens": h.tokens,
+                             "samples": len(h.samples), "policy": g.policy, "off_policy": step - g.policy,
+                             "metrics": h.metrics, "stop": h.stop, "wall_s": h.wall_s, "worker": h.worker})
         return rows, trained
 
     def assemble(self, step: int, trained: Sequence[tuple[RolloutRecord, float]]) -> Batch:
         """Phase ``assemble``: concatenate every trained rollout's column frames once; scalars per sample."""
         lengths: list[int] = []
         scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": []}
-        tails = {tuple(s[1:]) for rec, _ in trained for s in rec.header.get("samples", [])}
+        tails = {s[1:] for rec, _ in trained for s in rec.header.samples}
         with_routed = len(tails) == 1 and (0, 0) not in tails
         if len(tails) > 1:
             log.warning("step %d: routed-expert shapes differ across rollouts %s; the batch carries none",
@@ -98,18 +98,17 @@ class StepBuilder:
         if with_routed:
             chunks[ROUTED] = []
         for rec, adv in trained:
-            shapes = rec.header.get("samples", [])
+            shapes = rec.header.samples
             if not shapes:
                 continue
             for name in TOKEN_COLUMNS:
                 chunks[name].append(rec.column(name))
             if with_routed:
-                tokens = sum(int(s[0]) for s in shapes)
-                chunks[ROUTED].append(rec.column(ROUTED).reshape(tokens, *shapes[0][1:]))
+                chunks[ROUTED].append(rec.column(ROUTED).reshape(rec.tokens, *shapes[0][1:]))
             for s in shapes:
-                lengths.append(int(s[0]))
+                lengths.append(s[0])
                 scalars["advantage"].append(adv)
                 scalars["reward"].append(rec.reward)
                 scalars["env"].append(rec.env)
-                scalars["rollout"].append(rec.header.get("rid"))
+                scalars["rollout"].append(rec.rid)
         return Batch.from_columns(self.run, step, chunks, lengths, scalars)

@@ -2,7 +2,7 @@
 
 ``synthetic_groups`` makes ``rollouts`` records in groups of ``group_size``; each record has one sample of
 ``tokens`` tokens over ``turns`` turns (half prompt, half sampled per turn), routed experts ``layers`` x
-``top_k`` (none when either is 0), binary rewards, and the same header keys and column frames as
+``top_k`` (none when either is 0), binary rewards, and the same header fields and column frames as
 ``worker.process.episode_record``. Seeded: the same arguments give the same bytes. Used by tests and by
 ``scripts/perf`` (synthetic dumps, replay, bench_step).
 """
@@ -13,7 +13,7 @@ import numpy as np
 
 from orchestrator.config import EnvConfig, InferenceConfig, JobConfig, RunConfig, SchedulerConfig
 from orchestrator.pipeline.dump import ReplayGroup
-from orchestrator.worker.protocol import RolloutRecord
+from orchestrator.worker.protocol import RolloutHeader, RolloutRecord
 
 ENVS = ("synth-a", "synth-b")
 
@@ -38,11 +38,11 @@ def synthetic_record(rng: np.random.Generator, rid: str, gid: str, env: str, tas
     logprobs = np.where(mask, rng.normal(-1.0, 0.5, tokens), 0.0).astype(np.float32)
     routed = (np.frombuffer(rng.bytes(tokens * layers * top_k), np.uint8) if layers and top_k
               else np.zeros(0, np.uint8))
-    shape = [tokens, layers, top_k] if layers and top_k else [tokens, 0, 0]
-    header = {"rid": rid, "group": gid, "env": env, "task": task, "policy_step": 0, "worker": "synthetic",
-              "server": "synthetic", "ok": True, "reward": float(rng.integers(0, 2)),
-              "metrics": {"correct": 1.0}, "error": None, "stop": "length", "is_timeout": False,
-              "samples": [shape], "tokens": tokens, "wall_s": round(float(rng.uniform(1, 30)), 4), "frames": 4}
+    shape = (tokens, layers, top_k) if layers and top_k else (tokens, 0, 0)
+    header = RolloutHeader(rid=rid, group=gid, env=env, task=task, policy_step=0, worker="synthetic",
+                           server="synthetic", ok=True, reward=float(rng.integers(0, 2)), metrics={"correct": 1.0},
+                           stop="length", samples=[shape], tokens=tokens,
+                           wall_s=round(float(rng.uniform(1, 30)), 4), frames=4)
     frames = [a.data.cast("B") for a in (token_ids, mask, logprobs, routed)]
     return RolloutRecord(header, frames)
 

@@ -1,11 +1,26 @@
-"""The orchestrator's side of the env workers: one ZMQ ROUTER, local worker processes, liveness.
+"""The orchestrator's side of the env workers: one ZMQ ROUTER, local worker processes, supervision.
 
-Workers connect (local ones are started here; remote ones by hand with ``orchestrator env-worker``), get
-the environments in a ``setup`` message and report ``ready``. ``assign`` sends a group to the ready
-worker with the fewest rollouts in flight. ``run()`` consumes worker messages and produces calls to
-``on_record`` (one per finished rollout) and ``on_lost`` (the rollouts of a worker that died); it wakes
-when the socket is readable and every HEARTBEAT_S to check liveness. A worker silent for ``DEAD_AFTER_S``
-is dead: its in-flight rollouts fail with reason ``worker_died`` and a local one is restarted.
+Workers connect (local ones are started here; remote ones by hand with ``orchestrator env-worker``), say
+``hello``, get the environments in a ``setup`` message and report ``ready``. ``assign`` sends a group to the
+ready worker with the fewest rollouts in flight. ``run()`` consumes worker messages and produces events on
+``events`` for the scheduler: ``RecordsIn`` (finished rollouts) and ``WorkerLost`` (the rollouts of a worker
+that died, froze or was dropped). It wakes when the socket is readable and every HEARTBEAT_S to supervise.
+
+Every message is decoded once, at the edge, into a typed struct (protocol.py). Nothing a worker sends can
+stop the hub: the reader callback never raises; an invalid message is a counted rejection naming the worker
+(``metrics["rejected:<why>"]``), and a worker whose invalid messages reach MAX_STRIKES is dropped (its
+rollouts fail with ``worker_died``; a local one is killed and restarted; its name is not admitted again). A
+record counts only when it comes from the worker its group was assigned to, for a rollout still in flight
+there; a straggler of a cancelled group is counted as ``late``. A worker's ``fatal`` ends that worker (a
+local one is restarted, backing off), not the job, unless no worker is ready and every worker that tried
+has failed to load the environments: then ``run()`` raises EnvironmentLoadError.
+
+Supervision: a ready worker silent for DEAD_AFTER_S (one still loading its environments: LOAD_TIMEOUT_S) is
+lost (a local one is killed and restarted); a remote one that speaks again is sent ``setup`` and re-admitted
+when it answers ``ready``.
+
+``events`` is bounded by construction: a record is admitted only for a rollout in flight on its worker (at
+most ``scheduler.max_inflight`` at once), and a worker is lost once.
 
 Per-rollout cost on the loop is what limits how many workers one orchestrator feeds, so the socket is a
 plain (sync) ZMQ socket read from a loop reader callback that drains up to DRAIN_MAX messages per
@@ -22,57 +37,105 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import Counter, deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import zmq
 
-from orchestrator.errors import EnvironmentLoadError, TransportError, WireError
+from orchestrator.errors import EnvironmentLoadError, Failure, TransportError, WireError, WorkerError
 from orchestrator.procs import child_env, terminate
-from orchestrator.worker.protocol import HEARTBEAT_S, RolloutRecord, pack, split_records, unpack
+from orchestrator.worker.protocol import (
+    HEARTBEAT_S,
+    Assign,
+    Cancel,
+    Fatal,
+    Heartbeat,
+    Hello,
+    Ready,
+    Records,
+    RolloutHeader,
+    RolloutRecord,
+    Setup,
+    Stop,
+    decode_worker_message,
+    pack,
+    split_records,
+)
 
 log = logging.getLogger(__name__)
 
 DEAD_AFTER_S = 10 * HEARTBEAT_S
+LOAD_TIMEOUT_S = 300.0  # a worker that said hello loads its environments (importing verifiers, ...) within this
 DRAIN_MAX = 16  # messages handled per reader wake-up before other callbacks get the loop
+MAX_STRIKES = 20  # invalid messages after which a worker is dropped
+LATE_KEPT = 4096  # cancelled rollout ids remembered per worker, so their stragglers count as late, not forged
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # local restarts after consecutive failures
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum cost
+
+
+@dataclass(frozen=True, slots=True)
+class RecordsIn:
+    """Finished rollouts from ``worker``, each for a rollout that was in flight there."""
+
+    worker: str
+    records: list[RolloutRecord]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLost:
+    """``worker`` is gone (``why``); ``rids``, in flight on it, will never come back."""
+
+    worker: str
+    rids: list[str]
+    why: str
+
+
+HubEvent = RecordsIn | WorkerLost
 
 
 @dataclass
 class WorkerState:
+    ident: bytes
     name: str
+    pid: int | None = None
     ready: bool = False
     last_seen: float = field(default_factory=time.monotonic)
-    rids: set[str] = field(default_factory=set)  # rollouts in flight on it
-    pid: int | None = None
+    rids: dict[str, str] = field(default_factory=dict)  # rollouts in flight on it -> their group
+    late: deque[str] = field(default_factory=lambda: deque(maxlen=LATE_KEPT))  # cancelled rollout ids
+    strikes: int = 0
     completed: int = 0
-    proc: asyncio.subprocess.Process | None = None  # set for local workers
+    rss_mb: float | None = None
 
 
 class WorkerHub:
-    def __init__(self, sock: zmq.Socket[bytes], address: str, setup: dict[str, Any], local: int,
-                 env_vars: dict[str, str], nice: int = 0) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], address: str, setup: Setup, local: int, remote: int = 0,
+                 env_vars: dict[str, str] | None = None, nice: int = 0) -> None:
         self.sock = sock
         self.address = address
         self.setup = setup
         self.local = local
-        self.env_vars = env_vars
+        self.expected = max(local + remote, 1)
+        self.env_vars = dict(env_vars or {})
         self.nice = nice
         self.workers: dict[bytes, WorkerState] = {}
         self.tasks_per_env: dict[str, int] = {}
-        self.on_record: Callable[[RolloutRecord], None] = lambda _r: None
-        self.on_lost: Callable[[str, list[str]], None] = lambda _w, _rids: None
+        self.events: asyncio.Queue[HubEvent] = asyncio.Queue()  # bounded by construction (module docstring)
+        self.metrics: Counter[str] = Counter()  # rejected:<why>, late, dropped, lost, fatal, restarts
+        self._procs: dict[str, asyncio.subprocess.Process] = {}  # local workers by name
+        self._restart_at: dict[str, float] = {}  # local worker slots waiting to be restarted -> when
+        self._failures_in_a_row = 0  # local workers that exited before becoming ready
+        self._load_failures = 0  # fatal reports while no worker was ready
+        self._banned: set[bytes] = set()
         self._ready = asyncio.Event()
-        self._procs: list[asyncio.subprocess.Process] = []
         self._spawned = 0
-        self.rejected = 0
-        self._fatal: asyncio.Future[None] | None = None
+        self._failed: asyncio.Future[None] | None = None
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, address: str, setup: dict[str, Any], local: int,
+    async def open(cls, address: str, setup: Setup, local: int, remote: int = 0,
                    env_vars: dict[str, str] | None = None, nice: int = 0) -> AsyncIterator[WorkerHub]:
         """Bind ``address`` and start ``local`` worker processes (niceness + ``nice``); on exit stop them
         (by pid) and close."""
@@ -89,7 +152,7 @@ class WorkerHub:
             ctx.term()
             raise TransportError(f"cannot bind the env workers' address {address}: {e}") from None
         address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        hub = cls(sock, address, setup, local, dict(env_vars or {}), nice)
+        hub = cls(sock, address, setup, local, remote, env_vars, nice)
         try:
             for _ in range(local):
                 await hub._spawn()
@@ -99,166 +162,276 @@ class WorkerHub:
             sock.close()
             ctx.term()
 
-    async def _spawn(self) -> asyncio.subprocess.Process:
-        name = f"local-{self._spawned}"
-        self._spawned += 1
+    async def _spawn(self, name: str | None = None) -> None:
+        if name is None:
+            name = f"local-{self._spawned}"
+            self._spawned += 1
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect", self.address,
             "--id", name, "--nice", str(self.nice), env=child_env(self.env_vars),
         )
-        self._procs.append(proc)
-        log.info("started env worker pid %d", proc.pid)
-        return proc
+        self._procs[name] = proc
+        self._banned.discard(name.encode())  # a fresh process under the name of one that was dropped
+        log.info("started env worker %s (pid %d)", name, proc.pid)
 
     async def _stop_all(self) -> None:
         for ident, w in self.workers.items():
-            self._send(ident, {"type": "stop"})
+            self._send(ident, Stop())
             w.ready = False
-        for proc in self._procs:  # asked to stop above; killed if still there after 5 s
+        for proc in self._procs.values():  # asked to stop above; killed if still there after 5 s
             await terminate(proc, 5.0, signal_first=False)
 
     async def wait_ready(self, n: int, timeout_s: float) -> None:
-        """Wait until ``n`` workers are ready (raises EnvironmentLoadError from a worker's ``fatal``)."""
-        async with asyncio.timeout(timeout_s):
-            while sum(w.ready for w in self.workers.values()) < n:
-                self._ready.clear()
-                await self._ready.wait()
+        """Wait until ``n`` workers are ready; WorkerError naming what is missing after ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while sum(w.ready for w in self.workers.values()) < n:
+                    self._ready.clear()
+                    await self._ready.wait()
+        except TimeoutError:
+            ready = sum(w.ready for w in self.workers.values())
+            raise WorkerError(f"{ready} of {n} env workers ready after {timeout_s:.0f} s at {self.address} "
+                              f"({len(self.workers)} connected, {self.metrics['restarts']} local restarts); "
+                              "see the env workers' logs") from None
 
     # --------------------------------------------------------------------------------------- messages
 
     async def run(self) -> None:
-        """Receive worker messages (reader callback) and check liveness until cancelled; raises
-        EnvironmentLoadError when a worker reports ``fatal``."""
+        """Receive worker messages (reader callback) and supervise workers until cancelled; raises
+        EnvironmentLoadError when no worker can load the environments."""
         loop = asyncio.get_running_loop()
-        self._fatal = loop.create_future()
+        self._failed = loop.create_future()
         fd = self.sock.fileno()
         loop.add_reader(fd, self._drain)
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._liveness())
+                tg.create_task(self._supervise())
                 loop.call_soon(self._drain)  # messages queued before the reader was registered
-                await self._fatal
+                await self._failed
         finally:
             loop.remove_reader(fd)
 
     def _drain(self) -> None:
         """Handle queued messages. ZMQ's fd is edge-triggered: read until EVENTS has no POLLIN, in slices of
-        DRAIN_MAX so a flood cannot hold the loop."""
+        DRAIN_MAX so a flood cannot hold the loop. Never raises: a message is handled or rejected."""
         for _ in range(DRAIN_MAX):
-            if self._fatal is None or self._fatal.done() or not cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN:
+            if self._failed is None or self._failed.done() or not cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
-            ident, *frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+            try:
+                ident, *frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             try:
                 self._handle(ident.bytes, frames)
-            except EnvironmentLoadError as e:
-                self._fatal.set_exception(e)
-                return
+            except Exception:  # a bug here must not stop the hub, nor skip the rest of the drain
+                self.metrics["rejected:internal_error"] += 1
+                log.exception("internal error handling a message from worker %r", ident.bytes[:64])
         asyncio.get_running_loop().call_soon(self._drain)
 
     def _handle(self, ident: bytes, frames: list[Any]) -> None:
-        try:
-            msg = unpack(frames[0].buffer)
-        except WireError as e:
-            self.rejected += 1
-            log.warning("rejected a message from worker %r: %s", ident, e)
+        if ident in self._banned:
+            self.metrics["rejected:dropped_worker"] += 1
             return
         worker = self.workers.get(ident)
+        try:
+            msg = decode_worker_message(frames[0].buffer)
+        except WireError as e:
+            self._reject(worker, ident, "undecodable", str(e))
+            return
+        if isinstance(msg, Hello):
+            self._hello(ident, msg)
+            return
         if worker is None:
-            worker = self.workers[ident] = WorkerState(str(msg.get("worker", ident)), pid=msg.get("pid"))
+            if isinstance(msg, Heartbeat):  # a worker we forgot (silent for a while, or our predecessor's)
+                log.info("env worker %s is back: sending setup to re-admit it", msg.worker)
+                self._hello(ident, Hello(msg.worker))
+            else:
+                self._reject(None, ident, "no_hello", f"{type(msg).__name__.lower()} before hello")
+            return
         worker.last_seen = time.monotonic()
-        kind = msg["type"]
-        if kind == "records":
+        if isinstance(msg, Records):
             self._records(worker, msg, [f.buffer for f in frames[1:]])
-        elif kind == "hello":
-            self._send(ident, {"type": "setup", **self.setup})
-        elif kind == "ready":
-            worker.ready = True
-            self.tasks_per_env = dict(msg["envs"])
-            log.info("env worker %s ready (%s)", worker.name, ", ".join(f"{k}: {v} tasks"
-                                                                    for k, v in msg["envs"].items()))
-            self._ready.set()
-        elif kind == "fatal":
-            raise EnvironmentLoadError(f"env worker {worker.name}: {msg.get('error')}")
+        elif isinstance(msg, Heartbeat):
+            worker.rss_mb = msg.rss_mb
+        elif isinstance(msg, Ready):
+            self._on_ready(worker, msg)
+        elif isinstance(msg, Fatal):
+            self._fatal(worker, msg)
 
-    def _records(self, worker: WorkerState, msg: dict[str, Any], frames: list[memoryview]) -> None:
+    def _hello(self, ident: bytes, msg: Hello) -> None:
+        old = self.workers.pop(ident, None)
+        if old is not None and old.rids:  # restarted under the same name: its rollouts are gone
+            self._lose(old, "restarted")
+        self.workers[ident] = WorkerState(ident, msg.worker, msg.pid)
+        self._send(ident, self.setup)
+
+    def _on_ready(self, worker: WorkerState, msg: Ready) -> None:
+        if self.tasks_per_env and msg.envs != self.tasks_per_env:
+            self._strike(worker, "ready_mismatch", f"reports tasks {msg.envs}, others {self.tasks_per_env}")
+            return
+        worker.ready = True
+        self.tasks_per_env = dict(msg.envs)
+        self._failures_in_a_row = self._load_failures = 0
+        log.info("env worker %s ready (%s)", worker.name, ", ".join(f"{k}: {v} tasks" for k, v in msg.envs.items()))
+        self._ready.set()
+
+    def _fatal(self, worker: WorkerState, msg: Fatal) -> None:
+        self.metrics["fatal"] += 1
+        log.error("env worker %s cannot go on: %s", worker.name, msg.error)
+        self._lose(worker, f"fatal: {msg.error}")
+        if any(w.ready for w in self.workers.values()):
+            return
+        self._load_failures += 1
+        if self._load_failures >= self.expected and self._failed is not None and not self._failed.done():
+            self._failed.set_exception(EnvironmentLoadError(f"env worker {worker.name}: {msg.error}"))
+
+    def _records(self, worker: WorkerState, msg: Records, frames: list[memoryview]) -> None:
+        if not worker.ready:
+            self._strike(worker, "records_before_ready", f"records of group {msg.group} before ready")
+            return
         try:
             records = split_records(msg, frames)
         except WireError as e:  # the group's rollouts stay in flight; the group timeout fails them
-            self.rejected += 1
-            log.warning("worker %s: %s", worker.name, e)
+            self._strike(worker, "bad_frames", str(e))
             return
+        accepted: list[RolloutRecord] = []
         for record in records:
+            h = record.header
+            group = worker.rids.get(h.rid)
+            if group is None:
+                if h.rid in worker.late:
+                    self.metrics["late"] += 1
+                else:
+                    self._reject(worker, worker.ident, "unassigned", f"a record for rollout {h.rid!r}, "
+                                 "which is not in flight on it")
+                continue
+            if h.group != msg.group or group != msg.group:
+                self._strike(worker, "wrong_group", f"rollout {h.rid} of group {group} sent as group {msg.group}")
+                continue
             try:
                 record.check()
             except WireError as e:
-                self.rejected += 1
-                log.warning("worker %s: %s", worker.name, e)
-                record.header.update(ok=False, error=f"corrupt_record: {e}", samples=[], tokens=0)
-                record.frames = []
-            worker.rids.discard(str(record.header.get("rid")))
+                self._strike(worker, "corrupt_record", str(e))
+                record = RolloutRecord(RolloutHeader.failed(h, Failure.CORRUPT, str(e), wall_s=h.wall_s), [])
+            del worker.rids[h.rid]
+            record.header.worker = worker.name
             worker.completed += 1
-            self.on_record(record)
+            accepted.append(record)
+        if accepted:
+            self.events.put_nowait(RecordsIn(worker.name, accepted))
 
-    def _send(self, ident: bytes, msg: dict[str, Any]) -> bool:
+    def _reject(self, worker: WorkerState | None, ident: bytes, why: str, detail: str) -> None:
+        if worker is not None and why != "unassigned":
+            self._strike(worker, why, detail)
+            return
+        self.metrics[f"rejected:{why}"] += 1
+        name = worker.name if worker is not None else repr(ident[:64])
+        log.warning("rejected a message from env worker %s: %s", name, detail)
+
+    def _strike(self, worker: WorkerState, why: str, detail: str) -> None:
+        """Count an invalid message; drop the worker at MAX_STRIKES."""
+        self.metrics[f"rejected:{why}"] += 1
+        worker.strikes += 1
+        log.warning("rejected a message from env worker %s (%d of %d allowed): %s", worker.name, worker.strikes,
+                    MAX_STRIKES, detail)
+        if worker.strikes >= MAX_STRIKES:
+            log.error("env worker %s sent %d invalid messages: dropped", worker.name, worker.strikes)
+            self.metrics["dropped"] += 1
+            self._banned.add(worker.ident)
+            self._send(worker.ident, Stop())
+            self._lose(worker, "dropped for invalid messages")
+            self._kill_local(worker.name)
+
+    def _send(self, ident: bytes, msg: Any) -> bool:
         """Send without waiting; False (and a warning) when the worker is gone or not keeping up."""
         try:
             self.sock.send_multipart([ident, pack(msg)], _NOBLOCK)
-        except zmq.ZMQError as e:  # gone or its queue is full: the liveness check deals with its rollouts
-            log.warning("could not reach env worker %r: %s", ident, e)
+        except zmq.ZMQError as e:  # gone or its queue is full: supervision deals with its rollouts
+            log.warning("could not reach env worker %r: %s", ident[:64], e)
             return False
         finally:  # a send can swallow the fd's edge for messages that arrived meanwhile
-            if self._fatal is not None:
+            if self._failed is not None:
                 asyncio.get_running_loop().call_soon(self._drain)
         return True
 
-    async def _liveness(self) -> None:
+    # ----------------------------------------------------------------------------------- supervision
+
+    async def _supervise(self) -> None:
+        """Every HEARTBEAT_S: lose silent workers (killing local ones), restart local workers that exited."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             now = time.monotonic()
             for w in list(self.workers.values()):
-                if now - w.last_seen > DEAD_AFTER_S:
-                    log.error("env worker %s silent for %.0f s: dead; %d rollouts in flight fail", w.name,
-                              now - w.last_seen, len(w.rids))
-                    self._lose(w.name)
-            for i, proc in enumerate(self._procs):
-                if proc.returncode is not None:
-                    log.error("local env worker pid %d exited with %s; restarting it", proc.pid, proc.returncode)
-                    self._procs.pop(i)
-                    self._lose(f"local-pid-{proc.pid}")
-                    await self._spawn()
-                    break
+                # a worker heartbeats once it is ready; before, it is importing and loading (blocking calls)
+                silent, limit = now - w.last_seen, DEAD_AFTER_S if w.ready else LOAD_TIMEOUT_S
+                if silent > limit:
+                    log.error("env worker %s silent for %.0f s%s: lost; %d rollouts in flight fail", w.name, silent,
+                              "" if w.ready else " while loading its environments", len(w.rids))
+                    self._lose(w, f"silent for {silent:.0f} s")
+                    self._kill_local(w.name)
+            for name, proc in list(self._procs.items()):
+                if proc.returncode is not None and name not in self._restart_at:
+                    self._exited(name, proc, now)
+            for name, when in list(self._restart_at.items()):
+                if now >= when:
+                    del self._restart_at[name]
+                    self.metrics["restarts"] += 1
+                    await self._spawn(name)
 
-    def _lose(self, name_or_pid: str) -> None:
-        """Forget a worker that died; its in-flight rollouts fail with reason worker_died."""
-        for ident, w in list(self.workers.items()):
-            if name_or_pid in (w.name, f"local-pid-{w.pid}"):
-                del self.workers[ident]
-                self.on_lost(w.name, sorted(w.rids))
+    def _exited(self, name: str, proc: asyncio.subprocess.Process, now: float) -> None:
+        worker = next((w for w in self.workers.values() if w.name == name), None)
+        if worker is not None:
+            self._lose(worker, f"exited with status {proc.returncode}")
+        if worker is None or not worker.ready:
+            self._failures_in_a_row += 1
+        delay = RESTART_BACKOFF_S[min(self._failures_in_a_row, len(RESTART_BACKOFF_S) - 1)]
+        log.error("local env worker %s (pid %d) exited with status %s; restarting it in %.0f s", name, proc.pid,
+                  proc.returncode, delay)
+        self._restart_at[name] = now + delay
+
+    def _lose(self, worker: WorkerState, why: str) -> None:
+        """Forget ``worker``; its in-flight rollouts go to the scheduler as lost."""
+        if self.workers.get(worker.ident) is worker:
+            del self.workers[worker.ident]
+        self.metrics["lost"] += 1
+        if worker.rids:
+            self.events.put_nowait(WorkerLost(worker.name, sorted(worker.rids), why))
+            worker.rids.clear()
+
+    def _kill_local(self, name: str) -> None:
+        proc = self._procs.get(name)
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------------------------- assignment
 
     def has_ready(self) -> bool:
         return any(w.ready for w in self.workers.values())
 
-    async def assign(self, msg: dict[str, Any]) -> str:
+    def assign(self, msg: Assign) -> str:
         """Send a group to the ready worker with the fewest rollouts in flight; returns its name."""
-        ready = [(ident, w) for ident, w in self.workers.items() if w.ready]
+        ready = [w for w in self.workers.values() if w.ready]
         if not ready:
             raise RuntimeError("assign() with no ready worker: check has_ready() first")
-        ident, worker = min(ready, key=lambda iw: len(iw[1].rids))
-        worker.rids.update(msg["rids"])
-        self._send(ident, {"type": "assign", **msg})
+        worker = min(ready, key=lambda w: len(w.rids))
+        worker.rids.update(dict.fromkeys(msg.rids, msg.group))
+        self._send(worker.ident, msg)
         return worker.name
 
-    async def cancel(self, group: str, rids: list[str]) -> None:
-        for ident, w in self.workers.items():
-            if w.rids & set(rids):
-                w.rids.difference_update(rids)
-                self._send(ident, {"type": "cancel", "group": group})
+    def cancel(self, group: str, rids: list[str]) -> None:
+        for w in self.workers.values():
+            held = [rid for rid in rids if w.rids.get(rid) == group]
+            if held:
+                for rid in held:
+                    del w.rids[rid]
+                w.late.extend(held)
+                self._send(w.ident, Cancel(group))
 
-    def kill_local(self, index: int) -> int:
-        """SIGKILL local worker ``index`` (fault tests); returns its pid."""
-        proc = self._procs[index]
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-        return proc.pid
+    def worker_stats(self) -> dict[str, tuple[int, float | None]]:
+        """Per worker: rollouts completed so far and its last reported RSS in MB."""
+        return {w.name: (w.completed, w.rss_mb) for w in self.workers.values()}
+
+    def local_pids(self) -> dict[str, int]:
+        """The pid of each local worker process by name (the current one, after restarts)."""
+        return {name: proc.pid for name, proc in self._procs.items()}

@@ -21,15 +21,33 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from orchestrator.errors import EnvironmentLoadError
+from orchestrator.errors import EnvironmentLoadError, Failure, WireError
+from orchestrator.memory import rss_mb
 from orchestrator.samples import SampleError, samples_from_trace
-from orchestrator.worker.protocol import FLUSH_S, HEARTBEAT_S, pack, records_message, sample_frames, unpack
+from orchestrator.worker.protocol import (
+    FLUSH_S,
+    HEARTBEAT_S,
+    Assign,
+    AssignedRollout,
+    Cancel,
+    EnvSpec,
+    Fatal,
+    Heartbeat,
+    Hello,
+    Ready,
+    RolloutHeader,
+    Setup,
+    Stop,
+    decode_orchestrator_message,
+    pack,
+    records_message,
+    sample_frames,
+)
 
 log = logging.getLogger(__name__)
 
-# verifiers' interception proxy answers the harness 5xx when the inference server's reply was unusable
-# (malformed JSON, bad token strings, NaN logprobs): the server's fault, which its health should count
-SERVER_FAULT = re.compile(r"Error code: 5\d\d")
+SERVER_FAULT = re.compile(r"Error code: 5\d\d")  # see classify()
+SCORING = re.compile(r"\bscoring\b")  # verifiers' TaskError boundary names ("task X scoring", "scoring")
 
 
 class LoadedEnv:
@@ -41,60 +59,69 @@ class LoadedEnv:
             raise EnvironmentLoadError(f"environment {name!r}: its taskset yields no task")
 
 
-def load_env(spec: dict[str, Any]) -> LoadedEnv:
+def load_env(spec: EnvSpec) -> LoadedEnv:
     """Load one environment (verifiers import happens here, in the worker, once)."""
     import verifiers.v1 as vf
 
-    name = spec["name"]
+    name = spec.name
     try:
-        cfg = vf.resolve_env_config({"taskset": {"id": spec["taskset"], **spec.get("args", {})},
+        cfg = vf.resolve_env_config({"taskset": {"id": spec.taskset, **spec.args},
                                      "agent": {"runtime": {"type": "subprocess"}}})
         return LoadedEnv(name, vf.load_environment(cfg))
     except EnvironmentLoadError:
         raise
     except Exception as e:  # any failure inside a user's taskset is a load error naming the env
-        raise EnvironmentLoadError(f"environment {name!r} (taskset {spec['taskset']!r}) failed to load: "
+        raise EnvironmentLoadError(f"environment {name!r} (taskset {spec.taskset!r}) failed to load: "
                                    f"{type(e).__name__}: {e}") from e
 
 
-def episode_record(ep: Any, header: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+def classify(errors: list[Any], is_timeout: bool) -> Failure:
+    """The failure kind of a rollout from verifiers' recorded errors (``type``, ``message``, ``status_code``).
+
+    verifiers names the boundary an error crossed (``ProviderError``, ``HarnessError``, ``TaskError``...); we
+    map it to our vocabulary. A harness that got a 5xx from verifiers' interception proxy means the server's
+    reply was unusable (malformed JSON, bad token strings, NaN logprobs): the server's fault."""
+    if is_timeout:
+        return Failure.TIMEOUT
+    first = errors[0] if errors else None
+    kind = getattr(first, "type", "")
+    message = str(getattr(first, "message", ""))
+    if kind == "ProviderError":
+        return Failure.TIMEOUT if getattr(first, "status_code", None) == 504 else Failure.PROVIDER
+    if kind == "HarnessError" and SERVER_FAULT.search(message):
+        return Failure.MALFORMED
+    if kind == "TaskError" and SCORING.search(message):
+        return Failure.SCORING
+    return Failure.ENV
+
+
+def episode_record(ep: Any, base: AssignedRollout, wall_s: float) -> tuple[RolloutHeader, list[Any]]:
     """Turn a verifiers Episode into a record header and its column frames."""
     trace = ep.traces[0] if ep.traces else None
-    errors = [f"{e.type}: {e.message}" for e in (ep.errors or [])]
+    errors = list(ep.errors or [])
     if trace is not None:
-        errors += [f"{e.type}: {e.message}" for e in (trace.errors or []) if f"{e.type}: {e.message}" not in errors]
-    ok = bool(ep.ok and trace is not None and trace.ok and not errors)
-    reward = float(trace.reward or 0.0) if trace is not None else 0.0
-    if ok and not math.isfinite(reward):  # one NaN would turn the whole group's advantages into NaN
-        ok, errors = False, [f"invalid_reward: the environment returned a reward of {reward}"]
-    frames: list[Any] = []
-    shapes: list[list[int]] = []
-    if ok and trace is not None:
-        try:
-            samples = samples_from_trace(trace)
-            shapes, frames = sample_frames(samples)
-        except SampleError as e:
-            ok, errors = False, [f"inconsistent_sample: {e}"]
-    header.update(
-        server_fault=any(SERVER_FAULT.search(e) for e in errors),
-        ok=ok,
-        reward=reward if math.isfinite(reward) else None,
-        metrics={k: float(v) for k, v in (trace.metrics or {}).items() if isinstance(v, int | float)}
-        if trace is not None else {},
-        error=errors[0] if errors else None,
-        stop=trace.stop_condition if trace is not None else None,
-        is_timeout=bool(ep.is_timeout),
-        samples=shapes,
-        tokens=sum(s[0] for s in shapes),
-    )
+        seen = {(e.type, e.message) for e in errors}
+        errors += [e for e in (trace.errors or []) if (e.type, e.message) not in seen]
+    stop = trace.stop_condition if trace is not None else None
+    if not (ep.ok and trace is not None and trace.ok and not errors):
+        first = f"{errors[0].type}: {errors[0].message}" if errors else f"the episode failed (stop: {stop})"
+        return RolloutHeader.failed(base, classify(errors, bool(ep.is_timeout)), first, wall_s=wall_s, stop=stop,
+                                    is_timeout=bool(ep.is_timeout)), []
+    reward = float(trace.reward or 0.0)
+    if not math.isfinite(reward):  # one NaN would turn the whole group's advantages into NaN
+        return RolloutHeader.failed(base, Failure.INVALID_REWARD, f"the environment returned a reward of {reward}",
+                                    wall_s=wall_s, stop=stop), []
+    try:
+        shapes, frames = sample_frames(samples_from_trace(trace))
+    except SampleError as e:
+        return RolloutHeader.failed(base, Failure.BAD_SAMPLE, str(e), wall_s=wall_s, stop=stop), []
+    metrics = {k: float(v) for k, v in (trace.metrics or {}).items()
+               if isinstance(v, int | float) and math.isfinite(v)}
+    header = RolloutHeader(rid=base.rid, group=base.group, env=base.env, task=base.task,
+                           policy_step=base.policy_step, worker=base.worker, server=base.server, ok=True,
+                           reward=reward, metrics=metrics, stop=stop, samples=shapes,
+                           tokens=sum(s[0] for s in shapes), wall_s=wall_s)
     return header, frames
-
-
-def failed_header(header: dict[str, Any], error: Exception) -> dict[str, Any]:
-    """``header`` completed as a failed rollout whose environment raised ``error``."""
-    header.update(ok=False, reward=0.0, metrics={}, error=f"env_error: {type(error).__name__}: {error}",
-                  stop=None, is_timeout=False, samples=[], tokens=0)
-    return header
 
 
 class Worker:
@@ -112,42 +139,67 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(self.address)
         try:
-            await sock.send(pack({"type": "hello", "worker": self.worker_id, "pid": os.getpid()}))
-            setup = unpack(await sock.recv())
+            await sock.send(pack(Hello(self.worker_id, os.getpid())))
+            setup = await self._setup(sock)
+            if setup is None:
+                return 0
             try:
                 async with contextlib.AsyncExitStack() as stack:
-                    for spec in setup["envs"]:
+                    for spec in setup.envs:
                         loaded = load_env(spec)
                         await stack.enter_async_context(loaded.env.serving())
                         self.envs[loaded.name] = loaded
-                    self.model, self.tokenizer = setup["model"], setup["tokenizer"]
+                    self.setup, self.model, self.tokenizer = setup, setup.model, setup.tokenizer
                     gc.freeze()  # everything loaded so far lives for the process: keep it out of GC passes
-                    await sock.send(pack({"type": "ready", "worker": self.worker_id,
-                                          "envs": {n: len(e.tasks) for n, e in self.envs.items()}}))
+                    await sock.send(pack(Ready(self.worker_id, {n: len(e.tasks) for n, e in self.envs.items()})))
                     await self._serve(sock)
             except EnvironmentLoadError as e:
                 log.error("%s", e)
-                await sock.send(pack({"type": "fatal", "worker": self.worker_id, "error": str(e)}))
+                await sock.send(pack(Fatal(self.worker_id, str(e))))
                 return 3
             return 0
         finally:
             sock.close()
             ctx.term()
 
+    async def _setup(self, sock: zmq.asyncio.Socket) -> Setup | None:
+        """The orchestrator's ``setup``, or None if it says ``stop`` first (other messages before it are
+        ignored: they were meant for a predecessor with this name)."""
+        while True:
+            try:
+                msg = decode_orchestrator_message(await sock.recv())
+            except WireError as e:
+                log.error("ignored a message from the orchestrator: %s", e)
+                continue
+            if isinstance(msg, Setup):
+                return msg
+            if isinstance(msg, Stop):
+                return None
+
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         """Consumes assign/cancel/stop; produces rollout records and heartbeats until ``stop``."""
         async with asyncio.TaskGroup() as tg:
             beat = tg.create_task(self._heartbeat(sock))
             while True:
-                msg = unpack(await sock.recv())
-                kind = msg["type"]
-                if kind == "assign":
-                    self.groups[msg["group"]] = tg.create_task(self._run_group(sock, msg))
-                elif kind == "cancel":
-                    task = self.groups.pop(msg["group"], None)
+                try:
+                    msg = decode_orchestrator_message(await sock.recv())
+                except WireError as e:
+                    log.error("ignored a message from the orchestrator: %s", e)
+                    continue
+                if isinstance(msg, Assign):
+                    self.groups[msg.group] = tg.create_task(self._run_group(sock, msg))
+                elif isinstance(msg, Setup):  # the orchestrator lost us (or restarted): start over
+                    for running in self.groups.values():
+                        running.cancel()
+                    if msg != self.setup:
+                        log.error("the orchestrator sent another setup; exiting so a new worker loads it")
+                        break
+                    await sock.send(pack(Ready(self.worker_id, {n: len(e.tasks) for n, e in self.envs.items()})))
+                elif isinstance(msg, Cancel):
+                    task = self.groups.pop(msg.group, None)
                     if task is not None:
                         task.cancel()
-                elif kind == "stop":
+                elif isinstance(msg, Stop):
                     break
             for task in self.groups.values():
                 task.cancel()
@@ -155,7 +207,7 @@ class Worker:
 
     async def _heartbeat(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            await sock.send(pack({"type": "heartbeat", "worker": self.worker_id, "inflight": len(self.groups)}))
+            await sock.send(pack(Heartbeat(self.worker_id, len(self.groups), round(rss_mb(), 1))))
             await asyncio.sleep(HEARTBEAT_S)
 
     def _model_context(self, server: str, sampling: dict[str, Any]) -> Any:
@@ -171,52 +223,50 @@ class Worker:
                                                         sampling=vf.SamplingConfig(**sampling))
         return ctx
 
-    async def _run_group(self, sock: zmq.asyncio.Socket, msg: dict[str, Any]) -> None:
+    def _assigned(self, msg: Assign, rid: str) -> AssignedRollout:
+        return AssignedRollout(rid, msg.group, msg.env, msg.task, msg.policy_step, self.worker_id, msg.server)
+
+    async def _run_group(self, sock: zmq.asyncio.Socket, msg: Assign) -> None:
         """Run one group's rollouts; send their records together when the last one ends, or FLUSH_S
         after the latest one finished while others still run (so a slow sibling delays nobody long)."""
-        loaded = self.envs[msg["env"]]
         try:
-            task = loaded.tasks[msg["task"] % len(loaded.tasks)]
-            ctx = self._model_context(msg["server"], msg["sampling"])
-            slots = loaded.env.slots(task, len(msg["rids"]))
+            loaded = self.envs[msg.env]
+            task = loaded.tasks[msg.task % len(loaded.tasks)]
+            ctx = self._model_context(msg.server, msg.sampling)
+            slots = loaded.env.slots(task, len(msg.rids))
         except Exception as e:  # the group's setup failed: each of its rollouts fails; the worker goes on
-            failed: list[tuple[dict[str, Any], list[Any]]] = [
-                (failed_header(self._header(loaded, rid, msg), e), []) for rid in msg["rids"]]
-            await sock.send_multipart(records_message(msg["group"], failed), copy=False)
-            self.groups.pop(msg["group"], None)
+            error = f"{type(e).__name__}: {e}"
+            failed: list[tuple[RolloutHeader, list[Any]]] = [
+                (RolloutHeader.failed(self._assigned(msg, rid), Failure.ENV, error), []) for rid in msg.rids]
+            await sock.send_multipart(records_message(msg.group, failed), copy=False)
+            self.groups.pop(msg.group, None)
             return
-        done: asyncio.Queue[tuple[dict[str, Any], list[Any]]] = asyncio.Queue()
+        done: asyncio.Queue[tuple[RolloutHeader, list[Any]]] = asyncio.Queue()
         try:
             async with asyncio.TaskGroup() as tg:
-                for rid, slot in zip(msg["rids"], slots, strict=True):
-                    tg.create_task(self._run_one(done, loaded, slot, ctx, rid, msg))
-                pending: list[tuple[dict[str, Any], list[Any]]] = []
-                for _ in msg["rids"]:
+                for rid, slot in zip(msg.rids, slots, strict=True):
+                    tg.create_task(self._run_one(done, loaded, slot, ctx, self._assigned(msg, rid)))
+                pending: list[tuple[RolloutHeader, list[Any]]] = []
+                for _ in msg.rids:
                     try:
                         async with asyncio.timeout(FLUSH_S if pending else None):
                             item = await done.get()
                     except TimeoutError:
-                        await sock.send_multipart(records_message(msg["group"], pending), copy=False)
+                        await sock.send_multipart(records_message(msg.group, pending), copy=False)
                         pending = []
                         item = await done.get()
                     pending.append(item)
-            await sock.send_multipart(records_message(msg["group"], pending), copy=False)
+            await sock.send_multipart(records_message(msg.group, pending), copy=False)
         finally:
-            self.groups.pop(msg["group"], None)
+            self.groups.pop(msg.group, None)
 
-    def _header(self, loaded: LoadedEnv, rid: str, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"rid": rid, "group": msg["group"], "env": loaded.name, "task": msg["task"],
-                "policy_step": msg["policy_step"], "worker": self.worker_id, "server": msg["server"]}
-
-    async def _run_one(self, done: asyncio.Queue[tuple[dict[str, Any], list[Any]]], loaded: LoadedEnv, slot: Any,
-                       ctx: Any, rid: str, msg: dict[str, Any]) -> None:
+    async def _run_one(self, done: asyncio.Queue[tuple[RolloutHeader, list[Any]]], loaded: LoadedEnv, slot: Any,
+                       ctx: Any, base: AssignedRollout) -> None:
         start = time.monotonic()
-        header = self._header(loaded, rid, msg)
-        frames: list[Any] = []
         try:
             ep = await loaded.env.run_slot(slot, ctx)
-            header, frames = episode_record(ep, header)
+            item = episode_record(ep, base, round(time.monotonic() - start, 4))
         except Exception as e:  # an env that raises fails this rollout, not the worker
-            failed_header(header, e)
-        header["wall_s"] = round(time.monotonic() - start, 4)
-        done.put_nowait((header, frames))
+            item = (RolloutHeader.failed(base, Failure.ENV, f"{type(e).__name__}: {e}",
+                                         wall_s=round(time.monotonic() - start, 4)), [])
+        done.put_nowait(item)

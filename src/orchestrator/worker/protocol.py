@@ -1,37 +1,41 @@
-"""Messages between the orchestrator (ZMQ ROUTER) and env workers (ZMQ DEALER).
+"""Messages between the orchestrator (ZMQ ROUTER) and env workers (ZMQ DEALER), as typed structs.
 
-Every message is a multipart ZMQ message whose first frame is a small msgpack map with a ``type``:
+Every message is a multipart ZMQ message whose first frame is a msgpack map with a ``type`` tag, decoded
+once, at the edge, into one of the structs below (msgspec checks every field's type and bound); anything
+else is a ``WireError``. Column frames follow a ``records`` message.
 
-worker -> orchestrator
-  ``hello``      {worker}                         on connect; answered with ``setup``
-  ``ready``      {worker, envs: {name: tasks}}    environments loaded; assignments may start
-  ``records``    {group, records: [ROLLOUT header, ...]} + their column frames, in order: finished
-                 rollouts of one group, sent together when the group ends (or FLUSH_S after the last
-                 one finished while others still run), so the orchestrator handles one message per group
-  ``heartbeat``  {worker, inflight}               every HEARTBEAT_S
-  ``fatal``      {worker, error}                  the worker cannot go on (an env failed to load)
+worker -> orchestrator (``WorkerMessage``)
+  ``hello``      Hello       on connect; answered with ``setup``
+  ``ready``      Ready       environments loaded (tasks per env); assignments may start
+  ``records``    Records     finished rollouts of one group + their column frames, in order: sent together
+                             when the group ends (or FLUSH_S after the last one finished while others still
+                             run), so the orchestrator handles one message per group
+  ``heartbeat``  Heartbeat   every HEARTBEAT_S
+  ``fatal``      Fatal       the worker cannot go on (an env failed to load)
 
-orchestrator -> worker
-  ``setup``      {envs: [{name, taskset, args}], model, tokenizer}
-  ``assign``     {group, env, task, rids, server, sampling, policy_step}   run len(rids) rollouts of one task
-  ``cancel``     {group}                          drop a group (stale or timed out)
-  ``stop``       {}                               exit cleanly
+orchestrator -> worker (``OrchestratorMessage``)
+  ``setup``      Setup       environments to load, model, tokenizer
+  ``assign``     Assign      run len(rids) rollouts of one task on one inference server
+  ``cancel``     Cancel      drop a group (stale or timed out)
+  ``stop``       Stop        exit cleanly
 
-ROLLOUT: each header holds the scalars (reward, metrics, error, stop condition, timing, token counts, and
-per sample ``[tokens, layers, top_k]``); it is followed by exactly four frames when the rollout has
-samples: token ids (int32), loss mask (uint8), logprobs (float32), routed experts (uint8, possibly
-empty), each the concatenation of all its samples. Frames are sent and received without copies.
+A rollout is a ``RolloutHeader`` (scalars, and per sample ``[tokens, layers, top_k]``), followed by exactly
+four frames when it has samples: token ids (int32), loss mask (uint8), logprobs (float32), routed experts
+(uint8, possibly empty), each the concatenation of all its samples. Frames are sent and received without
+copies. A failed rollout carries a ``Failure`` kind (one small vocabulary, shared by worker, hub,
+scheduler, pool and metrics) and a message; ``RolloutHeader.failed`` is the one way to make one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-import msgpack
+import msgspec
 import numpy as np
 
-from orchestrator.errors import WireError
+from orchestrator.errors import Failure, WireError
 from orchestrator.samples import Sample
 
 HEARTBEAT_S = 1.0
@@ -39,25 +43,167 @@ FLUSH_S = 1.0
 COLUMNS = ("token_ids", "loss_mask", "logprobs", "routed_experts")
 DTYPES = {"token_ids": np.int32, "loss_mask": np.uint8, "logprobs": np.float32, "routed_experts": np.uint8}
 
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
-def pack(msg: dict[str, Any]) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
+
+class RolloutHeader(msgspec.Struct, kw_only=True):
+    """The scalars of one finished rollout (its columns travel as frames after the ``records`` header)."""
+
+    rid: Name
+    group: Name
+    env: Name
+    task: Count
+    policy_step: Count
+    worker: str
+    server: str
+    ok: bool
+    reward: float | None = None  # None: a failed rollout with no usable reward
+    metrics: dict[str, float] = {}
+    failure: Failure | None = None
+    error: str | None = None  # what failed, for people (the first error of the rollout)
+    stop: str | None = None  # verifiers' stop condition
+    is_timeout: bool = False
+    samples: list[tuple[Count, Count, Count]] = []  # per sample: tokens, layers, top_k
+    tokens: Count = 0
+    wall_s: float = 0.0
+    frames: Count = 0  # column frames that follow this header in its message: 0 or 4
+
+    @classmethod
+    def failed(cls, base: RolloutHeader | AssignedRollout, failure: Failure, error: str, *, wall_s: float = 0.0,
+               stop: str | None = None, is_timeout: bool = False) -> RolloutHeader:
+        """The header of a rollout that failed with ``failure``; ``error`` says what happened, for people."""
+        return cls(rid=base.rid, group=base.group, env=base.env, task=base.task, policy_step=base.policy_step,
+                   worker=base.worker, server=base.server, ok=False, failure=failure, error=error, wall_s=wall_s,
+                   stop=stop, is_timeout=is_timeout)
 
 
-def unpack(frame: bytes | memoryview) -> dict[str, Any]:
+@dataclass(frozen=True)
+class AssignedRollout:
+    """Who ran a rollout, before it has a result (the fields ``RolloutHeader.failed`` copies)."""
+
+    rid: str
+    group: str
+    env: str
+    task: int
+    policy_step: int
+    worker: str
+    server: str
+
+
+# ----------------------------------------------------------------------------------- worker -> orchestrator
+
+
+class Hello(msgspec.Struct, tag="hello", tag_field="type"):
+    worker: Name
+    pid: int | None = None
+
+
+class Ready(msgspec.Struct, tag="ready", tag_field="type"):
+    worker: Name
+    envs: dict[str, Count]  # env name -> tasks
+
+
+class Records(msgspec.Struct, tag="records", tag_field="type"):
+    group: Name
+    records: list[RolloutHeader]
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
+    worker: Name
+    inflight: Count = 0
+    rss_mb: float | None = None
+
+
+class Fatal(msgspec.Struct, tag="fatal", tag_field="type"):
+    worker: Name
+    error: str
+
+
+WorkerMessage = Hello | Ready | Records | Heartbeat | Fatal
+
+# ----------------------------------------------------------------------------------- orchestrator -> worker
+
+
+class EnvSpec(msgspec.Struct):
+    name: str
+    taskset: str
+    args: dict[str, Any] = {}
+
+
+class Setup(msgspec.Struct, tag="setup", tag_field="type"):
+    envs: list[EnvSpec]
+    model: str
+    tokenizer: str
+
+
+class Assign(msgspec.Struct, tag="assign", tag_field="type"):
+    group: str
+    env: str
+    task: Count
+    rids: list[str]
+    server: str
+    sampling: dict[str, Any]
+    policy_step: Count
+
+
+class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
+    group: str
+
+
+class Stop(msgspec.Struct, tag="stop", tag_field="type"):
+    pass
+
+
+OrchestratorMessage = Setup | Assign | Cancel | Stop
+
+_encoder = msgspec.msgpack.Encoder()
+_worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+_orchestrator_decoder = msgspec.msgpack.Decoder(OrchestratorMessage)
+
+
+def pack(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_worker_message(frame: bytes | memoryview) -> WorkerMessage:
+    """A worker's message header, validated; WireError naming what is wrong otherwise."""
     try:
-        msg = msgpack.unpackb(frame, raw=False)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise WireError(f"undecodable message header: {e}") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise WireError(f"message header is not a map with a 'type': {str(msg)[:100]}")
+        msg: WorkerMessage = _worker_decoder.decode(frame)
+    except msgspec.DecodeError as e:  # ValidationError included
+        raise WireError(f"invalid worker message: {e}") from None
     return msg
 
 
-def sample_frames(samples: list[Sample]) -> tuple[list[list[int]], list[bytes | np.ndarray]]:
-    """Per-sample shapes ``[tokens, layers, top_k]`` and the four column frames (one concatenation each)."""
-    shapes = [[s.num_tokens, *(s.routed_experts.shape[1:] if s.routed_experts is not None else (0, 0))]
-              for s in samples]
+def decode_orchestrator_message(frame: bytes | memoryview) -> OrchestratorMessage:
+    try:
+        msg: OrchestratorMessage = _orchestrator_decoder.decode(frame)
+    except msgspec.DecodeError as e:
+        raise WireError(f"invalid orchestrator message: {e}") from None
+    return msg
+
+
+def header_from_dict(raw: Any) -> RolloutHeader:
+    """A header stored as plain data (a step dump); WireError if it is not one."""
+    try:
+        return msgspec.convert(raw, RolloutHeader)
+    except msgspec.ValidationError as e:
+        raise WireError(f"invalid rollout header: {e}") from None
+
+
+def header_to_dict(header: RolloutHeader) -> dict[str, Any]:
+    out: dict[str, Any] = msgspec.to_builtins(header)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- records
+
+
+def sample_frames(samples: list[Sample]) -> tuple[list[tuple[int, int, int]], list[bytes | np.ndarray]]:
+    """Per-sample shapes ``(tokens, layers, top_k)`` and the four column frames (one concatenation each)."""
+    shapes: list[tuple[int, int, int]] = [
+        (s.num_tokens, *s.routed_experts.shape[1:]) if s.routed_experts is not None else (s.num_tokens, 0, 0)
+        for s in samples]
     if not samples:
         return shapes, []
     frames: list[bytes | np.ndarray] = [np.concatenate([getattr(s, c) for s in samples]) for c in COLUMNS[:3]]
@@ -66,22 +212,20 @@ def sample_frames(samples: list[Sample]) -> tuple[list[list[int]], list[bytes | 
     return shapes, frames
 
 
-def records_message(group: str, records: list[tuple[dict[str, Any], list[Any]]]) -> list[Any]:
+def records_message(group: str, records: list[tuple[RolloutHeader, list[Any]]]) -> list[Any]:
     """One ``records`` message: the headers (each saying how many frames follow it) then all frames."""
-    headers = [{**h, "frames": len(f)} for h, f in records]
-    return [pack({"type": "records", "group": group, "records": headers}), *(x for _, f in records for x in f)]
+    for header, frames in records:
+        header.frames = len(frames)
+    return [pack(Records(group, [h for h, _ in records])), *(x for _, f in records for x in f)]
 
 
-def split_records(msg: dict[str, Any], frames: list[memoryview]) -> list[RolloutRecord]:
+def split_records(msg: Records, frames: list[memoryview]) -> list[RolloutRecord]:
     """The rollout records of a ``records`` message; WireError when the frames do not add up."""
-    headers = msg.get("records")
-    if not isinstance(headers, list) or not all(isinstance(h, dict) for h in headers):
-        raise WireError("records message without a list of record headers")
-    counts = [h.get("frames") for h in headers]
-    if not all(isinstance(c, int) and c in (0, len(COLUMNS)) for c in counts) or sum(counts) != len(frames):
+    counts = [h.frames for h in msg.records]
+    if any(c not in (0, len(COLUMNS)) for c in counts) or sum(counts) != len(frames):
         raise WireError(f"records message: frame counts {counts} do not match its {len(frames)} frames")
     out, i = [], 0
-    for h, n in zip(headers, counts, strict=True):
+    for h, n in zip(msg.records, counts, strict=True):
         out.append(RolloutRecord(h, frames[i:i + n]))
         i += n
     return out
@@ -91,20 +235,28 @@ def split_records(msg: dict[str, Any], frames: list[memoryview]) -> list[Rollout
 class RolloutRecord:
     """A finished rollout as the orchestrator holds it: scalars plus column frames it never copies."""
 
-    header: dict[str, Any]
+    header: RolloutHeader
     frames: list[memoryview]  # token_ids, loss_mask, logprobs, routed_experts (empty when no samples)
 
     @property
+    def rid(self) -> str:
+        return self.header.rid
+
+    @property
     def env(self) -> str:
-        return str(self.header["env"])
+        return self.header.env
 
     @property
     def reward(self) -> float:
-        return float(self.header.get("reward") or 0.0)  # None: a failed rollout with no usable reward
+        return self.header.reward or 0.0  # None: a failed rollout with no usable reward
 
     @property
     def ok(self) -> bool:
-        return bool(self.header.get("ok"))
+        return self.header.ok
+
+    @property
+    def tokens(self) -> int:
+        return self.header.tokens
 
     def column(self, name: str) -> np.ndarray:
         """A column of all this rollout's samples, concatenated (a view of the received frame)."""
@@ -118,16 +270,28 @@ class RolloutRecord:
         return self.column("token_ids")[mask], self.column("logprobs")[mask]
 
     def check(self) -> None:
-        """Raise WireError when the frames do not match the header's shapes."""
-        shapes = self.header.get("samples", [])
-        if not shapes:
+        """Raise WireError when the frames do not match the header's shapes, or a failed rollout has data."""
+        h = self.header
+        if not h.ok:
+            if h.failure is None or h.samples or self.frames:
+                raise WireError(f"rollout {h.rid}: a failed rollout must name its failure and carry no samples")
+            return
+        if h.failure is not None or h.reward is None or not math.isfinite(h.reward):
+            raise WireError(f"rollout {h.rid}: a successful rollout with failure {h.failure} / reward {h.reward}")
+        if not h.samples:
+            if self.frames:
+                raise WireError(f"rollout {h.rid}: {len(self.frames)} column frames and no samples")
             return
         if len(self.frames) != len(COLUMNS):
-            raise WireError(f"rollout {self.header.get('rid')}: {len(self.frames)} column frames, expected 4")
-        tokens = sum(int(s[0]) for s in shapes)
-        routed = sum(int(s[0]) * int(s[1]) * int(s[2]) for s in shapes)
+            raise WireError(f"rollout {h.rid}: {len(self.frames)} column frames, expected 4")
+        tokens = sum(s[0] for s in h.samples)
+        if tokens != h.tokens:
+            raise WireError(f"rollout {h.rid}: header says {h.tokens} tokens, its samples {tokens}")
+        tails = {(s[1], s[2]) for s in h.samples}
+        if len(tails) > 1:
+            raise WireError(f"rollout {h.rid}: routed-expert shapes differ across its samples: {sorted(tails)}")
+        routed = sum(s[0] * s[1] * s[2] for s in h.samples)
         for name, expect in zip(COLUMNS, (tokens, tokens, tokens, routed), strict=True):
-            got = len(self.frames[COLUMNS.index(name)]) // np.dtype(DTYPES[name]).itemsize
-            if got != expect:
-                raise WireError(f"rollout {self.header.get('rid')}: column {name} has {got} values, "
-                                f"header says {expect}")
+            nbytes = len(self.frames[COLUMNS.index(name)])
+            if nbytes != expect * np.dtype(DTYPES[name]).itemsize:
+                raise WireError(f"rollout {h.rid}: column {name} has {nbytes} bytes for {expect} values")
