@@ -4,6 +4,7 @@
 
     OrchestratorError                 base: anything this package raises on purpose
     ├── ConfigError                   the job's config is wrong (the CLI exits with status 2)
+    │   └── KeyFileError              a CURVE key file or directory that is missing, unreadable or the wrong kind
     ├── InferenceError                an inference server failed a request
     │   ├── ServerUnavailable         no server in rotation, or the chosen one is out of rotation
     │   └── MalformedReply            a reply that does not match the protocol
@@ -19,6 +20,7 @@ stops the process before anything starts, everything else propagates to the Task
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 
 class OrchestratorError(Exception):
@@ -31,6 +33,15 @@ class ConfigError(OrchestratorError):
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
+
+
+class KeyFileError(ConfigError):
+    """A CURVE key file (or authorized-keys directory) that is missing, unreadable or of the wrong kind; the
+    message names the path and what was expected there."""
+
+    def __init__(self, path: str | Path, why: str) -> None:
+        self.path = Path(path)
+        super().__init__([f"{path}: {why}"])
 
 
 class InferenceError(OrchestratorError):
