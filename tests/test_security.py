@@ -27,13 +27,12 @@ from orchestrator.security import (
     curve_server,
     is_loopback,
     load_authorized_keys,
-    load_client_keys,
     load_key_pair,
     load_public_key,
-    load_server_keys,
     secure_client,
 )
 from orchestrator.testing.handshakes import failed_handshakes
+from orchestrator.testing.keys import make_key_set
 
 TIMEOUT_S = 10.0
 S = TypeVar("S", bound=zmq.Socket[Any])
@@ -51,15 +50,8 @@ class Keys:
 
 @pytest.fixture
 def keys(tmp_path: Path) -> Keys:
-    create_key_pair(tmp_path / "server", "orchestrator")
-    create_key_pair(tmp_path / "authorized", "trainer")
-    create_key_pair(tmp_path / "other", "intruder")
-    create_key_pair(tmp_path / "other", "old-server")
-    server = load_server_keys(tmp_path / "server/orchestrator.key_secret", tmp_path / "authorized")
-    return Keys(server,
-                load_client_keys(tmp_path / "server/orchestrator.key", tmp_path / "authorized/trainer.key_secret"),
-                load_client_keys(tmp_path / "server/orchestrator.key", tmp_path / "other/intruder.key_secret"),
-                load_client_keys(tmp_path / "other/old-server.key", tmp_path / "authorized/trainer.key_secret"))
+    made = make_key_set(tmp_path / "keys")
+    return Keys(made.server(), made.client("trainer"), made.client("intruder"), made.wrong_server("trainer"))
 
 
 # ---------------------------------------------------------------------------------------------- key files
