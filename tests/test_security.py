@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import stat
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,3 +350,42 @@ async def test_what_the_wire_carries(keys: Keys, curve: bool) -> None:
                 trainer.close()
             assert len(tap.seen) > len(SECRET)  # the message went through the tap
             assert (SECRET[:20] in tap.seen) is not curve
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+
+def run_keys(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator", "keys", *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_keys_command_makes_a_usable_pair_and_says_where_it_goes(tmp_path: Path) -> None:
+    directory = tmp_path / "keys"
+    done = run_keys(str(directory), "--name", "trainer")
+    assert done.returncode == 0, done.stderr
+    public, secret = directory / "trainer.key", directory / "trainer.key_secret"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert load_key_pair(secret).public == load_public_key(public)
+    for needle in (f"wrote {public}", f"wrote {secret}", f'server_key = "{secret}"', "authorized_keys",
+                   f"copy {public} into the orchestrator's authorized_keys directory", f"--client-key {secret}"):
+        assert needle in done.stdout, needle
+
+
+def test_keys_command_never_overwrites(tmp_path: Path) -> None:
+    assert run_keys(str(tmp_path)).returncode == 0  # --name defaults to orchestrator
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["orchestrator.key", "orchestrator.key_secret"]
+    again = run_keys(str(tmp_path))
+    assert again.returncode == 1
+    assert "already exist; not overwriting keys" in again.stderr, again.stderr
+    assert "Traceback" not in again.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_keys_command_refuses_a_name_that_is_a_path(tmp_path: Path) -> None:
+    done = run_keys(str(tmp_path), "--name", "../elsewhere")
+    assert done.returncode == 1
+    assert "--name '../elsewhere': use letters, digits" in done.stderr
+    assert list(tmp_path.iterdir()) == []
