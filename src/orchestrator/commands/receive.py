@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import zmq.asyncio
+
     from orchestrator.security import ClientKeys, load_key_pair, load_public_key
     from orchestrator.transport.trainer import ReferenceTrainer
 
@@ -46,7 +48,13 @@ def main(args: argparse.Namespace) -> int:
                           _load("--client-key", load_key_pair, args.client_key))
     trainer = ReferenceTrainer(args.address, args.train_s, not args.no_announce, args.steps, journal=args.journal,
                                keys=keys)
-    run_async(trainer.run())
+    try:
+        run_async(trainer.run())
+    finally:
+        # The last acknowledgements may still be queued (their connection's handshake unfinished, e.g. CURVE
+        # waiting on the orchestrator's authenticator). Socket linger only applies when the context is
+        # terminated, and pyzmq does not terminate the shared one at exit: do it, so they go out first.
+        zmq.asyncio.Context.instance().term()
     return 0
 
 
