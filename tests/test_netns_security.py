@@ -21,7 +21,7 @@ import pytest
 
 from orchestrator.testing.keys import KeySet, make_key_set
 from orchestrator.testing.netns import Network, namespaces, prefix, unavailable
-from orchestrator.testing.procs import processes_mentioning
+from orchestrator.testing.procs import processes_mentioning, wait_until
 from orchestrator.transport.trainer import read_journal
 
 PEER = str(Path(__file__).parent / "netns_peer.py")
@@ -125,7 +125,8 @@ class Boom(Exception):
 async def start_then_fail(marker: str, started: list[Process]) -> None:
     async with Network.open(("a", "b")) as net:
         started.append(await net.run("b", sys.executable, "-c", "import time; time.sleep(600)", marker))
-        assert processes_mentioning(marker) == [started[0].pid]
+        pid = started[0].pid  # its command line names the marker once `ip netns exec` has started
+        await wait_until(lambda: processes_mentioning(marker) == [pid], WAIT_S, "the process to start")
         with pytest.raises(KeyError, match="no host 'c'"):
             net.address_of("c")
         raise Boom
