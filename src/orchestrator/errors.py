@@ -10,6 +10,7 @@
     │   └── MalformedReply            a reply that does not match the protocol
     ├── WireError                     a transport message that cannot be accepted
     │   └── DuplicateStep             a step already received (or out of order)
+    ├── TransportError                the transport cannot start or go on as configured
     ├── EnvironmentLoadError          an environment could not be loaded
     └── RolloutError                  a rollout failed; carries the reason recorded for it
 
