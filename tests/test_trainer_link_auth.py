@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from orchestrator.errors import TransportError
 from orchestrator.security import ClientKeys, ServerKeys
 from orchestrator.testing.handshakes import failed_handshakes
 from orchestrator.testing.keys import KeySet, make_key_set
-from orchestrator.testing.procs import orchestrator_process
+from orchestrator.testing.procs import orchestrator_process, wait_until
 from orchestrator.testing.steps import synthetic_config
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver
 from orchestrator.transport.trainer import read_journal
@@ -98,6 +99,34 @@ async def test_only_the_authorized_trainer_gets_batches_and_is_heard(keys: KeySe
                     trainer.close()
             finally:
                 intruder.close()
+
+
+@pytest.mark.parametrize(("which", "says"), [
+    ("no-keys", "the server requires CURVE keys (its public key and this trainer's key pair); restart this trainer"),
+    ("unlisted-key", "the server refused this trainer's key. Its public NAME.key must be in the server's "
+                     "security.authorized_keys directory"),
+    ("wrong-server-key", "the server's public key given to this trainer is not that server's"),
+])
+async def test_a_refused_trainer_says_why_once(keys: KeySet, which: str, says: str,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="orchestrator.security")
+
+    def said() -> int:
+        return sum(says in r.getMessage() for r in caplog.records)
+
+    async with tcp_sender(keys.server()) as sender:
+        receiver = BatchReceiver(sender.address, keys=refused(keys, which))
+        receiving = asyncio.ensure_future(receiver.recv())
+        try:
+            await wait_until(lambda: said() > 0, TIMEOUT_S, f"a warning saying {says!r}")
+            assert not receiving.done()  # it goes on waiting
+        finally:
+            receiving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await receiving
+            receiver.close()
+    assert said() == 1
+    assert f"the handshake with {sender.address} failed" in caplog.text
 
 
 async def test_sync_receiver_with_keys(keys: KeySet) -> None:

@@ -17,10 +17,12 @@ fail closed (``ZAP_ENFORCE_DOMAIN``): without an authenticator no client gets in
 Client: ``secure_client(sock, ClientKeys(...))`` before ``connect``.
 
 What a peer that cannot authenticate sees (no keys, a key not in the authorized directory, or the wrong
-server key): the handshake fails and ZMQ closes the connection; it reconnects and fails again. It never
-receives a message, and nothing it sends reaches the server's sockets: to the server it is as if it had
-never connected (a PUSH waits for a peer as usual). A refused client key is logged once on the server. All
-traffic of an accepted connection is encrypted.
+server key): the handshake fails and ZMQ closes the connection. It never receives a message, and nothing it
+sends reaches the server's sockets: to the server it is as if it had never connected (a PUSH waits for a
+peer as usual). A refused client key is logged once on the server; ``RefusalWatch`` logs the cause once on
+the client. libzmq does not retry a connection refused for its key or for having none (only one that
+failed for a wrong server key), so such a client must be restarted once its key is authorized. All traffic
+of an accepted connection is encrypted.
 
 ipc:// sockets are not covered: a Unix socket is reachable only by processes on the same host that may
 open its file, so its directory's permissions decide who connects (``run.output_dir`` by default).
@@ -40,6 +42,7 @@ from typing import Any
 
 import zmq
 import zmq.auth
+from zmq.utils.monitor import parse_monitor_message
 from zmq.utils.z85 import Z85CHARS
 
 from orchestrator.errors import KeyFileError
@@ -249,6 +252,51 @@ def secure_client(sock: zmq.Socket[Any], keys: ClientKeys) -> None:
     sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.keys.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.keys.secret)
+
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class RefusalWatch:
+    """Logs, once per kind, why a client socket's handshakes fail, so a client the server refuses does not wait
+    in silence; the warning says whether it must be restarted (see the module docstring). ``check()`` does
+    not block: call it when idle. ``close()`` before the socket's context is terminated."""
+
+    def __init__(self, sock: zmq.Socket[Any], address: str, keys: ClientKeys | None, who: str) -> None:
+        self.address, self.keys, self.who = address, keys, who
+        endpoint = f"inproc://refusals.{id(sock)}"
+        sock.monitor(endpoint, HANDSHAKE_FAILED)
+        self._sock = sock
+        self._events: zmq.Socket[bytes] = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
+        self._events.connect(endpoint)
+        self._told: set[str] = set()
+
+    def check(self) -> None:
+        while True:
+            try:
+                frames = self._events.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            why = self._why(int(parse_monitor_message(frames)["event"]))
+            if why not in self._told:
+                self._told.add(why)
+                log.warning("%s", why)
+
+    def _why(self, event: int) -> str:
+        where = f"the handshake with {self.address} failed"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (f"{where}: the server refused this {self.who}'s key. Its public NAME.key must be in the server's "
+                    f"security.authorized_keys directory (read when the server starts); then restart this {self.who}")
+        if self.keys is None:
+            return (f"{where}: the server requires CURVE keys (its public key and this {self.who}'s key pair); "
+                    f"restart this {self.who} with them")
+        return (f"{where}: the server's public key given to this {self.who} is not that server's, or the server "
+                "does not use CURVE (retrying)")
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._events.close(linger=0)
 
 
 def is_loopback(address: str) -> bool:

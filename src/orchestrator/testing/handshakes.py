@@ -11,8 +11,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-          | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+from orchestrator.security import HANDSHAKE_FAILED as FAILED
 
 
 class FailedHandshakes:

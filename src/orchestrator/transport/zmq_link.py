@@ -47,7 +47,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.errors import DuplicateStep, TransportError, WireError
-from orchestrator.security import ClientKeys, ServerKeys, curve_server, secure_client
+from orchestrator.security import ClientKeys, RefusalWatch, ServerKeys, curve_server, secure_client
 from orchestrator.transport.filesystem import marker_announcements
 from orchestrator.transport.shm import PoolNotMapped, ShmAttachment, ShmPool, pool_socket_path, serve_pool
 from orchestrator.transport.wire import Batch, decode, encode
@@ -363,6 +363,7 @@ class BatchReceiver(_ReceiverCore):
         super().__init__(address, last_step, auto_ack)
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.pull, self.push = _connect(self.ctx, address, keys)
+        self.refusals = RefusalWatch(self.pull, address, keys, "trainer")  # checked while idle
         # queued until the orchestrator is there; sent on a sync view so no loop is needed yet
         zmq.Socket.shadow(self.push.underlying).send(self._status(hello=True), flags=zmq.NOBLOCK)
 
@@ -371,6 +372,7 @@ class BatchReceiver(_ReceiverCore):
             await self.ack(done)
         while True:
             if not await self.pull.poll(int(STATUS_S * 1000)):
+                self.refusals.check()
                 await self.push.send(self._status())
                 continue
             frames = await self.pull.recv_multipart(copy=False)
@@ -400,6 +402,7 @@ class BatchReceiver(_ReceiverCore):
 
     def close(self) -> None:
         """Close the sockets and drop the pool's mapping (unmapped once no batch views it)."""
+        self.refusals.close()
         self.pull.close()
         self.push.close()
         self.shm.close()
@@ -415,6 +418,7 @@ class SyncBatchReceiver(_ReceiverCore):
         super().__init__(address, last_step, auto_ack)
         self.ctx = ctx or zmq.Context.instance()
         self.pull, self.push = _connect(self.ctx, address, keys)
+        self.refusals = RefusalWatch(self.pull, address, keys, "trainer")  # checked while idle
         self.push.send(self._status(hello=True), flags=zmq.NOBLOCK)
 
     def recv(self, timeout_s: float | None = None) -> Batch:
@@ -427,6 +431,7 @@ class SyncBatchReceiver(_ReceiverCore):
             if wait <= 0:
                 raise TimeoutError(f"no batch within {timeout_s} s")
             if not self.pull.poll(int(wait * 1000)):
+                self.refusals.check()
                 self.push.send(self._status())
                 continue
             frames = self.pull.recv_multipart(copy=False)
@@ -450,6 +455,7 @@ class SyncBatchReceiver(_ReceiverCore):
         self.push.send(self._announcement(step))
 
     def close(self) -> None:
+        self.refusals.close()
         self.pull.close()
         self.push.close()
         self.shm.close()
