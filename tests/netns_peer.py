@@ -31,8 +31,15 @@ import numpy.typing as npt
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from orchestrator.security import ClientKeys, load_key_pair, load_public_key, load_server_keys, secure_client
-from orchestrator.testing.handshakes import FAILED, FailedHandshakes, failed_handshakes
+from orchestrator.security import (
+    HANDSHAKE_FAILED,
+    ClientKeys,
+    load_key_pair,
+    load_public_key,
+    load_server_keys,
+    secure_client,
+)
+from orchestrator.testing.handshakes import FailedHandshakes, failed_handshakes
 from orchestrator.transport import Batch, BatchSender
 from orchestrator.transport.zmq_link import ckpt_address
 
@@ -91,7 +98,7 @@ def intrude(address: str, keys: ClientKeys | None) -> None:
         sock.setsockopt(zmq.LINGER, 0)
         if keys is not None:
             secure_client(sock, keys)
-        monitors.append(sock.get_monitor_socket(FAILED))
+        monitors.append(sock.get_monitor_socket(HANDSHAKE_FAILED))
     pull.connect(address)
     push.connect(ckpt_address(address))
     for message in ({"have": FORGED_HAVE, "hello": True}, {"checkpoint": FORGED_CHECKPOINT}):

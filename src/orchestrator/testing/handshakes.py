@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from orchestrator.security import HANDSHAKE_FAILED as FAILED
+from orchestrator.security import HANDSHAKE_FAILED
 
 
 class FailedHandshakes:
@@ -32,7 +32,7 @@ class FailedHandshakes:
 def failed_handshakes(sock: zmq.Socket[Any]) -> Iterator[FailedHandshakes]:
     """Watch ``sock`` (plain or asyncio) for failed handshakes from now on; the monitor goes on exit."""
     address = f"inproc://failed-handshakes.{id(sock)}"
-    sock.monitor(address, FAILED)
+    sock.monitor(address, HANDSHAKE_FAILED)
     monitor = zmq.asyncio.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
     try:
         monitor.connect(address)
