@@ -40,11 +40,21 @@ group_size = 4
 
 INCLUDE = 'include = ["envs/b.toml"]\n'
 
+# key files as `orchestrator keys` writes them (Z85 keys from the ZMQ CURVE documentation)
+PUBLIC_KEY = 'curve\n    public-key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"\n'
+SECRET_KEY = PUBLIC_KEY + '    secret-key = "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6"\n'
+SECURITY = '\n[security]\nserver_key = "{dir}/keys/orchestrator.key_secret"\nauthorized_keys = "{dir}/authorized"\n'
+KEY_FILES = {"keys/orchestrator.key_secret": SECRET_KEY, "authorized/trainer.key": PUBLIC_KEY}
+WORKERS_ON_ALL_INTERFACES = BASE.replace("batch_size = 8", 'batch_size = 8\nworker_address = "tcp://0.0.0.0:5600"')
+PRIME_RL = ('\n[transport]\nkind = "prime-rl"\naddress = "tcp://10.1.2.3:5555"\ncheckpoint_source = "marker"\n'
+            'marker_dir = "m"\n')
+
 
 @dataclass(frozen=True)
 class Case:
     """A bad config: the job file's text ({out} is the output dir), extra files, ``--set`` options, and
-    what stderr must say: ``{source}: {key}: `` then ``expected``. ``{dir}`` in ``source`` is the job's folder."""
+    what stderr must say: ``{source}: {key}: `` then ``expected``. ``{dir}`` in ``text``, ``sets`` and ``source``
+    is the job's folder."""
 
     id: str
     text: str
@@ -131,6 +141,32 @@ CASES = [
     Case("duplicate-name-across-include", INCLUDE + BASE, "'arith' is already used by env[0]",
          source="{dir}/envs/b.toml: env[0]", key="env[1].name",
          files={"envs/b.toml": '[[env]]\nname = "arith"\ntaskset = "orchestrator-guess-number"\ngroup_size = 2\n'}),
+    # CURVE keys: set in pairs, usable files, and nothing reachable from other hosts without them
+    Case("server-key-without-authorized-keys", BASE + SECURITY[: SECURITY.index("authorized_keys")],
+         "required when security.server_key is set", key="security.authorized_keys", files=KEY_FILES),
+    Case("missing-server-key-file", BASE + SECURITY, "no such file; make keys with `orchestrator keys DIR --name",
+         key="security.server_key", files={"authorized/trainer.key": PUBLIC_KEY}),
+    Case("public-key-as-server-key", BASE + SECURITY, "holds only a public key; expected the secret key file",
+         key="security.server_key", files={**KEY_FILES, "keys/orchestrator.key_secret": PUBLIC_KEY}),
+    Case("not-a-key-file", BASE + SECURITY, "not a CURVE key file (no public-key line)", key="security.server_key",
+         files={**KEY_FILES, "keys/orchestrator.key_secret": "[run]\n"}),
+    Case("missing-authorized-keys-dir", BASE + SECURITY, "no such directory; create it and copy the public",
+         key="security.authorized_keys", files={"keys/orchestrator.key_secret": SECRET_KEY}),
+    Case("secret-key-among-authorized-keys", BASE + SECURITY, "holds a secret key; expected a public key file",
+         key="security.authorized_keys", files={**KEY_FILES, "authorized/trainer.key": SECRET_KEY}),
+    Case("workers-on-all-interfaces-without-keys", WORKERS_ON_ALL_INTERFACES,
+         "tcp://0.0.0.0:5600 can be reached from other hosts, and without CURVE keys anyone who reaches it can "
+         "connect as an env worker. Make keys (`orchestrator keys keys --name orchestrator`",
+         key="scheduler.worker_address"),
+    Case("trainer-address-on-a-lan-without-keys", BASE + '\n[transport]\naddress = "tcp://10.1.2.3:5555"\n',
+         "or bind 127.0.0.1", key="transport.address"),
+    Case("prime-rl-on-a-lan-without-opt-in", BASE + PRIME_RL,
+         "unauthenticated and unencrypted (prime-rl's trainer has no CURVE support)", key="transport.address"),
+    Case("unauthenticated-trainer-opt-in-for-zmq", BASE + "\n[security]\nallow_unauthenticated_trainer = true\n",
+         "applies only to transport.kind = 'prime-rl'", key="security.allow_unauthenticated_trainer"),
+    Case("set-server-key-to-a-public-key", BASE + SECURITY, "holds only a public key",
+         source="--set security.server_key", key="security.server_key", files=KEY_FILES,
+         sets=("security.server_key={dir}/authorized/trainer.key",)),
     # files that cannot be read
     Case("toml-syntax-error", SYNTAX_ERROR,
          f"not valid TOML: Invalid value (at line {line_of(SYNTAX_ERROR, 'max_inflight')}"),
@@ -160,12 +196,12 @@ def write_case(case: Case, tmp_path: Path) -> Path:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     job = tmp_path / "job.toml"
-    job.write_text(case.text.replace("{out}", str(tmp_path / "out")))
+    job.write_text(case.text.replace("{out}", str(tmp_path / "out")).replace("{dir}", str(tmp_path)))
     return job
 
 
 def argv(command: str, job: Path, sets: tuple[str, ...] = ()) -> list[str]:
-    return [command, str(job), *(a for s in sets for a in ("--set", s))]
+    return [command, str(job), *(a for s in sets for a in ("--set", s.replace("{dir}", str(job.parent))))]
 
 
 def assert_names_the_problem(err: str, case: Case, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.config import JobConfig, load_config, to_toml
 from orchestrator.errors import ConfigError
+from orchestrator.testing.keys import KeySet, make_key_set
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.toml"))
@@ -189,3 +190,52 @@ def test_process_exit_status_is_2(tmp_path: Path) -> None:
 def test_jobconfig_requires_keyword_arguments() -> None:
     with pytest.raises(TypeError):
         JobConfig()  # type: ignore[call-arg]
+
+
+def secured(keys: KeySet, address: str = "tcp://0.0.0.0:5600") -> str:
+    return GOOD.replace("batch_size = 16", f'batch_size = 16\nworker_address = "{address}"') + (
+        f'\n[security]\nserver_key = "{keys.server_secret}"\nauthorized_keys = "{keys.authorized_dir}"\n')
+
+
+def test_keys_allow_binding_other_interfaces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = make_key_set(tmp_path / "keys")
+    path = write(tmp_path, secured(keys) + '\n[transport]\naddress = "tcp://10.1.2.3:5555"\n')
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f'server_key = "{keys.server_secret}"' in out
+    assert "allow_unauthenticated_trainer = false" in out
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5600", "tcp://localhost:5600", "tcp://[::1]:5600",
+                                     "ipc:///tmp/workers.sock"])
+def test_loopback_and_ipc_need_no_keys(address: str, tmp_path: Path) -> None:
+    text = GOOD.replace("batch_size = 16", f'batch_size = 16\nworker_address = "{address}"')
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.scheduler.worker_address == address
+    assert cfg.security.server_keys(address) is None
+
+
+def test_prime_rl_on_another_host_needs_the_opt_in(tmp_path: Path) -> None:
+    text = GOOD + ('\n[transport]\nkind = "prime-rl"\naddress = "tcp://10.1.2.3:5555"\ncheckpoint_source = "marker"\n'
+                   'marker_dir = "m"\n')
+    with pytest.raises(ConfigError, match="prime-rl's trainer has no CURVE support"):
+        load_config(write(tmp_path, text))
+    cfg = load_config(write(tmp_path, text + "\n[security]\nallow_unauthenticated_trainer = true\n"))
+    assert cfg.security.allow_unauthenticated_trainer
+
+
+def test_key_paths_are_relative_to_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Like run.output_dir and the other paths (only ``include`` is relative to the including file)."""
+    make_key_set(tmp_path / "keys")
+    (tmp_path / "configs").mkdir()
+    path = write(tmp_path / "configs", secured(KeySet(Path("keys"))))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(path)
+    assert cfg.security.server_key == "keys/server/orchestrator.key_secret"  # as written, not resolved
+    server = cfg.security.server_keys("tcp://0.0.0.0:5600")
+    assert server is not None
+    assert len(server.authorized) == 1
+    assert cfg.security.server_keys("ipc:///tmp/workers.sock") is None  # file permissions guard ipc://
+    monkeypatch.chdir(tmp_path / "configs")
+    with pytest.raises(ConfigError, match=r"security\.server_key: keys/server/orchestrator\.key_secret: no such file"):
+        load_config(path)

@@ -220,17 +220,22 @@ class Sender(Protocol):
 
 
 def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender]:
-    """The batch sender ``[transport] kind`` names: ZMQ (default), files in a shared directory, or prime-rl."""
+    """The batch sender ``[transport] kind`` names: ZMQ (default), files in a shared directory, or prime-rl.
+    A ZMQ sender on tcp:// with ``[security]`` keys accepts only the authorized trainers."""
     t = cfg.transport
     if t.kind == "prime-rl":
         assert t.address is not None  # config cross-check
+        if cfg.security.allow_unauthenticated_trainer:
+            log.warning("batches go to the prime-rl trainer at %s unauthenticated and unencrypted "
+                        "(security.allow_unauthenticated_trainer)", t.address)
         temperature = {e.label: e.sampling.temperature for e in cfg.env}
         return PrimeRLSender.open(t.address, cfg.run.name.encode(), t.send_hwm, temperature=temperature)
     if t.kind == "filesystem":
         assert t.directory is not None  # config cross-check
         return FileBatchSender.open(t.directory, t.send_hwm, resume=resume)
     shm_bytes = t.shm_pool_mb << 20 if t.kind == "shm" else None  # shm: columns through a same-node pool
-    return BatchSender.open(address, t.send_hwm, require_report=resume, shm_bytes=shm_bytes)
+    return BatchSender.open(address, t.send_hwm, require_report=resume, shm_bytes=shm_bytes,
+                            server_keys=cfg.security.server_keys(address))  # tcp:// with keys: CURVE
 
 
 def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorState]:

@@ -29,6 +29,7 @@ COMMANDS = {
     "demo": "demo",
     "receive": "receive",
     "report": "report",
+    "keys": "keys",
 }
 
 EXIT_CONFIG = 2

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, KeyFileError
+
+if typing.TYPE_CHECKING:
+    from orchestrator.security import ServerKeys
 
 
 def opt(
@@ -109,6 +112,28 @@ class TransportConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """CURVE keys for the tcp:// sockets the orchestrator binds (README "Security"). Paths, like every path
+    in this file except ``include``, are relative to the working directory unless absolute."""
+
+    server_key: str | None = opt(None, doc="the orchestrator's secret key file NAME.key_secret (made by "
+                                           "`orchestrator keys`); unset: no CURVE, tcp:// only on loopback")
+    authorized_keys: str | None = opt(None, doc="directory of the public NAME.key files of the env workers and "
+                                                "trainers allowed to connect (read at start)")
+    allow_unauthenticated_trainer: bool = opt(False, doc="kind = 'prime-rl' only: allow a non-loopback trainer "
+                                                         "address, though prime-rl's link has no authentication")
+
+    def server_keys(self, address: str) -> ServerKeys | None:
+        """The CURVE keys for a socket bound at ``address``: None for ipc:// (file permissions guard it) or
+        when no keys are set. KeyFileError if a key file changed for the worse since the config loaded."""
+        if self.server_key is None or self.authorized_keys is None or not address.startswith("tcp://"):
+            return None
+        from orchestrator.security import load_server_keys
+
+        return load_server_keys(self.server_key, self.authorized_keys)
+
+
+@dataclass(frozen=True)
 class MonitorConfig:
     lag_interval_s: float = opt(0.1, gt=0, le=10, doc="event-loop-lag sampling interval")
     lag_window: int = opt(4096, ge=16, doc="lag samples kept per step (oldest dropped first)")
@@ -171,6 +196,7 @@ class JobConfig:
     inference: InferenceConfig = opt(doc="inference servers")
     scheduler: SchedulerConfig = opt(SchedulerConfig(), doc="rollout scheduling")
     transport: TransportConfig = opt(TransportConfig(), doc="batches to the trainer")
+    security: SecurityConfig = opt(SecurityConfig(), doc="CURVE authentication of the tcp:// sockets we bind")
     monitor: MonitorConfig = opt(MonitorConfig(), doc="event-loop-lag monitor")
     pipeline: PipelineConfig = opt(PipelineConfig(), doc="advantages and filters")
     sim: SimConfig = opt(SimConfig(), doc="simulated inference servers (demo and tests)")
@@ -498,6 +524,7 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
     if t.kind == "shm" and t.address is not None and not t.address.startswith("ipc://"):
         yield (f"{source('transport.address')}: transport.address: kind = 'shm' is same-node only and needs an "
                f"ipc://PATH address (or none: ipc:// in output_dir), got {t.address!r}; use kind = 'zmq' for tcp")
+    yield from _security_checks(cfg, source)
     sim = cfg.sim
     if (sim.layers == 0) != (sim.top_k == 0):
         yield f"{source('sim.top_k')}: sim.layers / sim.top_k: set both (routed experts) or neither"
@@ -512,6 +539,46 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
     if m.lag_error_ms < m.lag_warn_ms:
         yield (f"{source('monitor.lag_error_ms')}: monitor.lag_error_ms: must be >= monitor.lag_warn_ms "
                f"({m.lag_error_ms} < {m.lag_warn_ms})")
+
+
+def _security_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
+    """Keys set in pairs and readable; no address reachable from other hosts without authentication."""
+    from orchestrator.security import is_loopback, load_authorized_keys, load_key_pair
+
+    sec, t = cfg.security, cfg.transport
+    for key, value, other in (("server_key", sec.server_key, "authorized_keys"),
+                              ("authorized_keys", sec.authorized_keys, "server_key")):
+        if value is None and getattr(sec, other) is not None:
+            yield (f"{source(f'security.{key}')}: security.{key}: required when security.{other} is set "
+                   "(CURVE needs the orchestrator's secret key and the directory of its clients' public keys)")
+    for key, value, load in (("server_key", sec.server_key, load_key_pair),
+                             ("authorized_keys", sec.authorized_keys, load_authorized_keys)):
+        if value is not None:
+            try:
+                load(value)
+            except KeyFileError as e:
+                yield f"{source(f'security.{key}')}: security.{key}: {e}"
+    binds = [("scheduler.worker_address", cfg.scheduler.worker_address, "connect as an env worker")]
+    if t.kind in ("zmq", "shm"):  # the other kinds bind nothing
+        binds.append(("transport.address", t.address, "read the batches and forge the trainer's acknowledgements"))
+    for key, address, risk in binds:
+        if address and address.startswith("tcp://") and not is_loopback(address) and sec.server_key is None:
+            yield (f"{source(key)}: {key}: {address} can be reached from other hosts, and without CURVE keys "
+                   f"anyone who reaches it can {risk}. Make keys (`orchestrator keys keys --name orchestrator`, "
+                   "and a pair per client), then set security.server_key = \"keys/orchestrator.key_secret\" and "
+                   "security.authorized_keys = the directory of the clients' public .key files (README: "
+                   "Security); or bind 127.0.0.1")
+    trainer, opted_in = t.address or "", sec.allow_unauthenticated_trainer
+    if t.kind == "prime-rl" and trainer.startswith("tcp://") and not is_loopback(trainer) and not opted_in:
+        yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' sends batches to "
+               f"{trainer} unauthenticated and unencrypted (prime-rl's trainer has no CURVE support), so anyone on "
+               "that network can read them or take them in the trainer's place. Use a loopback address (e.g. "
+               "through an SSH tunnel), or set security.allow_unauthenticated_trainer = true if the network "
+               "between the two hosts is trusted")
+    if sec.allow_unauthenticated_trainer and t.kind != "prime-rl":
+        yield (f"{source('security.allow_unauthenticated_trainer')}: security.allow_unauthenticated_trainer: "
+               f"applies only to transport.kind = 'prime-rl' (kind = {t.kind!r}: ZMQ links authenticate with "
+               "security.server_key and security.authorized_keys); remove it")
 
 
 # ---------------------------------------------------------------------------------------------- printing

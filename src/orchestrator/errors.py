@@ -4,10 +4,12 @@
 
     OrchestratorError                 base: anything this package raises on purpose
     ├── ConfigError                   the job's config is wrong (the CLI exits with status 2)
+    │   └── KeyFileError              a CURVE key file or directory that is missing, unreadable or the wrong kind
     ├── InferenceError                an inference server failed a request
     │   └── MalformedReply            a reply that does not match the protocol
     ├── WireError                     a transport message that cannot be accepted
     │   └── DuplicateStep             a step already received (or out of order)
+    ├── TransportError                the transport cannot start or go on as configured
     ├── EnvironmentLoadError          an environment could not be loaded
     └── WorkerError                   env workers cannot serve the job (none became ready in time)
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from pathlib import Path
 
 
 class Failure(enum.StrEnum):
@@ -53,6 +56,15 @@ class ConfigError(OrchestratorError):
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
+
+
+class KeyFileError(ConfigError):
+    """A CURVE key file (or authorized-keys directory) that is missing, unreadable or of the wrong kind; the
+    message names the path and what was expected there."""
+
+    def __init__(self, path: str | Path, why: str) -> None:
+        self.path = Path(path)
+        super().__init__([f"{path}: {why}"])
 
 
 class InferenceError(OrchestratorError):

@@ -2,9 +2,11 @@
 
 This subpackage imports neither verifiers nor the orchestrator's scheduling code, so a trainer can use
 it on its own: ``BatchReceiver(address)``, ``await receiver.recv()`` -> ``Batch``, ``await
-receiver.announce(step)``.
+receiver.announce(step)``; ``BatchReceiver(address, keys=load_client_keys(server_key, client_key))`` for an
+orchestrator that binds tcp:// with CURVE keys.
 """
 
+from orchestrator.security import ClientKeys, load_client_keys
 from orchestrator.transport.filesystem import CorruptBatchFile, FileBatchReceiver, FileBatchSender
 from orchestrator.transport.packing import MicroBatch, Packing, RankBatches, pack
 from orchestrator.transport.primerl import PrimeRLBatch, decode_primerl, encode_primerl
@@ -15,3 +17,4 @@ __all__ = ["Batch", "BatchReceiver", "BatchSender", "SyncBatchReceiver", "decode
 __all__ += ["CorruptBatchFile", "FileBatchReceiver", "FileBatchSender"]
 __all__ += ["MicroBatch", "Packing", "RankBatches", "pack"]
 __all__ += ["PrimeRLBatch", "decode_primerl", "encode_primerl"]
+__all__ += ["ClientKeys", "load_client_keys"]

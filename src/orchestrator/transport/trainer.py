@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from orchestrator.security import ClientKeys
 from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import BatchReceiver
 
@@ -44,6 +45,7 @@ class ReferenceTrainer:
     received: list[ReceivedStep] = field(default_factory=list)
     on_batch: Callable[[Batch], None] = lambda _b: None
     journal: Path | None = None
+    keys: ClientKeys | None = None  # CURVE: for an orchestrator that binds tcp:// with [security] keys
 
     async def run(self) -> None:
         """Consumes batches; produces checkpoint announcements. Ends after ``max_steps`` or when cancelled."""
@@ -51,7 +53,7 @@ class ReferenceTrainer:
         last = int(done[-1]["step"]) if done else None
         if last is not None:
             log.info("trainer: journal %s ends at step %d; asking for the steps after it", self.journal, last)
-        receiver = BatchReceiver(self.address, last_step=last, auto_ack=False)
+        receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys)
         # a line per step, on the loop: the reference trainer does nothing else meanwhile
         journal = open(self.journal, "ab") if self.journal else None  # noqa: SIM115, ASYNC230 - closed below
         try:

@@ -11,14 +11,19 @@ the steps the trainer already has, so the trainer sees no step twice and no gap.
 ``announcements()`` yields the checkpoint steps the trainer announces, over ZMQ or as marker files
 (``step_<N>.ready``) in a directory. With ``shm_bytes`` (same node, ipc:// only) the columns go through a
 shared-memory pool of that size (``orchestrator.transport.shm``) and the ZMQ message is the header alone;
-a step's span is freed when the trainer acknowledges (releases) it.
+a step's span is freed when the trainer acknowledges (releases) it. With ``server_keys`` both sockets are
+CURVE servers (``orchestrator.security``): only trainers whose public keys are authorized connect, and the
+traffic is encrypted; an unauthorized peer receives nothing and its acknowledgements or announcements never
+arrive.
 
 Trainer side, ``BatchReceiver`` (asyncio) and ``SyncBatchReceiver`` (plain threads): connect PULL and
 PUSH, decode batches without copies, reject a corrupt, duplicate or out-of-order step with a WireError
 (counted in ``rejected``; the receiver keeps running), acknowledge each accepted step (``auto_ack``; or
 call ``ack`` after training on it), report the last step held every STATUS_S while idle, and
 ``announce(step)`` tells the orchestrator that weights ``step`` are ready. Shared-memory batches are mapped
-on arrival (see the receivers' docstrings for when they are released). Importable without verifiers.
+on arrival (see the receivers' docstrings for when they are released). ``keys`` (``ClientKeys``: the
+orchestrator's public key and the trainer's key pair) makes both sockets CURVE clients, for an orchestrator
+that binds tcp:// with keys. Importable without verifiers.
 
 Trainer -> orchestrator messages (msgpack maps): ``{"have": N}`` (acknowledges every step <= N; -1 for
 none), ``{"have": N, "hello": true}`` (a receiver started: resend what follows N), ``{"checkpoint": N}``
@@ -42,6 +47,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.errors import DuplicateStep, TransportError, WireError
+from orchestrator.security import ClientKeys, RefusalWatch, ServerKeys, curve_server, secure_client
 from orchestrator.transport.filesystem import marker_announcements
 from orchestrator.transport.shm import PoolNotMapped, ShmAttachment, ShmPool, pool_socket_path, serve_pool
 from orchestrator.transport.wire import Batch, decode, encode
@@ -97,14 +103,16 @@ class BatchSender:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, address: str, hwm: int = 2, warn_s: float = 30.0, *, require_report: bool = False,
-                   shm_bytes: int | None = None) -> AsyncIterator[BatchSender]:
+                   shm_bytes: int | None = None, server_keys: ServerKeys | None = None) -> AsyncIterator[BatchSender]:
         """Bind; the trainer channel is read by a task this context owns. ``hwm``: unacknowledged steps kept.
-        ``shm_bytes``: send columns through a shared-memory pool of that size, served next to ``address``."""
+        ``shm_bytes``: send columns through a shared-memory pool of that size, served next to ``address``.
+        ``server_keys``: both sockets are CURVE servers that accept only the authorized trainers (receivers
+        given the matching ``ClientKeys``); any other peer gets no batch and nothing it sends is read."""
         if shm_bytes is not None:
             pool_socket_path(address)  # TransportError for tcp://, before anything starts
         async with contextlib.AsyncExitStack() as stack:
             pool = None if shm_bytes is None else stack.enter_context(contextlib.closing(ShmPool(shm_bytes, warn_s)))
-            sender = await stack.enter_async_context(cls._open(address, hwm, warn_s, require_report))
+            sender = await stack.enter_async_context(cls._open(address, hwm, warn_s, require_report, server_keys))
             if pool is not None:  # served once the batch address is ours; closed before the pool is
                 await stack.enter_async_context(serve_pool(pool, pool_socket_path(sender.address)))
                 sender.pool, sender.on_ack = pool, pool.release_through
@@ -112,11 +120,17 @@ class BatchSender:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def _open(cls, address: str, hwm: int, warn_s: float, require_report: bool) -> AsyncIterator[BatchSender]:
+    async def _open(cls, address: str, hwm: int, warn_s: float, require_report: bool,
+                    server_keys: ServerKeys | None) -> AsyncIterator[BatchSender]:
         ctx = zmq.asyncio.Context()
+        auth = contextlib.ExitStack()
         push = ctx.socket(zmq.PUSH)
         pull = ctx.socket(zmq.PULL)
         try:
+            if server_keys is not None:
+                server = auth.enter_context(curve_server(ctx, server_keys))
+                server.secure(push)
+                server.secure(pull)
             push.setsockopt(zmq.SNDHWM, hwm)
             push.setsockopt(zmq.LINGER, 2000)
             pull.setsockopt(zmq.LINGER, 0)
@@ -141,6 +155,7 @@ class BatchSender:
         finally:
             push.close()
             pull.close()
+            auth.close()  # the authenticator's sockets close too, or term() would wait for them for ever
             ctx.term()
 
     @property
@@ -242,13 +257,17 @@ class BatchSender:
 _S = TypeVar("_S", bound=zmq.Socket[Any])
 
 
-def _connect(ctx: zmq.Context[_S], address: str) -> tuple[_S, _S]:
-    """A receiver's sockets: PULL from ``address`` (batches), PUSH to its ``.ckpt`` twin (acks, checkpoints)."""
+def _connect(ctx: zmq.Context[_S], address: str, keys: ClientKeys | None) -> tuple[_S, _S]:
+    """A receiver's sockets: PULL from ``address`` (batches), PUSH to its ``.ckpt`` twin (acks, checkpoints);
+    both CURVE clients with ``keys``."""
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
-    pull.connect(address)
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 1000)
+    if keys is not None:
+        secure_client(pull, keys)
+        secure_client(push, keys)
+    pull.connect(address)
     push.connect(ckpt_address(address))
     return pull, push
 
@@ -340,10 +359,11 @@ class BatchReceiver(_ReceiverCore):
     """
 
     def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, *, last_step: int | None = None,
-                 auto_ack: bool = True) -> None:
+                 auto_ack: bool = True, keys: ClientKeys | None = None) -> None:
         super().__init__(address, last_step, auto_ack)
         self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.pull, self.push = _connect(self.ctx, address)
+        self.pull, self.push = _connect(self.ctx, address, keys)
+        self.refusals = RefusalWatch(self.pull, address, keys, "trainer")  # checked while idle
         # queued until the orchestrator is there; sent on a sync view so no loop is needed yet
         zmq.Socket.shadow(self.push.underlying).send(self._status(hello=True), flags=zmq.NOBLOCK)
 
@@ -352,6 +372,7 @@ class BatchReceiver(_ReceiverCore):
             await self.ack(done)
         while True:
             if not await self.pull.poll(int(STATUS_S * 1000)):
+                self.refusals.check()
                 await self.push.send(self._status())
                 continue
             frames = await self.pull.recv_multipart(copy=False)
@@ -381,6 +402,7 @@ class BatchReceiver(_ReceiverCore):
 
     def close(self) -> None:
         """Close the sockets and drop the pool's mapping (unmapped once no batch views it)."""
+        self.refusals.close()
         self.pull.close()
         self.push.close()
         self.shm.close()
@@ -392,10 +414,11 @@ class SyncBatchReceiver(_ReceiverCore):
     ``release(batch)`` / ``ack(step)``); do not touch its arrays after that."""
 
     def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
-                 last_step: int | None = None, auto_ack: bool = True) -> None:
+                 last_step: int | None = None, auto_ack: bool = True, keys: ClientKeys | None = None) -> None:
         super().__init__(address, last_step, auto_ack)
         self.ctx = ctx or zmq.Context.instance()
-        self.pull, self.push = _connect(self.ctx, address)
+        self.pull, self.push = _connect(self.ctx, address, keys)
+        self.refusals = RefusalWatch(self.pull, address, keys, "trainer")  # checked while idle
         self.push.send(self._status(hello=True), flags=zmq.NOBLOCK)
 
     def recv(self, timeout_s: float | None = None) -> Batch:
@@ -408,6 +431,7 @@ class SyncBatchReceiver(_ReceiverCore):
             if wait <= 0:
                 raise TimeoutError(f"no batch within {timeout_s} s")
             if not self.pull.poll(int(wait * 1000)):
+                self.refusals.check()
                 self.push.send(self._status())
                 continue
             frames = self.pull.recv_multipart(copy=False)
@@ -431,6 +455,7 @@ class SyncBatchReceiver(_ReceiverCore):
         self.push.send(self._announcement(step))
 
     def close(self) -> None:
+        self.refusals.close()
         self.pull.close()
         self.push.close()
         self.shm.close()
