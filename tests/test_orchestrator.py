@@ -19,10 +19,10 @@ from orchestrator.pipeline.dump import load_dump
 from orchestrator.sim.server import Faults
 from orchestrator.state import load_state
 from orchestrator.testing.sim import sim_servers
+from orchestrator.transport.checkpoints import write_marker
 from orchestrator.transport.filesystem import FileBatchReceiver
 from orchestrator.transport.primerl import PrimeRLBatch, decode_primerl
 from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.zmq_link import write_marker
 
 pytestmark = pytest.mark.slow
 

@@ -25,6 +25,7 @@ import orjson
 from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.config import JobConfig, to_toml
 from orchestrator.inference.pool import InferencePool
+from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.memory import malloc_trim, rss_mb
 from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
@@ -32,6 +33,7 @@ from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_s
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduler import Scheduler
 from orchestrator.state import OrchestratorState, load_state, save_state
+from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
 from orchestrator.transport.primerl import PrimeRLSender
 from orchestrator.transport.wire import Batch
@@ -77,17 +79,23 @@ class Orchestrator:
     async def open(cls, cfg: JobConfig, *, resume: bool = False) -> AsyncIterator[Orchestrator]:
         out, state = await asyncio.to_thread(_prepare_output, cfg, resume)
         workers = sum(e.workers for e in cfg.env)
-        setup = Setup([EnvSpec(e.label, e.taskset, e.args) for e in cfg.env], cfg.model.name,
-                      cfg.model.tokenizer or str(tokenizer_dir()))
+        tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+        setup = Setup([EnvSpec(e.label, e.taskset, e.args) for e in cfg.env], cfg.model.name, str(tokenizer),
+                      cfg.inference.request_timeout_s, cfg.inference.api_key_env)
         worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
         env_vars = {"HOME": os.environ.get("HOME", str(out))}
         async with contextlib.AsyncExitStack() as stack:
             pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
+            if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
+                reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+                                          model=cfg.model.name, tokenizer=tokenizer, resume=True)
+                log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(reports),
+                         sorted({r.max_model_len or 0 for r in reports}))
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume))
-            hub = await stack.enter_async_context(WorkerHub.open(worker_address, setup, workers,
-                                                                 cfg.scheduler.remote_workers, env_vars,
-                                                                 cfg.scheduler.worker_nice))
+            hub = await stack.enter_async_context(WorkerHub.open(
+                worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
+                cfg.security.server_keys(worker_address)))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             try:
                 yield cls(cfg, pool, hub, sender, state)
@@ -116,8 +124,8 @@ class Orchestrator:
                 log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote,
                          self.hub.address)
             await self.hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
-            if self.state.policy_step:
-                await self.pool.update_weights(self.state.policy_step)
+            if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
+                await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
             sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, self.state.task_cursors)
             background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched))]
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
@@ -146,11 +154,14 @@ class Orchestrator:
         t = self.cfg.transport
         marker = Path(t.marker_dir) if t.checkpoint_source == "marker" and t.marker_dir else None
         async for ckpt in self.sender.announcements(marker):
-            if ckpt <= sched.policy:
+            if ckpt.step <= sched.policy:
                 continue
+            t0 = time.monotonic()
             result = await self.pool.update_weights(ckpt)
-            log.info("weights of step %d on %d/%d servers", ckpt, len(result.updated), len(self.pool.servers))
-            await sched.set_policy(ckpt)
+            log.info("weights of step %d on %d/%d servers in %.1f s", ckpt.step, len(result.updated),
+                     len(self.pool.servers), time.monotonic() - t0)
+            self.state.policy_path = ckpt.path
+            await sched.set_policy(ckpt.step)
 
     async def _step(self, step: int, sched: Scheduler) -> None:
         t0 = time.perf_counter()
@@ -216,7 +227,7 @@ class Sender(Protocol):
     def acked(self) -> int: ...  # the last step acknowledged, -1 for none
     async def send(self, batch: Batch) -> bool: ...  # False: skipped, the trainer already has it
     async def wait_acked(self) -> None: ...
-    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[int]: ...
+    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]: ...
 
 
 def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender]:

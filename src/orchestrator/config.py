@@ -53,17 +53,28 @@ class RunConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = opt("sim-model", doc="model name sent to the inference servers")
-    tokenizer: str | None = opt(None, doc="tokenizer directory; unset means the small built-in tokenizer")
+    tokenizer: str | None = opt(None, doc="the model's tokenizer directory (needed with real servers; unset: "
+                                "the small built-in tokenizer of the simulated servers)")
 
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    servers: tuple[str, ...] = opt(doc="base URLs of vLLM-compatible servers, e.g. http://127.0.0.1:8000/v1")
-    request_timeout_s: float = opt(120.0, gt=0, doc="per-request timeout")
-    max_retries: int = opt(1, ge=0, doc="retries of a failed request on the same server")
+    servers: tuple[str, ...] = opt(doc="base URLs of the inference engines, e.g. http://10.0.0.5:8000/v1 (each "
+                                   "engine itself, not a router in front of several: the pool is the router)")
+    backend: Literal["vllm", "prime-rl"] = opt(
+        "vllm", doc="server protocol: 'vllm' (VLLM_SERVER_DEV_MODE=1: pause, collective_rpc reload_weights, "
+        "resume) or 'prime-rl' (prime-rl's inference server: pause, update_weights {weight_dir}, resume)")
+    weights_path: str | None = opt(None, doc="where the weights of checkpoint step N are, '{step}' standing for N, "
+                                   "e.g. /ckpt/step_{step}; a path the trainer announces wins")
+    api_key_env: str | None = opt(None, doc="environment variable holding the servers' API key (vLLM --api-key)")
+    preflight: bool = opt(True, doc="check every server before the run (reachable, model, admin routes, "
+                          "tokenizer, one generate round trip) and stop with what to fix")
+    request_timeout_s: float = opt(600.0, gt=0, doc="timeout of one request, env workers' generate calls included "
+                                   "(a call waits through a weight sync's pause)")
     failures_to_evict: int = opt(3, ge=1, doc="consecutive failures that take a server out of rotation")
     probe_interval_s: float = opt(1.0, gt=0, doc="how often servers out of rotation are probed")
-    weight_sync_timeout_s: float = opt(120.0, gt=0, doc="timeout of each pause/update/resume call")
+    weight_sync_timeout_s: float = opt(600.0, gt=0, doc="timeout of each pause/load/resume call (loading a "
+                                       "large model's weights takes minutes)")
     no_server_warn_interval_s: float = opt(10.0, gt=0, doc="warning interval while no server is in rotation")
 
 
@@ -148,6 +159,8 @@ class FilterConfig:
     args: dict[str, Any] = opt({}, doc="keyword arguments of the filter")
 
 
+OWNED_SAMPLING_KEYS = {"cache_salt", "logprobs", "stop_token_ids", "routed_experts_prompt_start"}
+
 DEFAULT_FILTERS = (
     FilterConfig(name="zero_advantage", enforce=True),
     FilterConfig(name="gibberish", enforce=False),
@@ -167,9 +180,27 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """Sent to the server as written; an unset key is not sent, so the server's default applies."""
+
     max_tokens: int = opt(256, ge=1, doc="tokens sampled per turn")
-    temperature: float = opt(1.0, ge=0, doc="sampling temperature")
-    top_p: float = opt(1.0, gt=0, le=1, doc="nucleus sampling")
+    temperature: float = opt(1.0, ge=0, doc="sampling temperature (also sent to the trainer with each sample)")
+    top_p: float | None = opt(None, gt=0, le=1, doc="nucleus sampling")
+    top_k: int | None = opt(None, ge=-1, doc="sample from the k most likely tokens (-1: all)")
+    min_p: float | None = opt(None, ge=0, le=1, doc="minimum probability relative to the most likely token")
+    repetition_penalty: float | None = opt(None, gt=0, doc="vLLM's repetition penalty (1: none)")
+    presence_penalty: float | None = opt(None, ge=-2, le=2, doc="OpenAI-style presence penalty")
+    frequency_penalty: float | None = opt(None, ge=-2, le=2, doc="OpenAI-style frequency penalty")
+    stop: tuple[str, ...] | None = opt(None, doc="strings that end a turn")
+    seed: int | None = opt(None, doc="per-request seed (with group_size > 1 every rollout of a group would be "
+                           "the same: only for group_size = 1)")
+    extra_body: dict[str, Any] = opt({}, doc="more sampling parameters for the server, passed through as they are")
+
+    def params(self) -> dict[str, Any]:
+        """What is sent: every key that is set, and ``extra_body``'s keys."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k != "extra_body"}
+        if self.stop is not None:
+            out["stop"] = list(self.stop)
+        return {**out, **self.extra_body}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -500,6 +531,18 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
             yield (f"{source(f'env[{i}].name')}: env[{i}].name: {env.label!r} is already used by "
                    f"env[{labels[env.label]}]; give each environment a distinct name")
         labels.setdefault(env.label, i)
+    for i, env in enumerate(cfg.env):
+        sp = env.sampling
+        if sp.seed is not None and env.group_size > 1:
+            yield (f"{source(f'env[{i}].sampling.seed')}: env[{i}].sampling.seed: with group_size = "
+                   f"{env.group_size} every rollout of a group would sample the same tokens (no advantage to "
+                   "learn from); leave it unset")
+        for key in sorted(set(sp.extra_body) & OWNED_SAMPLING_KEYS):
+            yield (f"{source(f'env[{i}].sampling.extra_body.{key}')}: env[{i}].sampling.extra_body.{key}: set by "
+                   "the orchestrator (cache_salt: the policy version) or by verifiers' client; remove it")
+        for key in sorted(set(sp.extra_body) & {f.name for f in dataclasses.fields(SamplingConfig)}):
+            yield (f"{source(f'env[{i}].sampling.extra_body.{key}')}: env[{i}].sampling.extra_body.{key}: "
+                   f"use env[{i}].sampling.{key}")
     if not cfg.inference.servers:
         yield f"{source('inference.servers')}: inference.servers: at least one server URL is required"
     for i, url in enumerate(cfg.inference.servers):

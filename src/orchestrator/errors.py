@@ -10,6 +10,7 @@
     ├── WireError                     a transport message that cannot be accepted
     │   └── DuplicateStep             a step already received (or out of order)
     ├── TransportError                the transport cannot start or go on as configured
+    ├── CheckpointError               a checkpoint that cannot be loaded (no weights path)
     ├── EnvironmentLoadError          an environment could not be loaded
     └── WorkerError                   env workers cannot serve the job (none became ready in time)
 
@@ -92,6 +93,10 @@ class DuplicateStep(WireError):
 
 class TransportError(OrchestratorError):
     """The transport cannot start or go on as configured (e.g. a batch directory holding another run)."""
+
+
+class CheckpointError(OrchestratorError):
+    """A checkpoint the trainer announced that cannot be loaded (e.g. no path for its weights)."""
 
 
 class EnvironmentLoadError(OrchestratorError):

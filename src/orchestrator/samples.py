@@ -3,7 +3,8 @@
 One sample per trainable root-to-leaf branch. Each node contributes a chunk per column (token ids,
 loss mask, logprobs scattered to token positions, routed experts); each column is concatenated once,
 so building a sample costs O(total tokens) however many turns it has, never a re-pack per turn.
-Routed experts stay ``uint8 [tokens, layers, top_k]`` throughout.
+Routed experts stay ``[tokens, layers, top_k]`` in the narrowest type that holds every expert id, uint8 or
+uint16 (a model with more than 256 experts), throughout; an id that fits neither is an error, never a wrap.
 
 Nodes are duck-typed (``token_ids``, ``mask``, ``logprobs``, ``routed_experts``), so this module works on
 verifiers' ``MessageNode`` without importing verifiers.
@@ -48,7 +49,7 @@ class Sample:
     token_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]: 1 where the policy sampled the token
     logprobs: np.ndarray  # float32 [T]: sampling logprob where loss_mask, else 0
-    routed_experts: np.ndarray | None  # uint8 [T, layers, top_k]
+    routed_experts: np.ndarray | None  # uint8 or uint16 [T, layers, top_k]
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +89,7 @@ def build_sample(nodes: Sequence[NodeLike]) -> Sample:
             if r.ndim != 3 or r.shape[0] != n:
                 raise SampleError(f"node {i}: routed experts shape {r.shape} for {n} tokens "
                                   "(expected [tokens, layers, top_k])")
-            routed.append(r.astype(np.uint8, copy=False))
+            routed.append(expert_ids(r, i))
     if routed and len(routed) != len(ends):
         raise SampleError(f"routed experts on {len(routed)} of {len(ends)} nodes")
     if routed and len({r.shape[1:] for r in routed}) > 1:
@@ -108,6 +109,20 @@ def build_sample(nodes: Sequence[NodeLike]) -> Sample:
         logprobs=logprobs,
         routed_experts=np.concatenate(routed) if routed else None,
     )
+
+
+def expert_ids(r: np.ndarray, node: int) -> np.ndarray:
+    """``r`` as uint8 or uint16 (uint8/uint16 arrays as they are); SampleError if an id fits neither."""
+    if r.dtype in (np.uint8, np.uint16):
+        return r
+    if r.dtype.kind not in "iu":
+        raise SampleError(f"node {node}: routed experts of dtype {r.dtype} are not expert ids")
+    if r.size:
+        lo, hi = int(r.min()), int(r.max())
+        if lo < 0 or hi > 0xFFFF:
+            raise SampleError(f"node {node}: routed expert id {lo if lo < 0 else hi} does not fit uint16")
+        return r.astype(np.uint8 if hi <= 0xFF else np.uint16)
+    return r.astype(np.uint8)
 
 
 def _append(column: array[Any], values: Any) -> None:

@@ -172,8 +172,8 @@ class Scheduler:
         self.inflight[gid] = group
         for rid in rids:
             self.by_rid[rid] = group
-        sampling = {"max_tokens": env.sampling.max_tokens, "temperature": env.sampling.temperature,
-                    "top_p": env.sampling.top_p}
+        # cache_salt: KV cached under older weights is never reused for this policy (verifiers sends it top-level)
+        sampling = {**env.sampling.params(), "cache_salt": str(self.policy)}
         group.worker = self.hub.assign(Assign(gid, env_name, group.task, rids, server.url, sampling, self.policy))
 
     def on_record(self, record: RolloutRecord) -> None:

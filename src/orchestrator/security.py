@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 ZAP_DOMAIN = "orchestrator"
 LOGGED_REFUSALS = 256  # refused client keys logged (each once); a flood of fresh keys is not logged for ever
 MAKE_KEYS = "make keys with `orchestrator keys DIR --name NAME`"
+# A local env worker's keys, set by the hub that starts it (a key pair made for the run, never on disk).
+LOCAL_KEYS_ENV = ("ORCHESTRATOR_SERVER_PUBLIC_KEY", "ORCHESTRATOR_CLIENT_PUBLIC_KEY", "ORCHESTRATOR_CLIENT_SECRET_KEY")
 
 
 @dataclass(frozen=True)

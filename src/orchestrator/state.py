@@ -35,6 +35,7 @@ class OrchestratorState:
     next_step: int = 0  # the first step not yet handed to the transport
     acked_step: int = -1  # the last step the trainer acknowledged
     policy_step: int = 0  # the weight version servers sample with
+    policy_path: str | None = None  # where its weights are, as announced (None: inference.weights_path)
     task_cursors: dict[str, int] = field(default_factory=dict)  # env -> tasks drawn so far
     rng_state: dict[str, Any] = field(default_factory=dict)  # numpy bit generator state
 

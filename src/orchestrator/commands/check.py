@@ -1,16 +1,20 @@
-"""``orchestrator check FILE``: validate a job config and print it resolved (defaults filled in)."""
+"""``orchestrator check FILE [--servers]``: validate a job config and print it resolved (defaults filled in);
+with ``--servers``, also run the preflight checks of every inference server it names (read-only)."""
 
 from __future__ import annotations
 
 import argparse
 
-from orchestrator.config import load_config, to_toml
+from orchestrator.config import JobConfig, load_config, to_toml
 
 HELP = "validate a job config and print the resolved config"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="job config (TOML)")
+    p.add_argument("--servers", action="store_true",
+                   help="also check each inference server: reachable, serves model.name, admin routes of the "
+                        "backend, tokenizer, one generate round trip (exit 1 naming every problem)")
     add_set_argument(p)
 
 
@@ -24,4 +28,23 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     print(f"# {args.config}: OK ({len(cfg.env)} environment{'s' if len(cfg.env) != 1 else ''})")
     print(to_toml(cfg), end="")
+    if args.servers:
+        from orchestrator.cli import run_async
+
+        run_async(check_servers(cfg))  # a PreflightError exits 1 with every problem (cli.main)
     return 0
+
+
+async def check_servers(cfg: JobConfig) -> None:
+    from pathlib import Path
+
+    from orchestrator.assets import tokenizer_dir
+    from orchestrator.inference.pool import InferencePool
+    from orchestrator.inference.preflight import preflight
+
+    tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+    async with InferencePool.open(cfg.inference) as pool:
+        reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+                                  model=cfg.model.name, tokenizer=tokenizer, resume=False)
+    for r in reports:
+        print(f"# {r.url}: OK ({cfg.inference.backend}, {cfg.model.name!r}, max_model_len {r.max_model_len})")

@@ -1,7 +1,9 @@
 """``orchestrator env-worker --connect ADDRESS``: host environments for an orchestrator.
 
 The orchestrator starts local workers itself; start this by hand on other hosts to add capacity
-(``--connect tcp://ORCHESTRATOR_HOST:PORT``, the address in the orchestrator's startup log).
+(``--connect tcp://ORCHESTRATOR_HOST:PORT``, the address in the orchestrator's startup log; with the
+orchestrator's public key and this worker's key pair, ``--server-key`` / ``--client-key``, when it binds
+tcp:// with ``[security]`` keys).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import socket
 
 from orchestrator.cli import run_async
+from orchestrator.commands.client_keys import add_key_arguments, client_keys
 
 HELP = "run an env worker (verifiers environments) for an orchestrator"
 
@@ -21,12 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--id", default=None, help="worker name in logs and metrics (default: host-pid)")
     p.add_argument("--nice", type=int, default=0, metavar="N",
                    help="add N to this process's niceness, so a busy host serves the orchestrator's loop first")
+    add_key_arguments(p, "env worker")
 
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.worker.process import Worker
 
+    keys = client_keys(args, args.connect, "env worker")
     if args.nice:
         os.nice(args.nice)
     worker_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
-    return run_async(Worker(args.connect, worker_id).run())
+    return run_async(Worker(args.connect, worker_id, keys).run())

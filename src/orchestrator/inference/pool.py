@@ -1,26 +1,26 @@
 """The inference pool: which server a group runs on, which servers are healthy, and weight sync.
 
-Use (the scheduler)::
+Use (the orchestrator)::
 
     async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
-        tg.create_task(pool.run())                      # background probes: owned by the caller
-        async with pool.lease(group_size) as server:    # or: server = await pool.acquire(n) ... pool.release(server, n)
-            gen = await pool.generate(server, prompt_ids, {"max_tokens": 64})
-        result = await pool.update_weights(step, path)  # WeightSyncResult(updated, failed)
+        tg.create_task(pool.run())                  # background probes: owned by the caller
+        server = await pool.acquire(group_size)     # ... pool.release(server, group_size)
+        result = await pool.update_weights(Checkpoint(step, path))  # WeightSyncResult(updated, failed)
 
-- **Choice and pinning.** ``lease(n)`` / ``acquire(n)`` pick the in-rotation server with the fewest rollouts
-  in flight and count ``n`` more on it until released: a group of ``n`` rollouts leases once, so the whole
-  group is pinned to one server (``server.url`` is what its env worker talks to).
-- **Health.** ``report_failure`` / ``report_success`` come from whoever talked to the server (the pool's own
-  ``generate``, or the scheduler for env workers' calls). ``failures_to_evict`` consecutive failures, or one
-  timeout, take a server out of rotation; ``run()`` probes servers out of rotation every ``probe_interval_s``
-  and puts them back when ``/health`` answers and they serve the current weights. With no server in rotation,
-  ``acquire`` waits (one warning per ``no_server_warn_interval_s`` for the whole pool) and resumes when one
-  returns. Every change is logged and counted in ``metrics`` (``evictions``, ``rejoins``, ``failed:<kind>``,
-  ``malformed``, ``timeouts``, ``weight_sync_failed``).
-- **Weight sync.** ``update_weights(step, path)`` pauses, updates and resumes every server concurrently,
-  each call under ``weight_sync_timeout_s``; a server that fails leaves rotation until a probe has brought
-  it to the new weights.
+- **Choice and pinning.** ``acquire(n)`` picks the in-rotation server with the fewest rollouts in flight and
+  counts ``n`` more on it until ``release``: a group of ``n`` rollouts acquires once, so the whole group is
+  pinned to one server (``server.url`` is what its env worker talks to).
+- **Health.** ``report_failure`` / ``report_success`` come from whoever talked to the server (the scheduler,
+  for env workers' calls). ``failures_to_evict`` consecutive failures take a server out of rotation;
+  ``run()`` probes servers out of rotation every ``probe_interval_s``: one whose ``/health`` answers 200 (any
+  body: real servers send none) is brought to the current weights first, then rejoins. With no server in
+  rotation, ``acquire`` waits (one warning per ``no_server_warn_interval_s`` for the whole pool) and resumes
+  when one returns. Every change is logged and counted in ``metrics`` (``evictions``, ``rejoins``,
+  ``failed:<kind>``, ``weight_sync_failed``).
+- **Weight sync.** ``update_weights(ckpt)`` runs the backend's pause / load / resume (weights.py) on every
+  server at once, each call under ``weight_sync_timeout_s``; a server that fails leaves rotation and is
+  synced again before it rejoins, so no server serves old weights unnoticed. No real server reports which
+  weights it serves, so ``server.version`` is what the last successful sync loaded.
 """
 
 from __future__ import annotations
@@ -30,19 +30,20 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 import aiohttp
 
 from orchestrator.config import InferenceConfig
-from orchestrator.errors import Failure, InferenceError, MalformedReply
-from orchestrator.inference.replies import Generation
-from orchestrator.inference.server import HttpInferenceServer, InferenceServer
+from orchestrator.errors import Failure, InferenceError
+from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
+from orchestrator.inference.weights import weight_sync, weights_dir
+from orchestrator.transport.checkpoints import Checkpoint
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+
+SLOW_CALL_WARN_S = 30.0
 
 
 @dataclass(eq=False)
@@ -51,9 +52,9 @@ class Server:
 
     api: InferenceServer
     in_rotation: bool = True
-    inflight: int = 0  # rollouts leased on it
+    inflight: int = 0  # rollouts acquired on it
     failures: int = 0  # consecutive
-    version: int = 0  # weights it serves: set by a successful sync (a reply's own version is in Generation)
+    version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with)
     last_error: str = ""
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -75,10 +76,10 @@ class InferencePool:
             raise ValueError("an inference pool needs at least one server (inference.servers)")
         self.cfg = cfg
         self.servers = [Server(api) for api in servers]
+        self.weights = weight_sync(cfg.backend)
         self._rotation_changed = asyncio.Event()
         self._warned_at = -float("inf")
-        self.target_version = 0
-        self.target_path: str | None = None
+        self.target = Checkpoint(0)  # the weights every server should serve
         self.metrics: Counter[str] = Counter()
 
     @classmethod
@@ -86,22 +87,14 @@ class InferencePool:
     async def open(cls, cfg: InferenceConfig) -> AsyncIterator[InferencePool]:
         """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit)."""
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        key = api_key(cfg.api_key_env)
         async with aiohttp.ClientSession(connector=connector) as session:
-            yield cls(cfg, [HttpInferenceServer(url, session) for url in cfg.servers])
+            yield cls(cfg, [HttpInferenceServer(url, session, key) for url in cfg.servers])
 
     # ------------------------------------------------------------------------------- choice and pinning
 
-    @contextlib.asynccontextmanager
-    async def lease(self, n: int = 1) -> AsyncIterator[Server]:
-        """The least-loaded server in rotation, with ``n`` rollouts counted on it until the block exits."""
-        server = await self.acquire(n)
-        try:
-            yield server
-        finally:
-            self.release(server, n)
-
     async def acquire(self, n: int = 1) -> Server:
-        """Like ``lease`` for a holder that outlives a block (a group): pair with ``release(server, n)``.
+        """The least-loaded server in rotation, with ``n`` rollouts counted on it until ``release(server, n)``.
 
         Waits while no server is in rotation; woken by a server rejoining."""
         while True:
@@ -156,8 +149,8 @@ class InferencePool:
     async def run(self) -> None:
         """Probe servers out of rotation every ``probe_interval_s``; consumes nothing, produces rejoins.
 
-        Waits on a timer only. A server answering ``/health`` rejoins if it serves ``target_version``; one that
-        answers with other weights is updated first. Runs until cancelled (owned by the caller's TaskGroup)."""
+        Waits on a timer only. A server whose ``/health`` answers 200 is synced to the target weights (unless
+        it holds them already), then rejoins. Runs until cancelled (owned by the caller's TaskGroup)."""
         while True:
             await asyncio.sleep(self.cfg.probe_interval_s)
             out = [s for s in self.servers if not s.in_rotation]
@@ -167,94 +160,67 @@ class InferencePool:
     async def _probe(self, server: Server) -> None:
         try:
             probe_timeout_s = min(self.cfg.request_timeout_s, max(5 * self.cfg.probe_interval_s, 1.0))
-            version = await self._timed(server.api.health(), probe_timeout_s, f"/health of {server.url}")
-            if version is not None and version != self.target_version:
-                await self._sync_one(server, self.target_version, self.target_path)
-            server.version = self.target_version
+            await self._timed(server.api.request("GET", "/health"), f"/health of {server.url}", probe_timeout_s)
+            target = self.target
+            if server.version != target.step:
+                await self._sync_one(server, target)
             self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
         except InferenceError as e:
             server.last_error = str(e)
             log.debug("probe of %s failed: %s", server.url, e)
 
-    @staticmethod
-    async def _timed(call: Awaitable[T], timeout_s: float, what: str) -> T:
+    async def _timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None) -> bytes:
+        """``call`` under ``timeout_s`` (default ``weight_sync_timeout_s``), logging every SLOW_CALL_WARN_S
+        while it has no answer: a hung server holds a weight sync, and the job, for at most the timeout."""
+        timeout_s = self.cfg.weight_sync_timeout_s if timeout_s is None else timeout_s
+        task = asyncio.ensure_future(call)
+        t0 = time.monotonic()
         try:
-            async with asyncio.timeout(timeout_s):
-                return await call
-        except TimeoutError:
-            raise InferenceError(f"{what} took more than {timeout_s:g} s", Failure.TIMEOUT) from None
-
-    # ------------------------------------------------------------------------------------------- calls
-
-    async def generate(self, server: Server, prompt_ids: Sequence[int], sampling: Mapping[str, Any]) -> Generation:
-        """One generate call on ``server`` with ``max_retries`` retries on it, each under ``request_timeout_s``.
-
-        Every failure is logged, counted and reported (a timeout evicts at once). Raises the last
-        ``InferenceError`` (``MalformedReply`` for a bad reply) when every attempt failed; never anything else
-        for a server's misbehaviour."""
-        last: InferenceError | None = None
-        for _attempt in range(self.cfg.max_retries + 1):
-            try:
-                gen = await self._timed(server.api.generate(prompt_ids, sampling), self.cfg.request_timeout_s,
-                                        f"generate on {server.url}")
-            except MalformedReply as e:
-                self.metrics["malformed"] += 1
-                log.warning("malformed reply from %s: %s", server.url, e)
-                self.report_failure(server, e.kind, str(e))
-                last = e
-            except InferenceError as e:
-                timeout = e.kind is Failure.TIMEOUT
-                self.metrics["timeouts"] += timeout
-                log.warning("generate on %s failed: %s", server.url, e)
-                self.report_failure(server, e.kind, str(e), evict=timeout)
-                last = e
-            else:
-                self.report_success(server)
-                if gen.weight_version is not None and gen.weight_version != server.version:
-                    # sampled before a sync finished, or by a server that lost its weights (restarted)
-                    self.metrics["version_mismatch"] += 1
-                    log.debug("reply from %s sampled by step %d; pool expects step %d", server.url,
-                              gen.weight_version, server.version)
-                return gen
-            if not server.in_rotation:
-                break
-        assert last is not None
-        raise last
+            while True:
+                left = timeout_s - (time.monotonic() - t0)
+                if left <= 0:
+                    raise InferenceError(f"{what} took more than {timeout_s:g} s", Failure.TIMEOUT)
+                done, _ = await asyncio.wait({task}, timeout=min(SLOW_CALL_WARN_S, left))
+                if done:
+                    return task.result()
+                if time.monotonic() - t0 < timeout_s:
+                    log.warning("%s: no answer after %.0f s (gives up after %.0f s)", what, time.monotonic() - t0,
+                                timeout_s)
+        finally:
+            if not task.done():
+                task.cancel()
 
     # ------------------------------------------------------------------------------------- weight sync
 
-    async def update_weights(self, step: int, path: str | None = None) -> WeightSyncResult:
-        """Pause, load weights ``step`` (from ``path``) and resume on every server at once.
+    async def update_weights(self, ckpt: Checkpoint) -> WeightSyncResult:
+        """Pause, load ``ckpt``'s weights and resume on every server at once.
 
-        A server that fails any of the three calls leaves rotation (and is counted in ``failed``); the probe
-        in ``run()`` updates it and brings it back."""
-        self.target_version, self.target_path = step, path
-        result = WeightSyncResult(step)
-        outcomes = await asyncio.gather(*(self._sync_one(s, step, path) for s in self.servers),
-                                        return_exceptions=True)
+        A server that fails any call leaves rotation (and is counted in ``failed``); the probe in ``run()``
+        syncs it and brings it back. CheckpointError when there is no path for the weights."""
+        weights_dir(ckpt, self.cfg.weights_path)  # no path: an error for the job, before any server is paused
+        self.target = ckpt
+        result = WeightSyncResult(ckpt.step)
+        outcomes = await asyncio.gather(*(self._sync_one(s, ckpt) for s in self.servers), return_exceptions=True)
         for server, outcome in zip(self.servers, outcomes, strict=True):
             if isinstance(outcome, InferenceError):
                 result.failed[server.url] = str(outcome)
                 self.metrics["weight_sync_failed"] += 1
-                server.last_error = f"weight sync to step {step} failed: {outcome}"
+                server.last_error = f"weight sync to step {ckpt.step} failed: {outcome}"
                 self._set_rotation(server, False, server.last_error)
             elif isinstance(outcome, BaseException):
                 raise outcome
             else:
                 result.updated.append(server.url)
         if result.failed:
-            log.warning("weight sync to step %d failed on %d of %d servers: %s", step, len(result.failed),
+            log.warning("weight sync to step %d failed on %d of %d servers: %s", ckpt.step, len(result.failed),
                         len(self.servers), result.failed)
         return result
 
-    async def _sync_one(self, server: Server, step: int, path: str | None) -> None:
-        """pause, update_weights, resume (resume also after a failed update); one sync per server at a time."""
-        t = self.cfg.weight_sync_timeout_s
+    async def _sync_one(self, server: Server, ckpt: Checkpoint) -> None:
+        """The backend's pause / load / resume; one sync per server at a time; logged when slow."""
+        path = weights_dir(ckpt, self.cfg.weights_path)
         async with server.sync_lock:
-            try:  # pause inside: a pause cut short (cancelled at shutdown) may still have paused the server
-                await self._timed(server.api.call_admin("pause", {}), t, f"pause on {server.url}")
-                await self._timed(server.api.call_admin("update_weights", {"step": step, "path": path}), t,
-                                  f"update_weights on {server.url}")
-            finally:
-                await self._timed(server.api.call_admin("resume", {}), t, f"resume on {server.url}")
-            server.version = step
+            t0 = time.monotonic()
+            await self.weights.sync(server.api, ckpt, path, self._timed)
+            server.version = ckpt.step
+            log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, time.monotonic() - t0)

@@ -1,34 +1,42 @@
-"""Strict parsing of ``/inference/v1/generate`` replies into arrays.
+"""Strict parsing of an ``/inference/v1/generate`` reply, the way env workers' client will parse it.
 
-A reply that does not match the protocol raises MalformedReply naming what is wrong: not JSON, no
-choices, token strings that are not ``token_id:<id>`` of the sampled id, non-finite logprobs, routed
-experts whose shape does not match their bytes or the token count.
+Env workers parse generate replies with verifiers 0.4.0's ``TrainClient`` (``renderers/client.py``
+``parse_generate_response`` and ``_parse_completion_logprobs``, renderers 0.1.12; ``verifiers/v1/graph.py``
+``_attribute_routed_experts``). Preflight sends one tiny request to each server and parses the reply here
+with the same rules, so a server whose replies that client cannot read is found before any rollout, with
+the fix named: one entry per token ``{"token": "token_id:<id>", "logprob": <finite, not -9999>}`` (vLLM
+>= 0.32 writes ``{"token_id": <id>}`` instead), and routed experts as an object ``{"data": <base64 of the
+raw array>, "shape": [rows, layers, top_k], "start", "dtype"}`` (prime-rl's server; upstream vLLM sends a
+base64 ``.npy`` string, which that client cannot read) with ``tokens - 1 - start`` rows.
 """
 
 from __future__ import annotations
 
+import binascii
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 
 from orchestrator.errors import MalformedReply
+
+MISSING_LOGPROB = -9999.0  # vLLM's floor; verifiers' client reads it as "no sampling evidence"
+ROUTED_DTYPES = ("uint8", "uint16")
 
 
 @dataclass(frozen=True)
 class Generation:
-    token_ids: np.ndarray  # int32 [n]
-    logprobs: np.ndarray  # float32 [n]
-    finish_reason: str
-    weight_version: int | None
-    routed_experts: np.ndarray | None  # uint8 [rows, layers, top_k]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    routed_experts: np.ndarray | None  # [rows, layers, top_k], uint8 or uint16
     routed_start: int
 
 
 def parse_generate_reply(raw: bytes, prompt_len: int) -> Generation:
+    """The reply's first choice; MalformedReply saying what is wrong, and how to fix it when we know."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -40,48 +48,56 @@ def parse_generate_reply(raw: bytes, prompt_len: int) -> Generation:
     ids = choice.get("token_ids")
     if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2**31 for t in ids):
         raise MalformedReply("generate reply: choices[0].token_ids is not a list of token ids (ints in [0, 2**31))")
-    logprobs_obj = choice.get("logprobs")
-    content = logprobs_obj.get("content") if isinstance(logprobs_obj, dict) else None
+    logprobs = _logprobs(choice.get("logprobs"), ids)
+    finish = choice.get("finish_reason")
+    routed, start = _routed_experts(choice.get("routed_experts"), prompt_len + len(ids))
+    return Generation(ids, logprobs, finish if isinstance(finish, str) else None, routed, start)
+
+
+def _logprobs(obj: Any, ids: list[int]) -> list[float]:
+    content = obj.get("content") if isinstance(obj, dict) else None
     if not isinstance(content, list) or len(content) != len(ids):
         raise MalformedReply(f"generate reply: {len(ids)} tokens but logprobs.content has "
                              f"{len(content) if isinstance(content, list) else 'no'} entries")
-    logprobs = np.empty(len(ids), dtype=np.float32)
+    out = []
     for i, (tok, entry) in enumerate(zip(ids, content, strict=True)):
+        if isinstance(entry, dict) and "token" not in entry and "token_id" in entry:
+            raise MalformedReply("logprobs come as {\"token_id\": <id>} (vLLM >= 0.32); verifiers 0.4.0's client "
+                                 "needs {\"token\": \"token_id:<id>\"}: use vLLM 0.26 or prime-rl's server")
         if not isinstance(entry, dict) or entry.get("token") != f"token_id:{tok}":
             got = entry.get("token") if isinstance(entry, dict) else entry
             raise MalformedReply(f"generate reply: logprobs.content[{i}].token is {got!r}, expected 'token_id:{tok}'")
         lp = entry.get("logprob")
-        if not isinstance(lp, int | float) or not math.isfinite(lp):
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp) or lp == MISSING_LOGPROB:
             raise MalformedReply(f"generate reply: logprobs.content[{i}].logprob is {lp!r}, not a finite number")
-        logprobs[i] = lp
-    finish = choice.get("finish_reason")
-    if not isinstance(finish, str):
-        raise MalformedReply("generate reply: choices[0].finish_reason is missing")
-    routed, start = _routed_experts(choice.get("routed_experts"), prompt_len + len(ids))
-    version = data.get("weight_version")
-    return Generation(np.asarray(ids, dtype=np.int32), logprobs, finish,
-                      version if isinstance(version, int) else None, routed, start)
+        out.append(float(lp))
+    return out
 
 
 def _routed_experts(obj: Any, total_tokens: int) -> tuple[np.ndarray | None, int]:
     if obj is None:
         return None, 0
+    if isinstance(obj, str):
+        raise MalformedReply("routed experts come as a base64 .npy string (upstream vLLM), which verifiers 0.4.0's "
+                             "client cannot read: for router replay use prime-rl's inference server, or start vLLM "
+                             "without --enable-return-routed-experts")
     if not isinstance(obj, dict):
         raise MalformedReply("generate reply: routed_experts is not an object")
-    shape, start = obj.get("shape"), obj.get("start", 0)
+    shape, start, dtype = obj.get("shape"), obj.get("start", 0), obj.get("dtype", "uint8")
     if (not isinstance(shape, list) or len(shape) != 3 or not all(isinstance(x, int) and x >= 0 for x in shape)
-            or not isinstance(start, int)):
-        raise MalformedReply(f"generate reply: routed_experts shape {shape!r} / start {start!r} is not "
-                             "[rows, layers, top_k] / int")
+            or not isinstance(start, int) or dtype not in ROUTED_DTYPES):
+        raise MalformedReply(f"generate reply: routed_experts shape {shape!r} / start {start!r} / dtype {dtype!r} is "
+                             f"not [rows, layers, top_k] / int / one of {ROUTED_DTYPES}")
     try:
-        data = pybase64.b64decode(obj.get("data", ""), validate=True)
-    except (ValueError, TypeError) as e:
+        data = binascii.a2b_base64(obj.get("data", ""))
+    except (binascii.Error, TypeError) as e:
         raise MalformedReply(f"generate reply: routed_experts.data is not base64: {e}") from None
     rows, layers, top_k = shape
-    if len(data) != rows * layers * top_k:
-        raise MalformedReply(f"generate reply: routed_experts has {len(data)} bytes, shape {shape} needs "
-                             f"{rows * layers * top_k}")
-    if rows != total_tokens - start:
-        raise MalformedReply(f"generate reply: routed_experts has {rows} rows for {total_tokens - start} tokens "
-                             f"(start {start})")
-    return np.frombuffer(data, dtype=np.uint8).reshape(rows, layers, top_k), start
+    itemsize = np.dtype(dtype).itemsize
+    if len(data) != rows * layers * top_k * itemsize:
+        raise MalformedReply(f"generate reply: routed_experts has {len(data)} bytes, shape {shape} of {dtype} needs "
+                             f"{rows * layers * top_k * itemsize}")
+    if rows not in (total_tokens - 1 - start, total_tokens - start):  # the last sampled token has no routing yet
+        raise MalformedReply(f"generate reply: routed_experts has {rows} rows for {total_tokens} tokens from "
+                             f"{start} (expected {total_tokens - 1 - start})")
+    return np.frombuffer(data, dtype=dtype).reshape(rows, layers, top_k), start

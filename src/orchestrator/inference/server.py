@@ -1,86 +1,70 @@
-"""The interface to one inference server (a Protocol) and its aiohttp implementation for vLLM-compatible HTTP.
+"""The interface to one inference server (a Protocol) and its aiohttp implementation.
 
-The pool owns timeouts, retries and health; an ``InferenceServer`` only makes calls. Calls raise
-``InferenceError`` (HTTP status other than 200, refused or dropped connection) or ``MalformedReply``
-(a reply that does not match the protocol). Fakes for tests implement the same Protocol.
+An ``InferenceServer`` only makes calls; the pool owns timeouts, health and rotation, the weight-sync
+backends (weights.py) know which calls a server kind takes, preflight (preflight.py) checks a server before
+a run. ``request`` raises ``InferenceError`` for a refused or dropped connection or an HTTP status other
+than 200 (``kind`` PROVIDER; ``status`` holds the HTTP status, None for no answer). Fakes for tests
+implement the same Protocol (``orchestrator.testing.fake_server.FakeInferenceServer``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import aiohttp
 import orjson
 
-from orchestrator.errors import InferenceError, MalformedReply
-from orchestrator.inference.replies import Generation, parse_generate_reply
+from orchestrator.errors import InferenceError
 
-GENERATE_PATH = "/inference/v1/generate"
 _JSON = {"Content-Type": "application/json"}
 
 
+class HttpStatusError(InferenceError):
+    """The server answered with an HTTP status other than 200."""
+
+    def __init__(self, message: str, status: int, body: bytes) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
 class InferenceServer(Protocol):
-    """One vLLM-compatible inference server, as the pool uses it."""
+    """One vLLM-compatible inference engine, as the orchestrator uses it."""
 
     url: str  # OpenAI-style base URL, ending in /v1 (what env workers' clients are given)
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: Mapping[str, Any]) -> Generation:
-        """Sample a completion of ``prompt_ids``; the reply is validated strictly."""
-        ...
-
-    async def health(self) -> int | None:
-        """Raise unless the server is healthy; return the weight version it reports (None: not reported)."""
-        ...
-
-    async def call_admin(self, action: str, body: Mapping[str, Any]) -> None:
-        """``pause``, ``update_weights`` (body ``{"step", "path"}``) or ``resume``."""
+    async def request(self, method: str, path: str, *, query: Mapping[str, str] | None = None,
+                      body: Any = None) -> bytes:
+        """``method`` ``path`` (relative to the server's root, e.g. ``/pause``) with a JSON ``body``; the reply's
+        bytes when the status is 200, else HttpStatusError (an InferenceError if nothing answered)."""
         ...
 
 
 class HttpInferenceServer:
     """``InferenceServer`` over HTTP with a shared ``aiohttp.ClientSession`` (owned by the caller)."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, model: str = "sim-model") -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession, api_key: str | None = None) -> None:
         self.url = url
         self.root = url.rstrip("/").removesuffix("/v1")
-        self.model = model
         self._session = session
+        self._headers = {**_JSON, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: Mapping[str, Any]) -> Generation:
-        params = {k: v for k, v in sampling.items() if k != "model"}
-        body = {"model": sampling.get("model", self.model), "token_ids": list(prompt_ids), "sampling_params": params}
-        raw = await self._request("POST", GENERATE_PATH, body)
-        return parse_generate_reply(raw, len(prompt_ids))
-
-    async def health(self) -> int | None:
-        reply = _json_object(await self._request("GET", "/health", None), "/health")
-        version = reply.get("weight_version")
-        return version if isinstance(version, int) else None
-
-    async def call_admin(self, action: str, body: Mapping[str, Any]) -> None:
-        if action not in ("pause", "update_weights", "resume"):
-            raise ValueError(f"unknown admin action {action!r}")
-        await self._request("POST", "/" + action, dict(body))
-
-    async def _request(self, method: str, path: str, body: Any) -> bytes:
+    async def request(self, method: str, path: str, *, query: Mapping[str, str] | None = None,
+                      body: Any = None) -> bytes:
         url = self.root + path
         data = orjson.dumps(body) if body is not None else None
         try:
-            async with self._session.request(method, url, data=data, headers=_JSON) as resp:
+            async with self._session.request(method, url, params=query, data=data, headers=self._headers) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise InferenceError(f"{method} {url}: HTTP {resp.status}: {raw[:200]!r}")
+                    raise HttpStatusError(f"{method} {url}: HTTP {resp.status}: {raw[:300]!r}", resp.status, raw)
                 return raw
         except (aiohttp.ClientError, OSError) as e:
             raise InferenceError(f"{method} {url}: {type(e).__name__}: {e}") from None
 
 
-def _json_object(raw: bytes, what: str) -> dict[str, Any]:
-    try:
-        reply = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise MalformedReply(f"{what} reply is not valid JSON ({len(raw)} bytes)") from None
-    if not isinstance(reply, dict):
-        raise MalformedReply(f"{what} reply is not a JSON object")
-    return reply
+def api_key(env_var: str | None) -> str | None:
+    """The servers' API key from ``inference.api_key_env`` (None when unset or empty)."""
+    return os.environ.get(env_var) or None if env_var else None

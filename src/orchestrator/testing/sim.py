@@ -5,8 +5,8 @@
   ``.counters``/``.version``), ``await cluster.kill(i)`` (the port refuses connections, in-flight requests
   are cut) and ``await cluster.restart(i)`` (a fresh server on the same port: weights back at version 0,
   as after a real crash). Every server is stopped on exit.
-- ``FakeInferenceServer`` implements the ``InferenceServer`` Protocol in memory (no HTTP): for unit tests of
-  code built on ``InferencePool(cfg, [fake, ...])``; ``fail_with`` makes its calls raise.
+- ``FakeInferenceServer`` (``orchestrator.testing.fake_server``, re-exported here) implements the
+  ``InferenceServer`` Protocol in memory, without HTTP.
 - ``sim_servers(n)`` is the simpler form yielding the list of ``SimServer``; ``sim_process(args)`` runs
   ``python -m orchestrator sim-inference --port 0`` as a subprocess, reads the printed address and always
   stops it by its pid (re-exported from ``orchestrator.sim.process``, which the demo uses too).
@@ -15,53 +15,17 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
-import numpy as np
 from aiohttp import web
 
-from orchestrator.errors import InferenceError
-from orchestrator.inference.replies import Generation
 from orchestrator.sim.process import SimProcess, sim_process, sim_servers
 from orchestrator.sim.server import Faults, SimServer
+from orchestrator.testing.fake_server import FakeInferenceServer
 
 __all__ = ["FakeInferenceServer", "Faults", "SimCluster", "SimProcess", "sim_cluster", "sim_process", "sim_servers"]
-
-
-class FakeInferenceServer:
-    """An in-memory ``InferenceServer``: replies ``reply_ids`` (logprob -1 each) tagged with its weight version."""
-
-    def __init__(self, url: str = "http://fake.invalid/v1", reply_ids: Sequence[int] = (7, 8, 3)) -> None:
-        self.url = url
-        self.reply_ids = list(reply_ids)
-        self.version = 0
-        self.paused = False
-        self.fail_with: InferenceError | None = None  # set: every call raises it
-        self.calls: list[str] = []
-
-    def _check(self, call: str) -> None:
-        self.calls.append(call)
-        if self.fail_with is not None:
-            raise self.fail_with
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: Mapping[str, Any]) -> Generation:
-        self._check("generate")
-        n = min(len(self.reply_ids), int(sampling.get("max_tokens", len(self.reply_ids))))
-        ids = np.asarray(self.reply_ids[:n], dtype=np.int32)
-        return Generation(ids, np.full(n, -1.0, dtype=np.float32), "length", self.version, None, 0)
-
-    async def health(self) -> int | None:
-        self._check("health")
-        return self.version
-
-    async def call_admin(self, action: str, body: Mapping[str, Any]) -> None:
-        self._check(action)
-        if action == "update_weights":
-            self.version = int(body["step"])
-        else:
-            self.paused = action == "pause"
 
 
 class SimCluster:

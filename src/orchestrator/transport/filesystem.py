@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import DuplicateStep, TransportError, WireError
+from orchestrator.transport.checkpoints import Checkpoint, marker_announcements
 from orchestrator.transport.wire import Batch, decode, encode
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class FileBatchSender:
     async def wait_acked(self) -> None:
         """Nothing to wait for: every step sent is on disk."""
 
-    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[int]:
+    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]:
         """Checkpoint steps from marker files (the filesystem transport has no message channel)."""
         if marker_dir is None:
             raise TransportError("the filesystem transport needs transport.checkpoint_source = 'marker'")
@@ -243,19 +244,6 @@ class FileBatchSender:
         if path.exists():
             raise DuplicateStep(f"refusing to write step {batch.step}: {path} already exists")
         return write_batch_file(path, encode(batch))
-
-
-async def marker_announcements(marker_dir: Path, poll_s: float = 0.1) -> AsyncIterator[int]:
-    """Checkpoint steps announced as marker files ``step_<N>.ready`` in ``marker_dir`` (``write_marker``),
-    each once, in increasing order; polls the directory in a worker thread every ``poll_s``."""
-    seen = -1
-    while True:
-        names = await asyncio.to_thread(lambda: [p.stem for p in marker_dir.glob("step_*.ready")])
-        steps = [int(n.removeprefix("step_")) for n in names if n.removeprefix("step_").isdigit()]
-        for step in sorted(x for x in steps if x > seen):
-            seen = step
-            yield step
-        await asyncio.sleep(poll_s)
 
 
 class FileBatchReceiver:

@@ -37,7 +37,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.errors import TransportError, WireError
-from orchestrator.transport.filesystem import marker_announcements
+from orchestrator.transport.checkpoints import Checkpoint, marker_announcements
 from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import push_polling
 
@@ -307,7 +307,7 @@ class PrimeRLSender:
     async def wait_acked(self) -> None:
         """Nothing to wait for: prime-rl's trainer does not acknowledge."""
 
-    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[int]:
+    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]:
         if marker_dir is None:
             raise TransportError("kind = 'prime-rl' needs transport.checkpoint_source = 'marker'")
         return marker_announcements(marker_dir)

@@ -1,7 +1,9 @@
 """The reference trainer: receives batches, checks them, and announces a checkpoint after each step.
 
 For demos, tests and debugging (``orchestrator receive``): it trains nothing, but behaves like a trainer
-on the wire: it reads every step in order, takes ``train_s`` per step, then announces weights ``step + 1``.
+on the wire: it reads every step in order, takes ``train_s`` per step, then announces weights ``step + 1``
+(with ``checkpoint_dir``: in the directory ``checkpoint_dir/step_<N>``, which it creates, as a trainer
+saving its weights would; without it the orchestrator's ``inference.weights_path`` must name them).
 With a ``journal`` file it appends one JSON line per step received and, when started again, tells the
 orchestrator the last step in it (as a real trainer restarting from its checkpoint would), so tests can
 check delivery across crashes of either side: every step once, in order.
@@ -46,6 +48,7 @@ class ReferenceTrainer:
     on_batch: Callable[[Batch], None] = lambda _b: None
     journal: Path | None = None
     keys: ClientKeys | None = None  # CURVE: for an orchestrator that binds tcp:// with [security] keys
+    checkpoint_dir: Path | None = None
 
     async def run(self) -> None:
         """Consumes batches; produces checkpoint announcements. Ends after ``max_steps`` or when cancelled."""
@@ -75,11 +78,20 @@ class ReferenceTrainer:
                 if self.train_s:
                     await asyncio.sleep(self.train_s)
                 if self.announce:
-                    await receiver.announce(batch.step + 1)
+                    await receiver.announce(batch.step + 1, await asyncio.to_thread(self._save, batch.step + 1))
         finally:
             receiver.close()
             if journal:
                 journal.close()
+
+
+    def _save(self, step: int) -> str | None:
+        """The directory of checkpoint ``step`` (created; it would hold the weights), or None."""
+        if self.checkpoint_dir is None:
+            return None
+        path = (self.checkpoint_dir / f"step_{step}").resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
 
 
 def read_journal(path: Path | None) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ or slow trainer back-pressures the pipeline and memory stays bounded by ``hwm`` 
 (re)connects says which step it has (``hello``) and gets every kept step after it again. After a restart
 (``require_report=True``) the sender waits for the trainer's report before sending anything and skips
 the steps the trainer already has, so the trainer sees no step twice and no gap.
-``announcements()`` yields the checkpoint steps the trainer announces, over ZMQ or as marker files
+``announcements()`` yields the checkpoints the trainer announces (step and weights path), over ZMQ or as marker files
 (``step_<N>.ready``) in a directory. With ``shm_bytes`` (same node, ipc:// only) the columns go through a
 shared-memory pool of that size (``orchestrator.transport.shm``) and the ZMQ message is the header alone;
 a step's span is freed when the trainer acknowledges (releases) it. With ``server_keys`` both sockets are
@@ -20,15 +20,16 @@ Trainer side, ``BatchReceiver`` (asyncio) and ``SyncBatchReceiver`` (plain threa
 PUSH, decode batches without copies, reject a corrupt, duplicate or out-of-order step with a WireError
 (counted in ``rejected``; the receiver keeps running), acknowledge each accepted step (``auto_ack``; or
 call ``ack`` after training on it), report the last step held every STATUS_S while idle, and
-``announce(step)`` tells the orchestrator that weights ``step`` are ready. Shared-memory batches are mapped
+``announce(step, path)`` tells the orchestrator that weights ``step`` are ready. Shared-memory batches are mapped
 on arrival (see the receivers' docstrings for when they are released). ``keys`` (``ClientKeys``: the
 orchestrator's public key and the trainer's key pair) makes both sockets CURVE clients, for an orchestrator
 that binds tcp:// with keys. Importable without verifiers.
 
 Trainer -> orchestrator messages (msgpack maps): ``{"have": N}`` (acknowledges every step <= N; -1 for
-none), ``{"have": N, "hello": true}`` (a receiver started: resend what follows N), ``{"checkpoint": N}``
-(weights N are ready). Status messages repeat the last checkpoint announced, so an orchestrator restarted
-after the announcement still loads those weights instead of waiting for ones that were already announced.
+none), ``{"have": N, "hello": true}`` (a receiver started: resend what follows N), ``{"checkpoint": N,
+"path": P}`` (weights N are ready in directory P; ``path`` may be absent). Status messages repeat the last
+checkpoint announced, so an orchestrator restarted after the announcement still loads those weights instead
+of waiting for ones that were already announced.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -48,7 +48,7 @@ import zmq.asyncio
 
 from orchestrator.errors import DuplicateStep, TransportError, WireError
 from orchestrator.security import ClientKeys, RefusalWatch, ServerKeys, curve_server, secure_client
-from orchestrator.transport.filesystem import marker_announcements
+from orchestrator.transport.checkpoints import Checkpoint, marker_announcements
 from orchestrator.transport.shm import PoolNotMapped, ShmAttachment, ShmPool, pool_socket_path, serve_pool
 from orchestrator.transport.wire import Batch, decode, encode
 
@@ -98,7 +98,7 @@ class BatchSender:
         self.pool: ShmPool | None = None  # set by open(shm_bytes=...): columns go through shared memory
         self._changed = asyncio.Event()  # set on every trainer report
         self._sending = asyncio.Lock()  # concurrent sends go one at a time, in call order
-        self._checkpoints: asyncio.Queue[int] = asyncio.Queue()
+        self._checkpoints: asyncio.Queue[Checkpoint] = asyncio.Queue()
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -219,7 +219,8 @@ class BatchSender:
             raw = await self.pull.recv()
             try:
                 msg = msgpack.unpackb(raw, raw=False)
-                checkpoint = None if msg.get("checkpoint") is None else int(msg["checkpoint"])
+                checkpoint = None if msg.get("checkpoint") is None else Checkpoint(int(msg["checkpoint"]),
+                                                                                  _path(msg.get("path")))
                 have = None if msg.get("have") is None else int(msg["have"])
                 if checkpoint is None and have is None:
                     raise KeyError("neither 'have' nor 'checkpoint'")
@@ -245,11 +246,11 @@ class BatchSender:
                 await self._push(frames, step)
         self._changed.set()
 
-    async def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[int]:
-        """Checkpoint steps announced by the trainer (ZMQ, or marker files when ``marker_dir`` is set)."""
+    async def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]:
+        """Checkpoints announced by the trainer (ZMQ, or marker files when ``marker_dir`` is set)."""
         if marker_dir is not None:
-            async for step in marker_announcements(marker_dir):
-                yield step
+            async for ckpt in marker_announcements(marker_dir):
+                yield ckpt
         while True:
             yield await self._checkpoints.get()
 
@@ -279,7 +280,7 @@ class _ReceiverCore:
     def __init__(self, address: str, last_step: int | None, auto_ack: bool) -> None:
         self.last_step = last_step  # the last step accepted (a trainer resuming from a checkpoint sets it)
         self.acked = last_step  # the last step acknowledged: what the status messages report
-        self.announced: int | None = None  # the last checkpoint announced, repeated in status messages
+        self.announced: Checkpoint | None = None  # the last checkpoint announced, repeated in status messages
         self.auto_ack = auto_ack
         self.rejected: dict[str, int] = {}
         self.shm = ShmAttachment(address)  # maps the sender's pool when a shared-memory batch arrives
@@ -335,12 +336,14 @@ class _ReceiverCore:
         if hello:
             msg["hello"] = True
         if self.announced is not None:  # a restarted orchestrator learns the newest weights from this
-            msg["checkpoint"] = self.announced
+            msg["checkpoint"] = self.announced.step
+            if self.announced.path is not None:
+                msg["path"] = self.announced.path
         return msgpack.packb(msg)
 
-    def _announcement(self, step: int) -> bytes:
-        self.announced = step
-        return msgpack.packb({"checkpoint": step})
+    def _announcement(self, step: int, path: str | None) -> bytes:
+        self.announced = Checkpoint(step, path)
+        return msgpack.packb({"checkpoint": step, **({"path": path} if path is not None else {})})
 
 
 class BatchReceiver(_ReceiverCore):
@@ -396,9 +399,9 @@ class BatchReceiver(_ReceiverCore):
         """Done with ``batch`` (and every earlier one): ``ack(batch.step)``."""
         await self.ack(batch.step)
 
-    async def announce(self, step: int) -> None:
+    async def announce(self, step: int, path: str | None = None) -> None:
         """Tell the orchestrator that weights ``step`` are ready to load (repeated in later status messages)."""
-        await self.push.send(self._announcement(step))
+        await self.push.send(self._announcement(step, path))
 
     def close(self) -> None:
         """Close the sockets and drop the pool's mapping (unmapped once no batch views it)."""
@@ -451,8 +454,8 @@ class SyncBatchReceiver(_ReceiverCore):
     def release(self, batch: Batch) -> None:
         self.ack(batch.step)
 
-    def announce(self, step: int) -> None:
-        self.push.send(self._announcement(step))
+    def announce(self, step: int, path: str | None = None) -> None:
+        self.push.send(self._announcement(step, path))
 
     def close(self) -> None:
         self.refusals.close()
@@ -461,13 +464,9 @@ class SyncBatchReceiver(_ReceiverCore):
         self.shm.close()
 
 
-def write_marker(directory: Path, step: int) -> Path:
-    """Announce a checkpoint with a marker file, written atomically (temp file, then rename)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step}.ready"
-    tmp = directory / f".step_{step}.{os.getpid()}.tmp"
-    tmp.write_bytes(b"")
-    tmp.replace(path)
-    return path
-
-
+def _path(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"path must be a non-empty string, got {value!r}")
+    return value

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -47,6 +48,7 @@ import zmq
 
 from orchestrator.errors import EnvironmentLoadError, Failure, TransportError, WireError, WorkerError
 from orchestrator.procs import child_env, terminate
+from orchestrator.security import LOCAL_KEYS_ENV, ServerKeys, curve_server
 from orchestrator.worker.protocol import (
     HEARTBEAT_S,
     Assign,
@@ -113,6 +115,7 @@ class WorkerState:
 class WorkerHub:
     def __init__(self, sock: zmq.Socket[bytes], address: str, setup: Setup, local: int, remote: int = 0,
                  env_vars: dict[str, str] | None = None, nice: int = 0) -> None:
+        """Use ``open``; ``env_vars`` go to local workers (with their CURVE keys when the socket has some)."""
         self.sock = sock
         self.address = address
         self.setup = setup
@@ -136,31 +139,40 @@ class WorkerHub:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, address: str, setup: Setup, local: int, remote: int = 0,
-                   env_vars: dict[str, str] | None = None, nice: int = 0) -> AsyncIterator[WorkerHub]:
-        """Bind ``address`` and start ``local`` worker processes (niceness + ``nice``); on exit stop them
-        (by pid) and close."""
+                   env_vars: dict[str, str] | None = None, nice: int = 0,
+                   server_keys: ServerKeys | None = None) -> AsyncIterator[WorkerHub]:
+        """Bind ``address`` (a CURVE server with ``server_keys``: only their authorized clients get in) and
+        start ``local`` worker processes (niceness + ``nice``); on exit stop them (by pid) and close.
+
+        Local workers of a CURVE hub get a key pair made for the run (never on disk), through their
+        environment."""
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            if address.startswith("ipc://"):
-                Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
-            sock.bind(address)
-        except zmq.ZMQError as e:  # close both, or the context's finalizer hangs a later gc.collect()
-            sock.close()
-            ctx.term()
-            raise TransportError(f"cannot bind the env workers' address {address}: {e}") from None
-        address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        hub = cls(sock, address, setup, local, remote, env_vars, nice)
-        try:
-            for _ in range(local):
-                await hub._spawn()
-            yield hub
-        finally:
-            await hub._stop_all()
-            sock.close()
-            ctx.term()
+        env = dict(env_vars or {})
+        with contextlib.ExitStack() as stack:
+            stack.callback(ctx.term)  # last: after the authenticator stopped and the socket closed
+            sock = ctx.socket(zmq.ROUTER)
+            if server_keys is not None:
+                public, secret = zmq.curve_keypair()
+                server_keys = dataclasses.replace(server_keys, authorized=server_keys.authorized | {public})
+                stack.enter_context(curve_server(ctx, server_keys)).secure(sock)
+                env.update(zip(LOCAL_KEYS_ENV, (server_keys.keys.public.decode(), public.decode(), secret.decode()),
+                               strict=True))
+            stack.callback(sock.close)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            try:
+                if address.startswith("ipc://"):
+                    Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+                sock.bind(address)
+            except zmq.ZMQError as e:
+                raise TransportError(f"cannot bind the env workers' address {address}: {e}") from None
+            hub = cls(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), setup, local, remote, env, nice)
+            try:
+                for _ in range(local):
+                    await hub._spawn()
+                yield hub
+            finally:
+                await hub._stop_all()
 
     async def _spawn(self, name: str | None = None) -> None:
         if name is None:

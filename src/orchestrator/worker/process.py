@@ -18,12 +18,14 @@ import re
 import time
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
 from orchestrator.errors import EnvironmentLoadError, Failure, WireError
 from orchestrator.memory import rss_mb
 from orchestrator.samples import SampleError, samples_from_trace
+from orchestrator.security import ClientKeys, RefusalWatch, secure_client
 from orchestrator.worker.protocol import (
     FLUSH_S,
     HEARTBEAT_S,
@@ -46,6 +48,8 @@ from orchestrator.worker.protocol import (
 
 log = logging.getLogger(__name__)
 
+CONTEXTS_KEPT = 64  # (server, sampling) pairs: servers x envs x the policy versions still in flight
+NO_API_KEY_VAR = "ORCHESTRATOR_NO_API_KEY"  # an unset variable: verifiers sends "EMPTY", looks up nothing else
 SERVER_FAULT = re.compile(r"Error code: 5\d\d")  # see classify()
 SCORING = re.compile(r"\bscoring\b")  # verifiers' TaskError boundary names ("task X scoring", "scoring")
 
@@ -117,17 +121,20 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float) -> tuple[Rollo
         return RolloutHeader.failed(base, Failure.BAD_SAMPLE, str(e), wall_s=wall_s, stop=stop), []
     metrics = {k: float(v) for k, v in (trace.metrics or {}).items()
                if isinstance(v, int | float) and math.isfinite(v)}
+    routed = frames[3] if frames and isinstance(frames[3], np.ndarray) else None
     header = RolloutHeader(rid=base.rid, group=base.group, env=base.env, task=base.task,
                            policy_step=base.policy_step, worker=base.worker, server=base.server, ok=True,
                            reward=reward, metrics=metrics, stop=stop, samples=shapes,
+                           routed_dtype="uint16" if routed is not None and routed.dtype == np.uint16 else "uint8",
                            tokens=sum(s[0] for s in shapes), wall_s=wall_s)
     return header, frames
 
 
 class Worker:
-    def __init__(self, address: str, worker_id: str) -> None:
+    def __init__(self, address: str, worker_id: str, keys: ClientKeys | None = None) -> None:
         self.address = address
         self.worker_id = worker_id
+        self.keys = keys
         self.envs: dict[str, LoadedEnv] = {}
         self.groups: dict[str, asyncio.Task[None]] = {}
         self._contexts: dict[str, Any] = {}
@@ -137,10 +144,13 @@ class Worker:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         sock.setsockopt(zmq.LINGER, 1000)
+        if self.keys is not None:
+            secure_client(sock, self.keys)
+        refusals = RefusalWatch(sock, self.address, self.keys, "env worker")
         sock.connect(self.address)
         try:
             await sock.send(pack(Hello(self.worker_id, os.getpid())))
-            setup = await self._setup(sock)
+            setup = await self._setup(sock, refusals)
             if setup is None:
                 return 0
             try:
@@ -159,13 +169,17 @@ class Worker:
                 return 3
             return 0
         finally:
+            refusals.close()
             sock.close()
             ctx.term()
 
-    async def _setup(self, sock: zmq.asyncio.Socket) -> Setup | None:
+    async def _setup(self, sock: zmq.asyncio.Socket, refusals: RefusalWatch) -> Setup | None:
         """The orchestrator's ``setup``, or None if it says ``stop`` first (other messages before it are
-        ignored: they were meant for a predecessor with this name)."""
+        ignored: they were meant for a predecessor with this name). Says why, once, if its handshake fails."""
         while True:
+            if not await sock.poll(1000):
+                refusals.check()
+                continue
             try:
                 msg = decode_orchestrator_message(await sock.recv())
             except WireError as e:
@@ -211,16 +225,23 @@ class Worker:
             await asyncio.sleep(HEARTBEAT_S)
 
     def _model_context(self, server: str, sampling: dict[str, Any]) -> Any:
+        """verifiers' model context for ``server`` and ``sampling`` (cache_salt included), reused while the
+        policy lasts: at most CONTEXTS_KEPT are kept, the oldest dropped first."""
         import verifiers.v1 as vf
         from renderers.configs import DefaultRendererConfig
+        from verifiers.v1.configs.client import ClientTimeoutConfig
 
         key = repr((server, sorted(sampling.items())))
-        ctx = self._contexts.get(key)
+        ctx = self._contexts.pop(key, None)
         if ctx is None:
             client = vf.TrainClientConfig(base_url=server, renderer=DefaultRendererConfig(),
-                                          renderer_model_name=self.tokenizer)
-            ctx = self._contexts[key] = vf.ModelContext(model=self.model, client=client,
-                                                        sampling=vf.SamplingConfig(**sampling))
+                                          renderer_model_name=self.tokenizer,
+                                          api_key_var=self.setup.api_key_env or NO_API_KEY_VAR,
+                                          timeout=ClientTimeoutConfig(read=self.setup.request_timeout_s))
+            ctx = vf.ModelContext(model=self.model, client=client, sampling=vf.SamplingConfig(**sampling))
+        self._contexts[key] = ctx  # most recently used last
+        while len(self._contexts) > CONTEXTS_KEPT:
+            del self._contexts[next(iter(self._contexts))]
         return ctx
 
     def _assigned(self, msg: Assign, rid: str) -> AssignedRollout:

@@ -21,7 +21,8 @@ orchestrator -> worker (``OrchestratorMessage``)
 
 A rollout is a ``RolloutHeader`` (scalars, and per sample ``[tokens, layers, top_k]``), followed by exactly
 four frames when it has samples: token ids (int32), loss mask (uint8), logprobs (float32), routed experts
-(uint8, possibly empty), each the concatenation of all its samples. Frames are sent and received without
+(``routed_dtype``: uint8, or uint16 for models with more than 256 experts; possibly empty), each the
+concatenation of all its samples. Frames are sent and received without
 copies. A failed rollout carries a ``Failure`` kind (one small vocabulary, shared by worker, hub,
 scheduler, pool and metrics) and a message; ``RolloutHeader.failed`` is the one way to make one.
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -65,6 +66,7 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     stop: str | None = None  # verifiers' stop condition
     is_timeout: bool = False
     samples: list[tuple[Count, Count, Count]] = []  # per sample: tokens, layers, top_k
+    routed_dtype: Literal["uint8", "uint16"] = "uint8"  # of the routed-experts frame
     tokens: Count = 0
     wall_s: float = 0.0
     frames: Count = 0  # column frames that follow this header in its message: 0 or 4
@@ -135,6 +137,8 @@ class Setup(msgspec.Struct, tag="setup", tag_field="type"):
     envs: list[EnvSpec]
     model: str
     tokenizer: str
+    request_timeout_s: float | None = None  # of each generate call (read timeout: a pause holds a call open)
+    api_key_env: str | None = None  # environment variable holding the servers' API key
 
 
 class Assign(msgspec.Struct, tag="assign", tag_field="type"):
@@ -200,7 +204,8 @@ def header_to_dict(header: RolloutHeader) -> dict[str, Any]:
 
 
 def sample_frames(samples: list[Sample]) -> tuple[list[tuple[int, int, int]], list[bytes | np.ndarray]]:
-    """Per-sample shapes ``(tokens, layers, top_k)`` and the four column frames (one concatenation each)."""
+    """Per-sample shapes ``(tokens, layers, top_k)`` and the four column frames (one concatenation each); the
+    routed-experts frame is uint8 unless some sample's ids need uint16 (``frames[3].dtype`` says)."""
     shapes: list[tuple[int, int, int]] = [
         (s.num_tokens, *s.routed_experts.shape[1:]) if s.routed_experts is not None else (s.num_tokens, 0, 0)
         for s in samples]
@@ -258,11 +263,14 @@ class RolloutRecord:
     def tokens(self) -> int:
         return self.header.tokens
 
+    def dtype(self, name: str) -> np.dtype[Any]:
+        return np.dtype(self.header.routed_dtype if name == "routed_experts" else DTYPES[name])
+
     def column(self, name: str) -> np.ndarray:
         """A column of all this rollout's samples, concatenated (a view of the received frame)."""
         if not self.frames:
-            return np.zeros(0, DTYPES[name])
-        return np.frombuffer(self.frames[COLUMNS.index(name)], dtype=DTYPES[name])
+            return np.zeros(0, self.dtype(name))
+        return np.frombuffer(self.frames[COLUMNS.index(name)], dtype=self.dtype(name))
 
     def sampled(self) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, logprobs) of the sampled tokens, for filters."""
@@ -293,5 +301,5 @@ class RolloutRecord:
         routed = sum(s[0] * s[1] * s[2] for s in h.samples)
         for name, expect in zip(COLUMNS, (tokens, tokens, tokens, routed), strict=True):
             nbytes = len(self.frames[COLUMNS.index(name)])
-            if nbytes != expect * np.dtype(DTYPES[name]).itemsize:
+            if nbytes != expect * self.dtype(name).itemsize:
                 raise WireError(f"rollout {h.rid}: column {name} has {nbytes} bytes for {expect} values")

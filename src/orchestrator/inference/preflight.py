@@ -1,0 +1,176 @@
+"""Preflight: check every inference server before a run, and say in one line per problem what to fix.
+
+For each server, concurrently (``orchestrator run`` at start, and ``orchestrator check --servers``):
+
+1. ``GET /health`` answers 200 (any body: vLLM's is empty; 503 means its engine is dead);
+2. ``GET /v1/models`` lists ``model.name`` with a ``max_model_len``;
+3. the admin routes the backend needs exist (weights.py: ``/is_paused`` answers only under vLLM's
+   ``VLLM_SERVER_DEV_MODE=1``; ``/liveness`` only on prime-rl's server), and neither kind is mistaken for
+   the other (prime-rl's server started with dev mode has its weight routes shadowed by vLLM's);
+4. ``POST /tokenize`` encodes a probe text as ``model.tokenizer`` does (a wrong or missing tokenizer);
+5. one tiny ``POST /inference/v1/generate`` round trip parses the way env workers' client parses it
+   (replies.py: catches vLLM >= 0.32's logprobs and upstream vLLM's routed-experts string).
+
+A run first resumes each server (``resume=True``): a run killed during a weight sync leaves its servers
+paused, and a paused server holds every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from orchestrator.errors import InferenceError, MalformedReply, OrchestratorError
+from orchestrator.inference.replies import parse_generate_reply
+from orchestrator.inference.server import HttpStatusError, InferenceServer
+from orchestrator.inference.weights import PrimeRLWeights, VLLMWeights, weight_sync
+
+log = logging.getLogger(__name__)
+
+PROBE_TEXT = "Preflight: 12 + 30 = 42?"
+CALL_TIMEOUT_S = 30.0
+
+
+class PreflightError(OrchestratorError):
+    """Inference servers that cannot serve this job; one line per problem, each naming the server and the fix."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(f"{len(problems)} problem(s) with the inference servers:\n  " + "\n  ".join(problems))
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    url: str
+    max_model_len: int | None
+    problems: tuple[str, ...]
+
+
+async def preflight(servers: list[InferenceServer], *, backend: str, model: str, tokenizer: Path,
+                    resume: bool) -> list[ServerReport]:
+    """Check every server; PreflightError listing every problem found (nothing is raised for a good pool)."""
+    encoded = encode_probe(tokenizer)
+    reports = await asyncio.gather(*(_check(s, backend, model, encoded, resume) for s in servers))
+    problems = [p for r in reports for p in r.problems]
+    if problems:
+        raise PreflightError(problems)
+    return list(reports)
+
+
+def encode_probe(tokenizer: Path) -> list[int] | None:
+    """PROBE_TEXT in ``tokenizer``'s ids, without special tokens (None when it cannot be read here)."""
+    try:
+        from tokenizers import Tokenizer
+
+        return list(Tokenizer.from_file(str(tokenizer / "tokenizer.json")).encode(PROBE_TEXT,
+                                                                                add_special_tokens=False).ids)
+    except Exception as e:  # no tokenizers package, no tokenizer.json (a hub name): preflight checks the rest
+        log.warning("preflight cannot read the tokenizer in %s (%s): tokenizers are not compared", tokenizer, e)
+        return None
+
+
+async def _check(server: InferenceServer, backend: str, model: str, encoded: list[int] | None,
+                 resume: bool) -> ServerReport:
+    problems: list[str] = []
+    max_len: int | None = None
+
+    def problem(text: str) -> ServerReport:
+        problems.append(f"{server.url}: {text}")
+        return ServerReport(server.url, max_len, tuple(problems))
+
+    try:
+        await _call(server, "GET", "/health")
+    except HttpStatusError as e:
+        return problem(f"/health answers HTTP {e.status} (503: its engine is dead); restart the server")
+    except InferenceError as e:
+        return problem(f"not reachable ({e}); is it running, and is inference.servers right?")
+    try:
+        max_len = _served(await _call(server, "GET", "/v1/models"), model)
+    except ValueError as e:
+        return problem(str(e))
+    except InferenceError as e:
+        return problem(f"GET /v1/models failed ({e}); it does not look like a vLLM-compatible server")
+    problems += [f"{server.url}: {p}" for p in await _admin_problems(server, backend)]
+    if problems:
+        return ServerReport(server.url, max_len, tuple(problems))
+    if resume:  # a run killed during a weight sync leaves the server paused: every request would wait
+        await _call(server, "POST", "/resume")
+    if encoded is not None and (mismatch := await _tokenizer_mismatch(server, model, encoded)):
+        problems.append(f"{server.url}: {mismatch}")
+    try:
+        prompt = encoded or [1, 2, 3]
+        body = {"model": model, "token_ids": prompt, "cache_salt": "preflight",
+                "sampling_params": {"max_tokens": 2, "logprobs": 1, "temperature": 1.0}}
+        parse_generate_reply(await _call(server, "POST", "/inference/v1/generate", body), len(prompt))
+    except MalformedReply as e:
+        problems.append(f"{server.url}: env workers could not read its generate replies: {e}")
+    except InferenceError as e:
+        problems.append(f"{server.url}: a 2-token generate request failed ({e})")
+    return ServerReport(server.url, max_len, tuple(problems))
+
+
+async def _call(server: InferenceServer, method: str, path: str, body: Any = None) -> bytes:
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            return await server.request(method, path, body=body)
+    except TimeoutError:
+        raise InferenceError(f"{method} {path} had no answer within {CALL_TIMEOUT_S:.0f} s (a paused "
+                             "server holds requests until POST /resume)") from None
+
+
+def _served(raw: bytes, model: str) -> int:
+    """``max_model_len`` of ``model``'s card; ValueError naming what is missing."""
+    try:
+        cards = orjson.loads(raw).get("data")
+        ids = [c.get("id") for c in cards]
+    except (orjson.JSONDecodeError, AttributeError, TypeError):
+        raise ValueError(f"/v1/models answered {raw[:100]!r}, not a model list") from None
+    card = next((c for c in cards if c.get("id") == model), None)
+    if card is None:
+        raise ValueError(f"serves {ids}, not model.name = {model!r}: set model.name to the served name")
+    max_len = card.get("max_model_len")
+    if not isinstance(max_len, int) or max_len <= 0:
+        raise ValueError(f"its /v1/models card for {model!r} has no max_model_len")
+    return max_len
+
+
+async def _admin_problems(server: InferenceServer, backend: str) -> list[str]:
+    """The backend's admin routes must exist, and the server must not be the other kind."""
+    sync = weight_sync(backend)
+    found = {}
+    for probe in (VLLMWeights.admin_probe, PrimeRLWeights.admin_probe):
+        try:
+            await _call(server, "GET", probe)
+            found[probe] = True
+        except HttpStatusError as e:
+            found[probe] = e.status != 404
+        except InferenceError:
+            found[probe] = False
+    if backend == "prime-rl" and found[VLLMWeights.admin_probe]:
+        return ["prime-rl's server runs with VLLM_SERVER_DEV_MODE=1, so vLLM's /pause and /update_weights "
+                "shadow prime-rl's: restart it without that variable"]
+    if backend == "vllm" and found[PrimeRLWeights.admin_probe]:
+        return ["this is prime-rl's inference server (it has /liveness): set inference.backend = 'prime-rl'"]
+    if not found[sync.admin_probe]:
+        return [f"no {sync.admin_probe} route, so no weight sync for backend {backend!r}: {sync.admin_fix}"]
+    return []
+
+
+async def _tokenizer_mismatch(server: InferenceServer, model: str, encoded: list[int]) -> str | None:
+    try:
+        raw = await _call(server, "POST", "/tokenize", {"model": model, "prompt": PROBE_TEXT,
+                                                        "add_special_tokens": False})
+        theirs = orjson.loads(raw).get("tokens")
+    except (InferenceError, orjson.JSONDecodeError, AttributeError) as e:
+        log.warning("%s: cannot compare tokenizers (/tokenize: %s)", server.url, e)
+        return None
+    if theirs != encoded:
+        return (f"its tokenizer encodes {PROBE_TEXT!r} as {theirs}, model.tokenizer as {encoded}: set "
+                "model.tokenizer to the served model's tokenizer directory (the built-in one is only for the "
+                "simulated servers)")
+    return None

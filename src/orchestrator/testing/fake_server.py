@@ -1,0 +1,41 @@
+"""An in-memory ``InferenceServer`` (no HTTP) for unit tests of code built on ``InferencePool(cfg, [fake, ...])``.
+
+It answers the admin routes of both backends as the real servers do (``/pause``, ``/resume``, prime-rl's
+``/update_weights {"weight_dir"}``, vLLM's ``/collective_rpc reload_weights`` and ``/update_weight_version``),
+``/health`` with an empty body, and records every call in ``calls``; ``fail_with`` makes every call raise it.
+For HTTP-level fidelity use the simulated server (``orchestrator.testing.sim``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from orchestrator.errors import InferenceError
+from orchestrator.inference.server import HttpStatusError
+
+
+class FakeInferenceServer:
+    def __init__(self, url: str = "http://fake.invalid/v1") -> None:
+        self.url = url
+        self.paused = False
+        self.weights_path: str | None = None
+        self.fail_with: InferenceError | None = None  # set: every call raises it
+        self.calls: list[tuple[str, str, dict[str, str], Any]] = []  # method, path, query, body
+
+    async def request(self, method: str, path: str, *, query: Mapping[str, str] | None = None,
+                      body: Any = None) -> bytes:
+        self.calls.append((method, path, dict(query or {}), body))
+        if self.fail_with is not None:
+            raise self.fail_with
+        if path == "/pause":
+            self.paused = True
+        elif path == "/resume":
+            self.paused = False
+        elif path == "/update_weights" and isinstance(body, dict) and "weight_dir" in body:
+            self.weights_path = body["weight_dir"]
+        elif path == "/collective_rpc" and isinstance(body, dict) and body.get("method") == "reload_weights":
+            self.weights_path = body["kwargs"]["weights_path"]
+        elif path not in ("/health", "/update_weight_version"):
+            raise HttpStatusError(f"{method} {path}: HTTP 404", 404, b'{"detail":"Not Found"}')
+        return b"" if path == "/health" else b'{"status":"ok"}'
