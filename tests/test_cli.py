@@ -39,12 +39,17 @@ def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
     from orchestrator.commands.sim_inference import add_arguments
     from orchestrator.config import SimConfig, load_config
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.toml",
-                      ["sim.hang_rate=0.1", "sim.drop_rate=0.2", "sim.latency_max_ms=9.0", "sim.num_experts=32"])
+    demo = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    parsed = parser.parse_args(sim_arguments(cfg))
-    for f in dataclasses.fields(SimConfig):
-        if f.name in ("servers", "seed"):  # the demo's own: how many to start, and seed + i per server
-            continue
-        assert getattr(parsed, f.name) == getattr(cfg.sim, f.name), f.name
+    for sets in (["sim.hang_rate=0.1", "sim.drop_rate=0.2", "sim.latency_max_ms=9.0", "sim.num_experts=32"],
+                 ['sim.profile="vllm-0.33"', "sim.dev_mode=false", "sim.num_experts=512"]):
+        cfg = load_config(demo, sets)
+        parsed = parser.parse_args(sim_arguments(cfg))
+        for f in dataclasses.fields(SimConfig):
+            if f.name in ("servers", "seed"):  # the demo's own: how many to start, and seed + i per server
+                continue
+            expected = getattr(cfg.sim, f.name)
+            if f.name == "profile" and expected is None:  # unset: the one inference.backend names
+                expected = "vllm-0.26"
+            assert getattr(parsed, f.name) == expected, f.name

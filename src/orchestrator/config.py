@@ -82,6 +82,9 @@ class InferenceConfig:
 class SimConfig:
     """The built-in simulated inference server (demo, tests, benchmarks); flags of `sim-inference` match."""
 
+    profile: Literal["vllm-0.26", "vllm-0.32", "vllm-0.33", "prime-rl"] | None = opt(
+        None, doc="server the simulator plays; unset: the one inference.backend names")
+    dev_mode: bool = opt(True, doc="vLLM profiles: serve the admin routes, as VLLM_SERVER_DEV_MODE=1 does")
     servers: int = opt(2, ge=1, doc="simulated servers the demo starts")
     seed: int = opt(0, ge=0, doc="seeds sampled tokens and injected faults")
     latency_ms: float = opt(0.0, ge=0, doc="added latency per request (lower bound of the range)")
@@ -92,7 +95,7 @@ class SimConfig:
     drop_rate: float = opt(0.0, ge=0, le=1, doc="fraction of connections dropped without a reply")
     layers: int = opt(0, ge=0, doc="MoE layers for routed experts (0: no routed experts)")
     top_k: int = opt(0, ge=0, doc="experts per token for routed experts")
-    num_experts: int = opt(64, ge=1, le=256, doc="experts per layer (ids fit uint8)")
+    num_experts: int = opt(64, ge=1, le=65535, doc="experts per layer (above 256 expert ids travel as uint16)")
 
 
 @dataclass(frozen=True)

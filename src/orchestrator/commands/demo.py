@@ -95,15 +95,25 @@ async def with_sim_servers(cfg: JobConfig) -> AsyncIterator[JobConfig]:
                                                                      servers=tuple(s.url for s in servers)))
 
 
+def sim_profile(cfg: JobConfig) -> str:
+    """The server the simulator plays: ``sim.profile``, else the one ``inference.backend`` names."""
+    if cfg.sim.profile is not None:
+        return cfg.sim.profile
+    return "prime-rl" if getattr(cfg.inference, "backend", "vllm") == "prime-rl" else "vllm-0.26"
+
+
 def sim_arguments(cfg: JobConfig) -> list[str]:
     """``orchestrator sim-inference`` flags for every key of the config's ``[sim]`` table."""
     sim = cfg.sim
-    args = ["--model", cfg.model.name, "--layers", str(sim.layers), "--top-k", str(sim.top_k),
+    args = ["--profile", sim_profile(cfg), "--model", cfg.model.name, "--layers", str(sim.layers),
+            "--top-k", str(sim.top_k),
             "--num-experts", str(sim.num_experts), "--latency-ms", str(sim.latency_ms),
             "--error-rate", str(sim.error_rate), "--hang-rate", str(sim.hang_rate),
             "--malformed-rate", str(sim.malformed_rate), "--drop-rate", str(sim.drop_rate)]
     if sim.latency_max_ms is not None:
         args += ["--latency-max-ms", str(sim.latency_max_ms)]
+    if not sim.dev_mode:
+        args.append("--no-dev-mode")
     return args
 
 

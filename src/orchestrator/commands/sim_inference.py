@@ -1,4 +1,9 @@
-"""``orchestrator sim-inference``: serve the simulated vLLM-compatible server until interrupted."""
+"""``orchestrator sim-inference``: serve the simulated inference server until interrupted.
+
+``--profile`` picks the real server it plays (vllm-0.26, vllm-0.32, vllm-0.33, prime-rl); ``--no-dev-mode``
+plays a vLLM started without ``VLLM_SERVER_DEV_MODE=1`` (no admin routes). ``GET /sim/log`` on the printed
+address's root says what the server saw.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +15,25 @@ import sys
 from orchestrator.cli import run_async
 from orchestrator.config import SimConfig
 
-HELP = "run the simulated vLLM-compatible inference server (prints its base URL on stdout)"
+HELP = "run the simulated inference server, playing vLLM or prime-rl (prints its base URL on stdout)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILE_NAMES
+
     d = SimConfig()
+    p.add_argument("--profile", choices=PROFILE_NAMES, default=DEFAULT_PROFILE,
+                   help=f"the real server to play (default: {DEFAULT_PROFILE})")
+    p.add_argument("--dev-mode", action=argparse.BooleanOptionalAction, default=d.dev_mode,
+                   help="vLLM profiles: serve the admin routes, as VLLM_SERVER_DEV_MODE=1 does (default: on)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
     p.add_argument("--model", default="sim-model", help="model name served (default: sim-model)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of sampling and faults")
     p.add_argument("--layers", type=int, default=d.layers, help="MoE layers of routed experts (0: none)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="experts per token of routed experts")
-    p.add_argument("--num-experts", type=int, default=d.num_experts, help="experts per layer (<= 256)")
+    p.add_argument("--num-experts", type=int, default=d.num_experts,
+                   help="experts per layer (<= 65535; above 256: uint16 ids)")
     p.add_argument("--latency-ms", type=float, default=d.latency_ms, help="added latency per request")
     p.add_argument("--latency-max-ms", type=float, default=None, help="upper end of a random latency range")
     p.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered with HTTP 500")
@@ -40,6 +52,9 @@ def main(args: argparse.Namespace) -> int:
     if (args.layers == 0) != (args.top_k == 0):
         print("sim-inference: set --layers and --top-k both (routed experts) or neither", file=sys.stderr)
         return 2
+    if not 1 <= args.num_experts <= 65535 or args.top_k > args.num_experts:
+        print("sim-inference: --num-experts must be within [1, 65535] and at least --top-k", file=sys.stderr)
+        return 2
     faults = Faults(latency_ms=args.latency_ms, latency_max_ms=args.latency_max_ms, error_rate=args.error_rate,
                     hang_rate=args.hang_rate, malformed_rate=args.malformed_rate, drop_rate=args.drop_rate)
     return run_async(_serve(args, faults))
@@ -52,8 +67,9 @@ async def _serve(args: argparse.Namespace, faults: object) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with SimServer.open(args.host, args.port, model=args.model, seed=args.seed, layers=args.layers,
-                              top_k=args.top_k, num_experts=args.num_experts, faults=faults) as server:
+    async with SimServer.open(args.host, args.port, profile=args.profile, dev_mode=args.dev_mode, model=args.model,
+                              seed=args.seed, layers=args.layers, top_k=args.top_k, num_experts=args.num_experts,
+                              faults=faults) as server:
         print(server.url, flush=True)
         await stop.wait()
     return 0

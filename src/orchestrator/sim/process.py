@@ -11,17 +11,20 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from orchestrator.procs import child_env, terminate
+from orchestrator.sim.profiles import DEFAULT_PROFILE, ProfileName
 from orchestrator.sim.server import SimServer
 
 
 @contextlib.asynccontextmanager
-async def sim_servers(n: int = 1, *, seed: int = 0, **kwargs: Any) -> AsyncIterator[list[SimServer]]:
-    """Start ``n`` simulated servers on 127.0.0.1 (free ports) in this process; all stop on exit.
-
-    Server ``i`` is seeded ``seed + i``. Change ``server.faults`` to inject faults while it runs.
+async def sim_servers(n: int = 1, *, profile: ProfileName = DEFAULT_PROFILE, seed: int = 0,
+                      **kwargs: Any) -> AsyncIterator[list[SimServer]]:
+    """Start ``n`` simulated servers playing ``profile`` on 127.0.0.1 (free ports) in this process; all stop
+    on exit. Server ``i`` is seeded ``seed + i``. Change ``server.faults`` to inject faults while it runs;
+    ``kwargs`` are the other ``SimServer`` arguments (``dev_mode``, ``layers``, ``top_k``, ...).
     """
     async with contextlib.AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(SimServer.open(seed=seed + i, **kwargs)) for i in range(n)]
+        servers = [await stack.enter_async_context(SimServer.open(profile=profile, seed=seed + i, **kwargs))
+                   for i in range(n)]
         yield servers
 
 
@@ -43,11 +46,16 @@ class SimProcess:
 
 
 @contextlib.asynccontextmanager
-async def sim_process(args: Sequence[str] = (), *, timeout_s: float = 30.0) -> AsyncIterator[SimProcess]:
-    """Run the simulated server as a subprocess on a free port; it is stopped (by its pid) on exit."""
+async def sim_process(args: Sequence[str] = (), *, profile: ProfileName | None = None, dev_mode: bool = True,
+                      timeout_s: float = 30.0) -> AsyncIterator[SimProcess]:
+    """Run the simulated server as a subprocess on a free port; it is stopped (by its pid) on exit.
+
+    ``args`` are more ``sim-inference`` flags; ``profile`` None leaves the profile to them (default vllm-0.26).
+    """
+    flags = [*(["--profile", profile] if profile is not None else []), *([] if dev_mode else ["--no-dev-mode"])]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "sim-inference", "--port", "0", *args,
-        stdout=asyncio.subprocess.PIPE, env=child_env(),
+        sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "sim-inference", "--port", "0", *flags,
+        *args, stdout=asyncio.subprocess.PIPE, env=child_env(),
     )
     try:
         assert proc.stdout is not None

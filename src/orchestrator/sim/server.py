@@ -1,40 +1,61 @@
-"""A simulated vLLM-compatible inference server: real HTTP on loopback, no GPU.
+"""A simulated inference server that plays a real one (``profiles.py``): real HTTP on loopback, no GPU.
 
-It speaks the subset of vLLM that verifiers and the orchestrator use:
+Routes, for every profile (its differences are in ``profiles.py``, ``admin.py`` and ``replies.py``):
 
-- ``GET /v1/models`` (with ``max_model_len``), ``GET /health``
-- ``POST /inference/v1/generate``: prompt token ids in; sampled token ids, ``token_id:<id>`` logprobs,
-  ``finish_reason`` and (with ``layers``/``top_k`` set) base64 ``routed_experts`` ``[rows, layers, top_k]`` out
+- ``GET /health`` (200, empty body; 503 empty when down), ``GET /v1/models`` (``max_model_len`` on the card),
+  ``GET /version``, ``POST /tokenize`` (the built-in tokenizer)
+- ``POST /inference/v1/generate``: token ids in; sampled ids, logprobs, ``finish_reason``, ``usage`` and (with
+  ``layers``/``top_k`` set) routed experts out
 - ``POST /v1/chat/completions``: plain chat for evaluation clients
-- ``POST /pause``, ``POST /update_weights`` (``{"step": int, "path": str}``), ``POST /resume``: while paused,
-  generate requests wait (they are not failed)
-- ``POST /sim/faults``: change the injected faults at run time (tests)
+- the profile's admin routes (``admin.py``): pause, resume, weight loads
+- ``POST /sim/faults`` (change ``Faults`` at run time) and ``GET /sim/log`` (what the server saw: ``log.py``);
+  no real server has these, and they are never faulted
 
-Every reply names the weight version that produced it, in the ``X-Weight-Version`` header and the
-``weight_version`` field. Sampling is deterministic under ``seed`` for a given order of requests: one
-generator draws every reply. Tokens come from the built-in tokenizer's vocabulary; the weight version
-shifts the token distribution so different policies sample differently.
+No reply carries a weight version a real server would not send (no header, no ``weight_version`` field):
+``weights_path`` and ``loads`` are the server's own record, for tests. Sampling is ``SimPolicy.sample``,
+deterministic under ``seed`` for a given order of requests; injected faults draw from a separate generator, so
+turning them on does not change the tokens of requests that still succeed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 import orjson
-import pybase64
 from aiohttp import web
 
+from orchestrator.sim import replies
+from orchestrator.sim.admin import ADMIN_PATHS, admin_routes
+from orchestrator.sim.gate import Gate
+from orchestrator.sim.log import AdminCall, Counters, GenerateCall, SimLog
+from orchestrator.sim.policy import Experts, SimPolicy
+from orchestrator.sim.profiles import DEFAULT_PROFILE, get_profile
+from orchestrator.sim.requests import GenerateRequest, SamplingParams, parse_generate
+from orchestrator.sim.responses import (
+    Refusal,
+    empty_response,
+    engine_error,
+    error_body,
+    fastapi_not_found,
+    json_response,
+    model_not_found,
+    read_json,
+    read_json_body,
+    validation_error,
+)
 from orchestrator.sim.vocab import SimVocab
 
 log = logging.getLogger(__name__)
 
-MALFORMED_KINDS = ("bad_token", "nan_logprob", "bad_routed_shape", "truncated_json")
+MAX_EXPERTS = 65535  # expert ids travel as uint16 above 256 experts
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 
 
 @dataclass(frozen=True)
@@ -45,42 +66,61 @@ class Faults:
     latency_max_ms: float | None = None  # set: latency drawn uniformly from [latency_ms, latency_max_ms]
     error_rate: float = 0.0  # HTTP 500
     hang_rate: float = 0.0  # never answered
-    malformed_rate: float = 0.0  # one of MALFORMED_KINDS, chosen at random
+    malformed_rate: float = 0.0  # one of replies.MALFORMED_KINDS, chosen at random
     drop_rate: float = 0.0  # connection closed without a reply
-    down: bool = False  # every endpoint, /health included, answers 503 (a server that is down)
-
-
-@dataclass
-class Counters:
-    requests: int = 0
-    generated_tokens: int = 0
-    errors: int = 0
-    hangs: int = 0
-    malformed: int = 0
-    drops: int = 0
-    down: int = 0  # generate/chat requests refused with 503 while ``faults.down`` (health probes are not counted)
+    down: bool = False  # every route but /sim/* answers 503 (/health with an empty body)
+    hold: bool = False  # admitted generate/chat requests stay in flight (generating) until it is turned off
 
 
 class SimServer:
     """The server's state and handlers. ``open()`` serves it on ``host:port`` (port 0: a free one)."""
 
-    def __init__(self, *, model: str = "sim-model", seed: int = 0, layers: int = 0, top_k: int = 0,
-                 num_experts: int = 64, max_model_len: int = 4096, faults: Faults = Faults()) -> None:
-        if (layers == 0) != (top_k == 0) or not 1 <= num_experts <= 256:
-            raise ValueError("set layers and top_k both or neither; num_experts in 1..256")
+    def __init__(self, *, profile: str = DEFAULT_PROFILE, dev_mode: bool = True, model: str = "sim-model",
+                 seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
+                 faults: Faults = Faults()) -> None:
+        if (layers == 0) != (top_k == 0):
+            raise ValueError("set layers and top_k both (routed experts) or neither")
+        if not 1 <= num_experts <= MAX_EXPERTS or top_k > num_experts:
+            raise ValueError(f"num_experts must be in 1..{MAX_EXPERTS} and at least top_k ({top_k})")
+        self.profile = get_profile(profile)
+        self.dev_mode = dev_mode  # vLLM profiles: serve the admin routes (prime-rl's server always has its own)
         self.model = model
         self.layers, self.top_k, self.num_experts = layers, top_k, num_experts
         self.max_model_len = max_model_len
-        self.faults = faults
         self.vocab = SimVocab.load()
-        self.rng = np.random.default_rng(seed)
-        self.version = 0
-        self.weights_path: str | None = None
+        self.policy = SimPolicy(self.vocab, seed, Experts(layers, top_k, num_experts) if layers else None)
+        self.gate = Gate()
+        self.faults = faults
+        self.weight_version = "default"  # vLLM 0.32+'s engine version string (/update_weight_version)
         self.counters = Counters()
-        self._running = asyncio.Event()
-        self._running.set()
-        self._hung: set[asyncio.Future[None]] = set()
+        self.log = SimLog()
+        self._fault_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
+        self._created = int(time.time())
         self.url = ""
+
+    @property
+    def faults(self) -> Faults:
+        """The injected faults; assign a new ``Faults`` to change them (``hold`` off releases held requests)."""
+        return self._faults
+
+    @faults.setter
+    def faults(self, faults: Faults) -> None:
+        self._faults = faults
+        self.gate.set_holding(faults.hold)
+
+    @property
+    def weights_path(self) -> str | None:
+        """The directory weights were last loaded from (None: none loaded since start)."""
+        return self.policy.weights_path
+
+    @property
+    def loads(self) -> int:
+        """How many times weights were loaded since start."""
+        return self.policy.loads
+
+    def load(self, path: str | None) -> None:
+        self.policy.load(path)
+        log.info("sim server %s: weights loaded from %s (load %d)", self.url, path, self.loads)
 
     # ------------------------------------------------------------------------------------------- serving
 
@@ -89,7 +129,8 @@ class SimServer:
     async def open(cls, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> AsyncIterator[SimServer]:
         """Serve until the block exits; ``server.url`` is the OpenAI-style base URL (ending in ``/v1``)."""
         server = cls(**kwargs)
-        runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+        # shutdown_timeout 0 means "no limit" in aiohttp 3.14: exit would wait for held (paused, hung) requests
+        runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=0.01)
         await runner.setup()
         try:
             site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -104,191 +145,220 @@ class SimServer:
             await runner.cleanup()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_post("/inference/v1/generate", self.generate)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/pause", self.pause)
-        app.router.add_post("/resume", self.resume)
-        app.router.add_post("/update_weights", self.update_weights)
-        app.router.add_post("/sim/faults", self.set_faults)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[self._outermost, fastapi_not_found])
+        app.add_routes([
+            web.get("/health", self.health), web.get("/v1/models", self.models), web.get("/version", self.version),
+            web.post("/tokenize", self.tokenize), web.post("/inference/v1/generate", self.generate),
+            web.post("/v1/chat/completions", self.chat), *admin_routes(self),
+            web.post("/sim/faults", self.set_faults), web.get("/sim/log", self.get_log),
+        ])
         return app
 
     def release_hung(self) -> None:
         """Fail every request the server is holding unanswered (on shutdown, or when a test says so)."""
-        for fut in self._hung:
-            if not fut.done():
-                fut.set_exception(ConnectionAbortedError("hung request released"))
-        self._hung.clear()
+        self.gate.release_hung()
 
-    def _json(self, body: Any, status: int = 200) -> web.Response:
-        return web.Response(body=orjson.dumps(body), status=status, content_type="application/json",
-                            headers={"X-Weight-Version": str(self.version)})
+    def log_json(self) -> dict[str, Any]:
+        """``GET /sim/log``'s body (schema in ``log.py``)."""
+        return {"profile": self.profile.name, "dev_mode": self.dev_mode, "weights_path": self.weights_path,
+                "loads": self.loads, "weight_version": self.weight_version if self.profile.weight_versions else None,
+                "pause_mode": self.gate.mode, "counters": asdict(self.counters), **self.log.to_json()}
+
+    @web.middleware
+    async def _outermost(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """A down server answers 503 (the generate handler logs its own); admin calls are logged."""
+        path = request.path
+        if self.faults.down and not path.startswith(("/sim/", "/inference/")):
+            if path == "/v1/chat/completions":
+                self.counters.down += 1
+            response: web.StreamResponse = (empty_response(503) if path == "/health" else
+                                            json_response(_down_body(), 503))
+        else:
+            response = await handler(request)
+        if path in ADMIN_PATHS:
+            self.log.admin.append(AdminCall(request.method, path, dict(request.query), await _body_of(request),
+                                            response.status))
+        return response
 
     # ------------------------------------------------------------------------------------------ handlers
 
-    async def models(self, _request: web.Request) -> web.Response:
-        card = {"id": self.model, "object": "model", "owned_by": "sim", "max_model_len": self.max_model_len}
-        return self._json({"object": "list", "data": [card]})
-
     async def health(self, _request: web.Request) -> web.Response:
-        if self.faults.down:
-            return self._json({"status": "down"}, status=503)
-        return self._json({"status": "ok", "weight_version": self.version, "paused": not self._running.is_set()})
+        return empty_response(200)  # a paused engine is healthy too
 
-    async def pause(self, _request: web.Request) -> web.Response:
-        self._running.clear()
-        return self._json({"status": "paused", "weight_version": self.version})
+    async def models(self, _request: web.Request) -> web.Response:
+        card = {"id": self.model, "object": "model", "created": self._created, "owned_by": "vllm", "root": self.model,
+                "parent": None, "max_model_len": self.max_model_len,
+                "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                                "created": self._created, "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
+        return json_response({"object": "list", "data": [card]})
 
-    async def resume(self, _request: web.Request) -> web.Response:
-        self._running.set()
-        return self._json({"status": "running", "weight_version": self.version})
+    async def version(self, _request: web.Request) -> web.Response:
+        return json_response({"version": self.profile.vllm_version})
 
-    async def update_weights(self, request: web.Request) -> web.Response:
-        body = await _read_json(request)
-        step = body.get("step") if isinstance(body, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            return self._json({"error": "update_weights needs {'step': int >= 0, 'path': str}"}, status=400)
-        self.version = step
-        self.weights_path = body.get("path")
-        log.info("sim server %s: weights updated to step %d", self.url, step)
-        return self._json({"status": "ok", "weight_version": self.version})
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``{"prompt", "add_special_tokens"?, "return_token_strs"?}``; the chat form (``messages``) is not
+        simulated and answers 400."""
+        body = await read_json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+            raise validation_error(("body", "prompt"), "missing", "Field required", body)
+        if body.get("model") is not None and body["model"] != self.model:
+            raise model_not_found(str(body["model"]))
+        enc = self.vocab.tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        return json_response({"count": len(enc.ids), "max_model_len": self.max_model_len, "tokens": enc.ids,
+                              "token_strs": enc.tokens if body.get("return_token_strs") else None})
 
     async def set_faults(self, request: web.Request) -> web.Response:
-        body = await _read_json(request)
+        body = await read_json(request)
         try:
             self.faults = replace(self.faults, **body)
         except TypeError as e:
-            return self._json({"error": f"unknown fault: {e}"}, status=400)
-        return self._json(asdict(self.faults))
+            return json_response({"error": f"unknown fault: {e}"}, status=400)
+        return json_response(asdict(self.faults))
+
+    async def get_log(self, _request: web.Request) -> web.Response:
+        return json_response(self.log_json())
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request)
-        if not isinstance(body, dict) or not isinstance(body.get("token_ids"), list):
-            return self._json({"error": "generate needs {'token_ids': [int, ...], 'sampling_params': {...}}"},
-                              status=400)
-        fault = await self._fault(request)
-        if fault is not None:
-            return fault
-        await self._running.wait()
-        prompt = body["token_ids"]
-        sp = body.get("sampling_params") or {}
-        ids, logprobs, finish = self._sample(sp, len(prompt))
-        choice: dict[str, Any] = {
-            "index": 0,
-            "token_ids": ids.tolist(),
-            "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
-                                     for t, lp in zip(ids.tolist(), logprobs.tolist(), strict=True)]},
-            "finish_reason": finish,
-        }
-        if self.layers:
-            start = int(sp.get("routed_experts_prompt_start", body.get("routed_experts_prompt_start", 0)) or 0)
-            rows = max(len(prompt) + len(ids) - start, 0)
-            experts = self.rng.integers(0, self.num_experts, (rows, self.layers, self.top_k), dtype=np.uint8)
-            choice["routed_experts"] = {"data": pybase64.b64encode(experts.tobytes()).decode(),
-                                        "shape": [rows, self.layers, self.top_k], "start": start}
-        reply = {"request_id": f"sim-{self.counters.requests}", "choices": [choice],
-                 "prompt_token_ids": prompt, "weight_version": self.version,
-                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
-        return self._maybe_malformed(reply)
+        arrival = self.gate.mode
+        body: Any = None
+        try:
+            if self.faults.down:
+                self.counters.down += 1
+                raise Refusal(503, _down_body())
+            body = await read_json_body(request)
+            req = parse_generate(body, self.profile, model=self.model, vocab_size=self.vocab.size,
+                                 max_model_len=self.max_model_len)
+        except Refusal as r:
+            salt = body.get("cache_salt") if isinstance(body, dict) else None
+            self._log_generate(r.status, salt if isinstance(salt, str) else None, arrival,
+                               fault="down" if self.faults.down else None)
+            return r.response()
+        failed, delay_s = await self._fault(request)
+        if failed is not None:
+            self._log_generate(failed.status, req.cache_salt, arrival, fault=_fault_name(failed.status))
+            return failed
+        if self.gate.mode in ("abort", "wait") and self.profile.refuses_while_paused:
+            self.counters.refused_paused += 1
+            self._log_generate(503, req.cache_salt, arrival)
+            return engine_error(503, PAUSED_MESSAGE).response()
+        request_id = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
+        async with self.gate.inflight() as aborted:
+            aborted = aborted or await self.gate.hold(delay_s)
+            reply = self._reply(req, request_id, aborted)
+            sampled_with = (self.weights_path, self.loads)
+        raw, fault = self._maybe_malformed(reply)
+        first = reply["choices"][0]
+        self._log_generate(200, req.cache_salt, arrival, sampled_with=sampled_with,
+                           finish_reason=first["finish_reason"], fault=fault, prompt_tokens=len(req.token_ids),
+                           completion_tokens=reply["usage"]["completion_tokens"])
+        return web.Response(body=raw, content_type="application/json")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _read_json(request)
+        body = await read_json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return self._json({"error": "chat/completions needs {'messages': [...]}"}, status=400)
-        fault = await self._fault(request)
-        if fault is not None:
-            return fault
-        await self._running.wait()
-        ids, _, finish = self._sample(body, 0)
-        text = self.vocab.decode(ids)
-        return self._json({
-            "id": f"chatcmpl-sim-{self.counters.requests}", "object": "chat.completion", "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 0, "completion_tokens": len(ids), "total_tokens": len(ids)},
-            "weight_version": self.version,
+            raise validation_error(("body", "messages"), "missing", "Field required", body)
+        failed, delay_s = await self._fault(request)
+        if failed is not None:
+            return failed
+        async with self.gate.inflight() as aborted:
+            aborted = aborted or await self.gate.hold(delay_s)
+            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+            sample = None if aborted else self.policy.sample([], SamplingParams(
+                max_tokens=max(1, max_tokens), temperature=float(body.get("temperature", 1.0))))
+        self.counters.requests += 1
+        ids = np.zeros(0, dtype=np.int64) if sample is None else sample.token_ids
+        self.counters.generated_tokens += int(ids.size)
+        return json_response({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": self.vocab.decode(ids)},
+                         "finish_reason": "abort" if sample is None else sample.finish_reason}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": int(ids.size), "total_tokens": int(ids.size)},
         })
 
     # ------------------------------------------------------------------------------------------ sampling
 
-    def _sample(self, sp: dict[str, Any], prompt_len: int) -> tuple[np.ndarray, np.ndarray, str]:
-        """Sample up to max_tokens ids (all at once, then cut at the first stop token)."""
+    def _reply(self, req: GenerateRequest, request_id: str, aborted: bool) -> dict[str, Any]:
+        sp = req.sampling
         self.counters.requests += 1
-        max_tokens = int(sp.get("max_tokens") or sp.get("max_completion_tokens") or 16)
-        max_tokens = max(1, min(max_tokens, self.max_model_len - prompt_len))
-        temperature = float(sp.get("temperature", 1.0))
-        probs = self.vocab.distribution(self.version, temperature)
-        ids = self.rng.choice(probs.size, size=max_tokens, p=probs)
-        stops = set(sp.get("stop_token_ids") or []) | {self.vocab.eos_id}
-        hit = np.flatnonzero(np.isin(ids, list(stops)))
-        finish = "length"
-        if hit.size:
-            ids = ids[: hit[0] + 1]
-            finish = "stop"
-        logprobs = np.log(probs[ids]).astype(np.float64)
-        self.counters.generated_tokens += int(ids.size)
-        return ids.astype(np.int64), logprobs, finish
+        choices = []
+        for i in range(sp.n):
+            sample = None if aborted else self.policy.sample(req.token_ids, sp)
+            experts = None
+            if sample is not None:
+                self.counters.generated_tokens += int(sample.token_ids.size)
+                if self.layers:
+                    start = sp.routed_experts_prompt_start
+                    rows = len(req.token_ids) + int(sample.token_ids.size) - 1 - start
+                    experts = replies.routed_experts(self.profile, self.policy.route(rows), start, self.num_experts)
+            choices.append(replies.choice(self.profile, i, sample, logprobs=sp.logprobs, experts=experts,
+                                          weight_version=self.weight_version))
+        if aborted:
+            self.counters.aborted += 1
+        return replies.generate_reply(self.profile, request_id, self.model, len(req.token_ids), choices)
+
+    def _log_generate(self, status: int, cache_salt: str | None, pause_mode: str | None, *,
+                      sampled_with: tuple[str | None, int] | None = None, **rest: Any) -> None:
+        """Log a generate request; ``sampled_with``: the weights (path, loads) it sampled with, else the current."""
+        weights_path, loads = sampled_with or (self.weights_path, self.loads)
+        self.log.generate.append(GenerateCall(status, cache_salt, weights_path, loads, pause_mode, **rest))
 
     # ------------------------------------------------------------------------------------------- faults
 
-    async def _fault(self, request: web.Request) -> web.StreamResponse | None:
-        """Apply latency, then maybe a 500, a hang or a dropped connection (None: answer normally)."""
-        f = self.faults
-        if f.down:
-            self.counters.down += 1
-            return self._json({"error": "server is down"}, status=503)
+    async def _fault(self, request: web.Request) -> tuple[web.Response | None, float]:
+        """Maybe a 500, a hang or a dropped connection (or None: go on), and the latency to add in seconds."""
+        f, rng = self.faults, self._fault_rng
+        delay_s = 0.0
         if f.latency_ms or f.latency_max_ms:
             hi = f.latency_max_ms if f.latency_max_ms is not None else f.latency_ms
-            await asyncio.sleep(float(self.rng.uniform(f.latency_ms, hi)) / 1e3)
-        roll = float(self.rng.random())
+            delay_s = float(rng.uniform(f.latency_ms, hi)) / 1e3
+        roll = float(rng.random())
         if roll < f.error_rate:
             self.counters.errors += 1
-            return self._json({"error": "injected server error"}, status=500)
+            return engine_error(500, "sim: injected server error").response(), delay_s
         roll -= f.error_rate
         if roll < f.hang_rate:
             self.counters.hangs += 1
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._hung.add(fut)
-            await fut  # answered never; released with an error at shutdown
+            await self.gate.hang()  # answered never; released with an error at shutdown
         roll -= f.hang_rate
         if roll < f.drop_rate:
             self.counters.drops += 1
             if request.transport is not None:
                 request.transport.abort()
-            return web.Response(status=500)  # never reaches the client: the connection is gone
-        return None
+            return web.Response(status=499), delay_s  # never reaches the client: the connection is gone
+        return None, delay_s
 
-    def _maybe_malformed(self, reply: dict[str, Any]) -> web.Response:
-        if self.faults.malformed_rate <= 0 or float(self.rng.random()) >= self.faults.malformed_rate:
-            return self._json(reply)
+    def _maybe_malformed(self, reply: dict[str, Any]) -> tuple[bytes, str | None]:
+        rate = self.faults.malformed_rate
+        if rate <= 0 or float(self._fault_rng.random()) >= rate:
+            return orjson.dumps(reply), None
         self.counters.malformed += 1
-        kind = MALFORMED_KINDS[int(self.rng.integers(len(MALFORMED_KINDS)))]
-        choice = reply["choices"][0]
-        content = choice["logprobs"]["content"]
-        if kind == "bad_token" and content:
-            content[0]["token"] = "tok:" + content[0]["token"]
-        elif kind == "nan_logprob" and content:
-            content[0]["logprob"] = "__nan__"  # orjson writes no NaN: patched into the bytes below
-        elif kind == "bad_routed_shape":
-            choice["routed_experts"] = {"data": "AAAA", "shape": [9999, max(self.layers, 1), max(self.top_k, 1)],
-                                        "start": 0}
-        else:
-            body = orjson.dumps(reply, option=orjson.OPT_SERIALIZE_NUMPY)
-            return web.Response(body=body[: len(body) // 2], content_type="application/json",
-                                headers={"X-Weight-Version": str(self.version)})
-        body = orjson.dumps(reply).replace(b'"__nan__"', b"NaN")
-        return web.Response(body=body, content_type="application/json", headers={"X-Weight-Version": str(self.version)})
+        kinds = replies.malformed_kinds(reply)
+        kind = kinds[int(self._fault_rng.integers(len(kinds)))]
+        return replies.malform(self.profile, reply, kind), f"malformed:{kind}"
 
 
-async def _read_json(request: web.Request) -> Any:
+def _down_body() -> dict[str, Any]:
+    return error_body("sim: the server is down", "ServiceUnavailableError", 503)
+
+
+def _fault_name(status: int) -> str:
+    return "error" if status == 500 else "drop"
+
+
+async def _body_of(request: web.Request) -> Any:
+    """An admin request's body for the log: parsed JSON, else its text, else None."""
     try:
-        raw = await request.read()
-    except ConnectionResetError:  # the client gave up (timeout, cancelled rollout): nothing to answer
-        raise web.HTTPBadRequest(text="client went away") from None
+        raw = await request.read()  # aiohttp keeps the body a handler read
+    except ConnectionResetError:
+        return None
     if not raw:
-        return {}
+        return None
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise web.HTTPBadRequest(text="request body is not valid JSON") from None
+        return raw.decode(errors="replace")

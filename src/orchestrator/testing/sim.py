@@ -1,15 +1,17 @@
 """Simulated inference servers for tests: in-process (controllable, killable) or as real subprocesses.
 
-- ``sim_cluster(n, **server_kwargs)`` starts ``n`` servers in this process on 127.0.0.1 (free ports) and
-  yields a ``SimCluster``: ``cluster.urls``, ``cluster[i]`` (the live ``SimServer``: change ``.faults``, read
-  ``.counters``/``.version``), ``await cluster.kill(i)`` (the port refuses connections, in-flight requests
-  are cut) and ``await cluster.restart(i)`` (a fresh server on the same port: weights back at version 0,
-  as after a real crash). Every server is stopped on exit.
+- ``sim_cluster(n, profile=..., **server_kwargs)`` starts ``n`` servers playing ``profile`` (``vllm-0.26``,
+  ``vllm-0.32``, ``vllm-0.33`` or ``prime-rl``) in this process on 127.0.0.1 (free ports) and yields a
+  ``SimCluster``: ``cluster.urls``, ``cluster[i]`` (the live ``SimServer``: change ``.faults``, read
+  ``.counters``, ``.weights_path``/``.loads`` and ``.log``), ``await cluster.kill(i)`` (the port refuses
+  connections, in-flight requests are cut) and ``await cluster.restart(i)`` (a fresh server on the same port:
+  no weights loaded, as after a real crash). Every server is stopped on exit.
 - ``FakeInferenceServer`` (``orchestrator.testing.fake_server``, re-exported here) implements the
   ``InferenceServer`` Protocol in memory, without HTTP.
-- ``sim_servers(n)`` is the simpler form yielding the list of ``SimServer``; ``sim_process(args)`` runs
-  ``python -m orchestrator sim-inference --port 0`` as a subprocess, reads the printed address and always
-  stops it by its pid (re-exported from ``orchestrator.sim.process``, which the demo uses too).
+- ``sim_servers(n, profile=...)`` is the simpler form yielding the list of ``SimServer``;
+  ``sim_process(args, profile=..., dev_mode=...)`` runs ``python -m orchestrator sim-inference --port 0`` as a
+  subprocess, reads the printed address and always stops it by its pid (re-exported from
+  ``orchestrator.sim.process``, which the demo uses too); its ``GET /sim/log`` says what it saw.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from orchestrator.sim.process import SimProcess, sim_process, sim_servers
+from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILE_NAMES, ProfileName
 from orchestrator.sim.server import Faults, SimServer
 from orchestrator.testing.fake_server import FakeInferenceServer
 
-__all__ = ["FakeInferenceServer", "Faults", "SimCluster", "SimProcess", "sim_cluster", "sim_process", "sim_servers"]
+__all__ = ["PROFILE_NAMES", "FakeInferenceServer", "Faults", "ProfileName", "SimCluster", "SimProcess", "sim_cluster",
+           "sim_process", "sim_servers"]
 
 
 class SimCluster:
@@ -96,9 +100,11 @@ class SimCluster:
 
 
 @contextlib.asynccontextmanager
-async def sim_cluster(n: int = 1, *, seed: int = 0, **kwargs: Any) -> AsyncIterator[SimCluster]:
-    """Start ``n`` sim servers in this process (server ``i`` seeded ``seed + i``); all stop on exit."""
-    cluster = SimCluster([{**kwargs, "seed": seed + i} for i in range(n)])
+async def sim_cluster(n: int = 1, *, profile: ProfileName = DEFAULT_PROFILE, seed: int = 0,
+                      **kwargs: Any) -> AsyncIterator[SimCluster]:
+    """Start ``n`` sim servers playing ``profile`` in this process (server ``i`` seeded ``seed + i``); all stop
+    on exit. ``kwargs`` are the other ``SimServer`` arguments."""
+    cluster = SimCluster([{**kwargs, "profile": profile, "seed": seed + i} for i in range(n)])
     try:
         for i in range(n):
             await cluster._start(i, 0)

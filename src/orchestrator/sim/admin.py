@@ -1,0 +1,190 @@
+"""Admin routes of each profile: pause, resume, weight loads (sources in ``profiles.py``).
+
+vLLM profiles serve them only in dev mode (``VLLM_SERVER_DEV_MODE=1``); without it every path below answers
+FastAPI's 404 ``{"detail": "Not Found"}``, as it does for prime-rl's missing ``/is_paused``,
+``/collective_rpc``, ``/reset_prefix_cache``, ``/update_weight_version`` and ``/weight_info``.
+
+- ``POST /pause``: vLLM reads query ``mode`` (default ``abort``), ``clear_cache`` (default true) and, on 0.26
+  only, ``wait_for_inflight_requests``; the body is ignored. prime-rl ignores everything and pauses in keep
+  mode without clearing the cache. Both answer ``{"status": "paused"}``.
+- ``POST /resume`` -> ``{"status": "resumed"}``; ``GET /is_paused`` -> ``{"is_paused": bool}`` (vLLM only).
+- ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` ->
+  ``{"results": [null]}`` (vLLM only; no ``method``: 400).
+- ``POST /update_weights``: vLLM needs ``update_info`` (0.26: 400 "Missing 'update_info' in request body";
+  0.32+: a 400 validation error); prime-rl takes ``{"weight_dir": DIR}`` -> ``{"status": "ok"}``.
+- ``POST /reset_prefix_cache`` -> ``{"success": true}`` (vLLM only).
+- 0.32+: ``POST /update_weight_version {"new_version": str}`` -> ``{"success": true, "new_version"}``,
+  ``GET /weight_info`` -> ``{"weight_version"}`` (``"default"`` until set).
+- prime-rl: ``GET /liveness`` -> ``{"status": "ok"}``.
+
+A weights directory that does not exist fails the load with 500 (the worker's exception reaching vLLM's
+generic handler). ``/update_weights`` with an ``update_info`` answers 500 too: the simulator has no weight
+transfer engine, like a server started without ``--weight-transfer-config``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from orchestrator.sim.gate import PAUSE_MODES, PauseMode
+from orchestrator.sim.responses import (
+    engine_error,
+    http_error,
+    json_response,
+    missing,
+    parse_bool,
+    read_json,
+    read_json_body,
+    validation_error,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.sim.server import SimServer
+
+ADMIN_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/collective_rpc", "/update_weights",
+                         "/reset_prefix_cache", "/update_weight_version", "/weight_info"})
+
+
+def admin_routes(server: SimServer) -> list[web.RouteDef]:
+    """The admin routes ``server``'s profile serves (none for vLLM without dev mode)."""
+    admin = _Admin(server)
+    if server.profile.prime_rl:
+        return [web.post("/pause", admin.prime_pause), web.post("/resume", admin.resume),
+                web.post("/update_weights", admin.prime_update_weights), web.get("/liveness", admin.liveness)]
+    if not server.dev_mode:
+        return []
+    routes = [web.post("/pause", admin.pause), web.post("/resume", admin.resume),
+              web.get("/is_paused", admin.is_paused), web.post("/collective_rpc", admin.collective_rpc),
+              web.post("/update_weights", admin.update_weights),
+              web.post("/reset_prefix_cache", admin.reset_prefix_cache)]
+    if server.profile.weight_versions:
+        routes += [web.post("/update_weight_version", admin.update_weight_version),
+                   web.get("/weight_info", admin.weight_info)]
+    return routes
+
+
+def _pause_mode(raw: str) -> PauseMode:
+    for mode in PAUSE_MODES:
+        if raw == mode:
+            return mode
+    raise validation_error(("query", "mode"), "literal_error", "Input should be 'abort', 'wait' or 'keep'", raw)
+
+
+async def _is_dir(path: Any) -> bool:
+    return isinstance(path, str) and await asyncio.to_thread(os.path.isdir, path)
+
+
+class _Admin:
+    def __init__(self, server: SimServer) -> None:
+        self.server = server
+
+    # ------------------------------------------------------------------------------------------- vLLM
+
+    async def pause(self, request: web.Request) -> web.Response:
+        q = request.query
+        mode = _pause_mode(q.get("mode", "abort"))
+        clear_cache = parse_bool("clear_cache", q.get("clear_cache"), True)
+        if not self.server.profile.typed_admin_bodies and parse_bool(
+                "wait_for_inflight_requests", q.get("wait_for_inflight_requests"), False):
+            mode = "wait"  # 0.26's deprecated spelling of mode=wait
+        await self._pause(mode, clear_cache)
+        return json_response({"status": "paused"})
+
+    async def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self.server.gate.pause(mode)
+        if mode == "wait":
+            await self.server.gate.drained()
+        if clear_cache:  # when the pause completes (the simulator keeps no KV cache: it only counts)
+            self.server.counters.cache_resets += 1
+
+    async def resume(self, _request: web.Request) -> web.Response:
+        self.server.gate.resume()
+        return json_response({"status": "resumed"})
+
+    async def is_paused(self, _request: web.Request) -> web.Response:
+        return json_response({"is_paused": self.server.gate.paused})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request)
+        except ValueError as e:
+            raise http_error(400, f"JSON decode error: {e}") from e
+        body = self._object(body)
+        method = body.get("method")
+        if method is None:
+            raise http_error(400, "Missing 'method' in request body")
+        if method != "reload_weights":
+            raise engine_error(500, f"sim: collective_rpc method {method!r} is not simulated (only reload_weights)")
+        kwargs = body.get("kwargs") or {}
+        path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
+        if path is not None and not await _is_dir(path):
+            raise engine_error(500, f"reload_weights: weights_path {path!r} is not a directory")
+        self.server.load(path)
+        return json_response({"results": [None]})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        if self.server.profile.typed_admin_bodies:
+            body = self._object(await read_json_body(request))
+            if body.get("update_info") is None:
+                raise missing(("body", "update_info"), body)
+        else:
+            try:
+                body = await read_json(request)
+            except ValueError as e:
+                raise http_error(400, "Invalid JSON format") from e
+            body = self._object(body)
+            if body.get("update_info") is None:
+                raise http_error(400, "Missing 'update_info' in request body")
+        raise engine_error(500, "Weight transfer not configured. Start the server with --weight-transfer-config.")
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        parse_bool("reset_running_requests", request.query.get("reset_running_requests"), False)
+        parse_bool("reset_external", request.query.get("reset_external"), False)
+        self.server.counters.cache_resets += 1
+        return json_response({"success": True})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = self._object(await read_json_body(request))
+        version = body.get("new_version")
+        if version is None:
+            raise missing(("body", "new_version"), body)
+        if not isinstance(version, str):
+            raise validation_error(("body", "new_version"), "string_type", "Input should be a valid string", version)
+        self.server.weight_version = version
+        return json_response({"success": True, "new_version": version})
+
+    async def weight_info(self, _request: web.Request) -> web.Response:
+        return json_response({"weight_version": self.server.weight_version})
+
+    def _object(self, body: Any) -> dict[str, Any]:
+        if isinstance(body, dict):
+            return body
+        if self.server.profile.typed_admin_bodies:
+            raise http_error(400, "Expected a JSON object")
+        raise engine_error(500, f"'{type(body).__name__}' object has no attribute 'get'")  # 0.26 calls body.get
+
+    # ---------------------------------------------------------------------------------------- prime-rl
+
+    async def prime_pause(self, _request: web.Request) -> web.Response:
+        await self._pause("keep", clear_cache=False)  # whatever the query says
+        return json_response({"status": "paused"})
+
+    async def prime_update_weights(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request)
+        except ValueError as e:  # a JSONDecodeError is a ValueError: vLLM's handler answers 400
+            raise engine_error(400, str(e)) from e
+        if not isinstance(body, dict):
+            raise engine_error(500, f"'{type(body).__name__}' object has no attribute 'get'")
+        weight_dir = body.get("weight_dir")
+        if not await _is_dir(weight_dir):
+            raise engine_error(500, f"update_weights_from_path: weight_dir {weight_dir!r} is not a directory")
+        self.server.load(weight_dir)
+        return json_response({"status": "ok"})
+
+    async def liveness(self, _request: web.Request) -> web.Response:
+        return json_response({"status": "ok"})

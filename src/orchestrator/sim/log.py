@@ -1,0 +1,76 @@
+"""What a sim server saw, for tests: every admin call and every generate request.
+
+``SimServer.log`` holds it in memory; ``GET /sim/log`` returns ``SimServer.log_json()`` so tests of subprocess
+servers read the same. Each list keeps the last ``LOG_LIMIT`` entries (a server in a long benchmark must not
+grow without bound); ``Counters`` keep the totals.
+
+``GET /sim/log`` JSON::
+
+    {"profile": "vllm-0.26", "dev_mode": true,
+     "weights_path": str | null, "loads": int, "weight_version": str | null, "pause_mode": str | null,
+     "counters": {"requests": int, "generated_tokens": int, "errors": int, "hangs": int, "malformed": int,
+                  "drops": int, "down": int, "aborted": int, "refused_paused": int, "cache_resets": int},
+     "admin": [{"method": "POST", "path": "/pause", "query": {"mode": "keep"}, "body": any | null,
+                "status": 200}, ...],
+     "generate": [{"status": 200, "cache_salt": str | null, "weights_path": str | null, "loads": int,
+                   "pause_mode": str | null, "finish_reason": str | null, "fault": str | null,
+                   "prompt_tokens": int, "completion_tokens": int}, ...]}
+
+``weight_version`` is vLLM 0.32+'s engine version string (null on other profiles). In a generate entry,
+``weights_path`` and ``loads`` are those the reply was sampled with (for a refused or failed request: those
+when it was answered); ``pause_mode`` is the pause in force when the request arrived (null: running);
+``fault`` names an injected fault (``error``, ``drop``, ``down``, ``malformed:<kind>``) or is null.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+LOG_LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class AdminCall:
+    method: str
+    path: str
+    query: dict[str, str]
+    body: Any  # the parsed JSON body; its text when it is not JSON; None when empty
+    status: int
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    status: int
+    cache_salt: str | None
+    weights_path: str | None
+    loads: int
+    pause_mode: str | None
+    finish_reason: str | None = None  # of the first choice
+    fault: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Counters:
+    requests: int = 0  # generate and chat requests sampled (aborted ones included)
+    generated_tokens: int = 0
+    errors: int = 0
+    hangs: int = 0
+    malformed: int = 0
+    drops: int = 0
+    down: int = 0  # generate/chat requests refused with 503 while ``faults.down`` (health probes are not counted)
+    aborted: int = 0  # generate requests an abort pause ended
+    refused_paused: int = 0  # generate requests refused with 503 during a pause (vLLM 0.33)
+    cache_resets: int = 0  # prefix cache clears: a pause with clear_cache (vLLM's default), /reset_prefix_cache
+
+
+@dataclass
+class SimLog:
+    admin: deque[AdminCall] = field(default_factory=lambda: deque(maxlen=LOG_LIMIT))
+    generate: deque[GenerateCall] = field(default_factory=lambda: deque(maxlen=LOG_LIMIT))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"admin": [asdict(c) for c in self.admin], "generate": [asdict(c) for c in self.generate]}

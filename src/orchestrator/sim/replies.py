@@ -1,0 +1,135 @@
+"""``POST /inference/v1/generate`` replies in each profile's shape (sources in ``profiles.py``).
+
+- logprobs (only when ``sampling_params.logprobs`` is set): 0.26 and prime-rl
+  ``{"token": "token_id:N", "logprob", "bytes": null, "top_logprobs": [{"token", "logprob", "bytes"}]}``;
+  0.32+ ``{"token_id": N, "logprob", "rank", "top_logprobs": [{"token_id", "logprob", "rank"}]}``. The
+  candidates are the sampled token first, then the k most likely others; 0.33 lists them all, the others the
+  first ``max(logprobs, 1)``.
+- routed experts ``[prompt + completion - 1 - start, layers, top_k]``: vLLM a base64 ``.npy`` string, uint8
+  when num_experts <= 256 else uint16; prime-rl ``{"data", "shape", "start", "dtype"}`` (raw bytes, dtype by
+  the largest id), in that key order, so its compact JSON holds ``"routed_experts":{"data":"``.
+- 0.32+: ``choices[i].weight_versions`` spans over the output tokens (empty without output tokens) and
+  ``stop_reason``; prime-rl: ``model`` and ``created`` null.
+
+``malform`` breaks a finished reply in one of ``MALFORMED_KINDS``, in the profile's own shape.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+import pybase64
+
+from orchestrator.sim.policy import Sample
+from orchestrator.sim.profiles import Profile
+
+MALFORMED_KINDS = ("bad_token", "nan_logprob", "sentinel_logprob", "short_logprobs", "bad_routed_shape",
+                   "truncated_json")
+
+
+def routed_experts(profile: Profile, experts: np.ndarray, start: int, num_experts: int) -> str | dict[str, Any]:
+    """Encode expert ids ``[rows, layers, top_k]`` as the profile's server does."""
+    if profile.npy_routed_experts:
+        buf = io.BytesIO()
+        np.save(buf, experts.astype(np.uint8 if num_experts <= 256 else np.uint16), allow_pickle=False)
+        return str(pybase64.b64encode(buf.getvalue()).decode("ascii"))
+    dtype = np.uint8 if experts.size == 0 or int(experts.max()) <= 255 else np.uint16
+    compact = np.ascontiguousarray(experts.astype(dtype))
+    return {"data": str(pybase64.b64encode(compact.tobytes()).decode("ascii")), "shape": list(compact.shape),
+            "start": start, "dtype": np.dtype(dtype).name}
+
+
+def _logprob_entry(profile: Profile, token: int, logprob: float, rank: int) -> dict[str, Any]:
+    if profile.token_id_logprobs:
+        return {"token_id": token, "logprob": logprob, "rank": rank}
+    return {"token": f"token_id:{token}", "logprob": logprob, "bytes": None}
+
+
+def logprobs_content(profile: Profile, sample: Sample, asked: int) -> list[dict[str, Any]]:
+    top = [(int(t), float(lp), r + 1) for r, (t, lp) in enumerate(zip(sample.top_ids, sample.top_logprobs,
+                                                                      strict=True))]
+    keep = None if profile.all_top_logprobs or asked < 0 else max(asked, 1)
+    content = []
+    for token, lp, rank in zip(sample.token_ids.tolist(), sample.logprobs.tolist(), sample.ranks.tolist(),
+                               strict=True):
+        candidates = [(token, lp, rank), *(c for c in top if c[0] != token)][:keep]
+        entry = _logprob_entry(profile, token, lp, rank)
+        entry["top_logprobs"] = [_logprob_entry(profile, *c) for c in candidates]
+        content.append(entry)
+    return content
+
+
+def choice(profile: Profile, index: int, sample: Sample | None, *, logprobs: int | None,
+           experts: str | dict[str, Any] | None, weight_version: str) -> dict[str, Any]:
+    """One ``choices[i]``; ``sample`` None: a request an abort pause ended before any token."""
+    ids = [] if sample is None else sample.token_ids.tolist()
+    out: dict[str, Any] = {"index": index, "finish_reason": "abort" if sample is None else sample.finish_reason,
+                           "token_ids": ids}
+    if profile.weight_versions:
+        out["stop_reason"] = None if sample is None else sample.stop_reason
+    out["logprobs"] = None if logprobs is None else {
+        "content": [] if sample is None else logprobs_content(profile, sample, logprobs)}
+    out["routed_experts"] = experts
+    if profile.weight_versions:
+        out["weight_versions"] = [{"version": weight_version, "start": 0, "end": len(ids)}] if ids else []
+    return out
+
+
+def generate_reply(profile: Profile, request_id: str, model: str, prompt_len: int,
+                   choices: list[dict[str, Any]]) -> dict[str, Any]:
+    completion = sum(len(c["token_ids"]) for c in choices)
+    usage = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + completion, "completion_tokens": completion,
+             "prompt_tokens_details": None}
+    reply: dict[str, Any] = {
+        "request_id": f"generate-tokens-{request_id}",
+        "model": None if profile.prime_rl else model,
+        "created": None if profile.prime_rl else int(time.time()),
+        "choices": choices,
+        "usage": usage,
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }
+    if profile.token_id_logprobs:
+        reply |= {"prompt_token_id_logprobs": None, "prompt_token_ids": None, "mm_placeholders": None,
+                  "metrics": None, "ec_transfer_params": None, "output_mode": "tokens"}
+    return reply
+
+
+def malformed_kinds(reply: dict[str, Any]) -> list[str]:
+    """The kinds that can break this reply (routed experts and logprobs only when it has them)."""
+    first = reply["choices"][0]
+    content = (first.get("logprobs") or {}).get("content") or []
+    return [k for k in MALFORMED_KINDS
+            if (k != "bad_routed_shape" or first.get("routed_experts") is not None)
+            and (k.endswith(("json", "shape")) or content)]
+
+
+def malform(profile: Profile, reply: dict[str, Any], kind: str) -> bytes:
+    """The reply's bytes, broken as ``kind`` says."""
+    first = reply["choices"][0]
+    content = (first.get("logprobs") or {}).get("content") or []
+    if kind == "bad_token":
+        if profile.token_id_logprobs:
+            content[0]["token_id"] = content[0]["token_id"] + 1
+        else:
+            content[0]["token"] = "tok:" + content[0]["token"]
+    elif kind == "nan_logprob":
+        content[0]["logprob"] = "__nan__"  # orjson writes no NaN: patched into the bytes below
+    elif kind == "sentinel_logprob":
+        content[0]["logprob"] = -9999.0  # vLLM's floor: renderers reads it as "no sampling evidence"
+    elif kind == "short_logprobs":
+        content.pop()
+    elif kind == "bad_routed_shape":
+        experts = first["routed_experts"]
+        if isinstance(experts, dict):
+            experts["shape"] = [experts["shape"][0] + 9999, *experts["shape"][1:]]
+        else:  # a valid .npy whose row count is not tokens - 1 - start
+            arr = np.load(io.BytesIO(pybase64.b64decode(experts)))
+            first["routed_experts"] = routed_experts(profile, np.concatenate([arr, arr[:1], arr[:1]]), 0,
+                                                     256 if arr.dtype == np.uint8 else 65536)
+    body = orjson.dumps(reply).replace(b'"__nan__"', b"NaN")
+    return body[: len(body) // 2] if kind == "truncated_json" else body
