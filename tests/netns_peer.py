@@ -78,8 +78,8 @@ async def send(address: str, server_key: str, authorized: str, steps: int) -> No
                 async with asyncio.timeout(WAIT_S):
                     await sender.wait_acked()
                     async for ckpt in sender.announcements():
-                        announced.append(ckpt)
-                        if ckpt == steps:
+                        announced.append(ckpt.step)
+                        if ckpt.step == steps:
                             break
                 for task in watchers:
                     task.cancel()

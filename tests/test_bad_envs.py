@@ -126,7 +126,8 @@ async def run_faulty_job(tmp: Path) -> FaultyJob:
                               for e, a in zip(batch.scalars["env"], batch.scalars["advantage"], strict=True))
 
         async with Orchestrator.open(cfg) as orch:
-            trainer = ReferenceTrainer(orch.sender.address, max_steps=STEPS, on_batch=keep)
+            trainer = ReferenceTrainer(orch.sender.address, max_steps=STEPS, on_batch=keep,
+                                       checkpoint_dir=tmp / "ckpt")
             async with asyncio.timeout(120), asyncio.TaskGroup() as tg:
                 tg.create_task(trainer.run())
                 summary = await orch.run()

@@ -237,7 +237,7 @@ async def test_sender_ignores_malformed_trainer_messages(message: bytes, tmp_pat
             except TimeoutError:
                 pytest.fail("the sender stopped reading the trainer channel after a malformed message")
             announced = sender.announcements()
-            assert await asyncio.wait_for(anext(announced), 5) == 7
+            assert (await asyncio.wait_for(anext(announced), 5)).step == 7
             await announced.aclose()  # type: ignore[attr-defined]
             assert sender.acked == 0
             warnings = [r.getMessage() for r in caplog.records if r.name == LINK_LOGGER]

@@ -57,7 +57,11 @@ DRAIN_TRAIN_S = 2.0  # the trainer's time per step while a test waits for in-fli
 # flat; growth means something keeps failed rollouts, hung requests or dead connections alive.
 RSS_STEP_GROWTH_MB = 40.0
 RSS_JOB_GROWTH_MB = 150.0  # the whole job in this process: sim servers, pool, hub, trainer, pandas' first use
-PROVIDER, TIMEOUT, MALFORMED = "failed:provider_error", "failed:group_timeout", "failed:malformed_reply"
+PROVIDER, MALFORMED = "failed:provider_error", "failed:malformed_reply"
+# A hung request fails when the env worker's request timeout (request_timeout_s) or its group's timeout fires,
+# whichever comes first: both count as timeouts here.
+TIMEOUTS = ("failed:timeout", "failed:group_timeout")
+TIMEOUT = "timeouts"  # what scheduler_failures counts both under
 
 
 @pytest.fixture(autouse=True)
@@ -194,7 +198,8 @@ async def run_job(cfg: JobConfig, cluster: SimCluster, chaos: Chaos | None = Non
 
     rss_before = rss_mb()
     async with Orchestrator.open(cfg) as orch:
-        trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps, on_batch=check_batch)
+        trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps, on_batch=check_batch,
+                                   checkpoint_dir=Path(cfg.run.output_dir) / "ckpt")
         watch = StepWatch(cluster, actions or {})
         orch.on_step = watch
         async with asyncio.timeout(JOB_TIMEOUT_S), asyncio.TaskGroup() as tg:
@@ -239,9 +244,10 @@ def check_rows(run: Run, kinds: Mapping[str, tuple[str, str]]) -> Counter[str]:
 
 
 def scheduler_failures(metrics: list[dict[str, Any]]) -> Counter[str]:
+    """Failures per kind over ``metrics``' steps, both timeout kinds counted as TIMEOUT."""
     total: Counter[str] = Counter()
     for m in metrics:
-        total.update({k: v for k, v in m["scheduler"].items() if k.startswith("failed:")})
+        total.update({TIMEOUT if k in TIMEOUTS else k: v for k, v in m["scheduler"].items() if k.startswith("failed:")})
     return total
 
 
@@ -279,13 +285,14 @@ async def test_server_killed_mid_step_then_restarted_on_the_same_url(
             await wait_until(lambda: not pooled.in_rotation and orch.pool.metrics["weight_sync_failed"] >= 1, 20,
                              "the victim evicted and a weight sync failed on it", poll_s=0.01)
             await watch.reached(facts["step_at_kill"])  # the job went on without it
-            facts["target_at_restart"] = orch.pool.target_version
+            facts["target_at_restart"] = orch.pool.target.step
             restarted = await cluster.restart(victim)
             assert restarted.url == cluster.urls[victim]
-            assert restarted.version == 0  # a fresh process: its weights are gone
+            assert (restarted.loads, restarted.weights_path) == (0, None)  # a fresh process: its weights are gone
             await wait_until(lambda: pooled.in_rotation, 20, "the restarted server back in rotation", poll_s=0.01)
             await wait_until(lambda: restarted.counters.requests > 0, 20, "the restarted server serving", poll_s=0.01)
-            facts["version_at_rejoin"] = restarted.version
+            assert restarted.weights_path is not None
+            facts["version_at_rejoin"] = int(restarted.weights_path.rpartition("step_")[2])
             facts["steps_left"] = steps - len(watch.metrics)
 
         with caplog.at_level(logging.WARNING, logger="orchestrator"):
@@ -304,7 +311,8 @@ async def test_server_killed_mid_step_then_restarted_on_the_same_url(
     # >=: each request cut by the kill failed its rollout (or its group timed out first); rollouts sent to the victim
     # between the kill and its eviction (refused connections, 503s) failed too, and nothing counts those exactly.
     assert failures[PROVIDER] + failures[TIMEOUT] >= facts["cut"] >= 1
-    rows = check_rows(run, {"provider": ("provider_error", r"^ProviderError: "), "timeout": ("group_timeout", "")})
+    rows = check_rows(run, {"provider": ("provider_error", r"^ProviderError: "), "timeout": ("group_timeout", ""),
+                            "request_timeout": ("timeout", "")})
     assert rows["provider"] <= failures[PROVIDER]  # dropped all-failed groups leave no rows
 
 
@@ -364,10 +372,12 @@ async def test_500s_hangs_and_malformed_replies(tmp_path: Path) -> None:
     assert run.orch.pool.metrics[PROVIDER] == counted[PROVIDER]
     rows = check_rows(run, {"errors": ("provider_error", r"^ProviderError: Error code: 500\b"),
                             "hangs": ("group_timeout", r"^running for more than "),
+                            "request_timeouts": ("timeout", r"Timeout|timed out"),
                             "malformed": ("malformed_reply", r"^HarnessError: .*Error code: 502\b")})
     everything = scheduler_failures(run.metrics)
     # <=: rows are those of the groups steps took; all-failed groups are dropped, some are still buffered at the end
     # (a kind can have no row at all when every group it hit was dropped, e.g. hung groups: their survivors are rare)
+    rows["hangs"] += rows.pop("request_timeouts", 0)
     assert all(rows[kind] <= everything[reason] for kind, reason in kinds.items()), (rows, everything)
     assert sum(rows.values()) > 0, rows
 
@@ -418,7 +428,7 @@ async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: py
     assert set(failures) <= {PROVIDER, TIMEOUT}, failures  # a slow group may time out on a loaded machine
     assert failures[PROVIDER] == facts["refused"]  # every refused request was counted by a step
     rows = check_rows(run, {"refused": ("provider_error", r"^ProviderError: Error code: 503\b"),
-                            "timeout": ("group_timeout", "")})
+                            "timeout": ("group_timeout", ""), "request_timeout": ("timeout", "")})
     assert rows["refused"] <= facts["refused"]
 
 
@@ -434,9 +444,9 @@ async def test_a_server_answering_only_malformed_replies_leaves_rotation(tmp_pat
     loaded, keeps getting its share of groups, all dropped."""
     steps = 4
     async with cluster3() as cluster:
-        cluster.set_faults(0, **LATENCY, malformed_rate=1.0)
         cfg = job(tmp_path, cluster.urls, steps=steps)
-        run = await run_job(cfg, cluster)
+        # from step 0 on (after preflight, which would refuse a server that answers only garbage)
+        run = await run_job(cfg, cluster, actions={0: lambda: cluster.set_faults(0, **LATENCY, malformed_rate=1.0)})
         bad = cluster[0].counters
     check_delivery_and_memory(run, steps)  # the job copes: the other two servers make the steps
     assert bad.malformed >= FAILURES_TO_EVICT  # it answered enough garbage in a row to be evicted
@@ -460,9 +470,7 @@ async def test_killing_a_server_cuts_a_request_waiting_on_its_pause() -> None:
         body = {"token_ids": [2, 5, 14], "sampling_params": {"max_tokens": 2}}
         waiting = asyncio.ensure_future(session.post(root + "/inference/v1/generate", json=body))
         try:
-            # Give the request time to reach the pause: the server exposes nothing to poll for it. If it has not got
-            # there, the kill returns at once and the check below fails (refused), not this test's point.
-            await asyncio.sleep(0.3)
+            await asyncio.wait_for(server.gate.wait_until(lambda state: state.queued == 1), 30)  # held by the pause
             assert not waiting.done()
             try:
                 async with asyncio.timeout(3):
@@ -473,5 +481,5 @@ async def test_killing_a_server_cuts_a_request_waiting_on_its_pause() -> None:
                 await waiting
             assert not isinstance(cut.value, aiohttp.ClientConnectorError)  # it had reached the server
         finally:
-            await server.resume(None)  # type: ignore[arg-type]  # lets a stuck handler end (the handler ignores it)
+            server.gate.resume()  # lets a stuck handler end
             waiting.cancel()

@@ -27,7 +27,8 @@ from orchestrator.transport.trainer import ReferenceTrainer
 pytestmark = pytest.mark.slow
 
 
-def job(tmp_path: Path, urls: list[str], extra: str = "", envs: str | None = None, steps: int = 3) -> JobConfig:
+def job(tmp_path: Path, urls: list[str], extra: str = "", envs: str | None = None, steps: int = 3,
+        backend: str = "vllm", weights_path: str | None = None) -> JobConfig:
     envs = envs or """
 [[env]]
 name = "arith"
@@ -44,6 +45,8 @@ max_steps = {steps}
 
 [inference]
 servers = {orjson.dumps(urls).decode()}
+backend = "{backend}"
+{f'weights_path = "{weights_path}"' if weights_path else ""}
 request_timeout_s = 5.0
 failures_to_evict = 3
 probe_interval_s = 0.2
@@ -63,7 +66,8 @@ max_buffered_rollouts = 16
 
 async def run_job(cfg: JobConfig) -> tuple[Orchestrator, ReferenceTrainer]:
     async with Orchestrator.open(cfg) as orch:
-        trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps)
+        trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
+                                   checkpoint_dir=Path(cfg.run.output_dir) / "ckpt")
         async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
             tg.create_task(trainer.run())
             await orch.run()
@@ -76,8 +80,8 @@ def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path) -> None:
-    async with sim_servers(2, layers=3, top_k=2) as servers:
-        cfg = job(tmp_path, [s.url for s in servers], extra="[pipeline]\ndump_steps = [1]")
+    async with sim_servers(2, layers=3, top_k=2, profile="prime-rl") as servers:  # router replay: prime-rl's server
+        cfg = job(tmp_path, [s.url for s in servers], extra="[pipeline]\ndump_steps = [1]", backend="prime-rl")
         orch, trainer = await run_job(cfg)
     assert [r.step for r in trainer.received] == [0, 1, 2]
     for r in trainer.received:
@@ -86,7 +90,7 @@ async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path)
         assert r.routed_shape[1:] == (3, 2)
         assert r.routed_shape[0] == r.tokens
     # the trainer announced checkpoints, so servers moved to newer weights
-    assert max(s.version for s in servers) >= 1
+    assert max(s.loads for s in servers) >= 1
     out = tmp_path / "out"
     metrics = [orjson.loads(x) for x in (out / "metrics.jsonl").read_bytes().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
@@ -167,7 +171,8 @@ sampling = { max_tokens = 4 }
 """"", steps=8)  # enough steps for the liveness check (every heartbeat) to see the death
         killed: list[int] = []
         async with Orchestrator.open(cfg) as orch:
-            trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps)
+            trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
+                                       checkpoint_dir=tmp_path / "ckpt")
 
             def kill_after_first_step(metrics: dict[str, object]) -> None:
                 if not killed:
@@ -195,7 +200,7 @@ sampling = { max_tokens = 4 }
 async def test_filesystem_transport_with_marker_checkpoints(tmp_path: Path) -> None:
     batches, markers = tmp_path / "batches", tmp_path / "markers"
     async with sim_servers(1) as servers:
-        cfg = job(tmp_path, [servers[0].url], extra=f"""
+        cfg = job(tmp_path, [servers[0].url], weights_path=f"{tmp_path}/ckpt/step_{{step}}", extra=f"""
 [transport]
 kind = "filesystem"
 directory = "{batches}"
@@ -209,13 +214,14 @@ marker_dir = "{markers}"
             while len(got) < cfg.run.max_steps:
                 batch = await receiver.arecv()
                 got.append(batch.step)
-                await asyncio.to_thread(write_marker, markers, batch.step + 1)
+                (tmp_path / "ckpt" / f"step_{batch.step + 1}").mkdir(parents=True)  # the weights, saved
+                await asyncio.to_thread(write_marker, markers, batch.step + 1)  # no path: weights_path names it
 
         async with Orchestrator.open(cfg) as orch, asyncio.timeout(150), asyncio.TaskGroup() as tg:
             tg.create_task(trainer())
             await orch.run()
         assert got == [0, 1, 2]
-        assert servers[0].version >= 1  # marker announcements reached the weight sync
+        assert servers[0].loads >= 1  # marker announcements reached the weight sync
         assert load_state(tmp_path / "out", "t").acked_step == 2
         # a new run into a directory still holding batch files is refused, naming them
         (batches / "step_00000007.batch").write_bytes(b"left over")
@@ -232,8 +238,8 @@ async def test_prime_rl_transport_feeds_a_bound_pull_socket(tmp_path: Path) -> N
     try:
         pull.bind("tcp://127.0.0.1:*")
         address = pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        async with sim_servers(1, layers=2, top_k=2) as servers:
-            cfg = job(tmp_path, [servers[0].url], extra=f"""
+        async with sim_servers(1, layers=2, top_k=2, profile="prime-rl") as servers:
+            cfg = job(tmp_path, [servers[0].url], backend="prime-rl", extra=f"""
 [transport]
 kind = "prime-rl"
 address = "{address}"
@@ -247,12 +253,14 @@ marker_dir = "{markers}"
                     sender_id, payload = await pull.recv_multipart()
                     assert sender_id == b"t"
                     got.append(decode_primerl([sender_id, payload]))
-                    await asyncio.to_thread(write_marker, markers, got[-1].step + 1)
+                    weights = tmp_path / "ckpt" / str(got[-1].step + 1)
+                    weights.mkdir(parents=True)
+                    await asyncio.to_thread(write_marker, markers, got[-1].step + 1, str(weights))
 
             async with Orchestrator.open(cfg) as orch, asyncio.timeout(150), asyncio.TaskGroup() as tg:
                 tg.create_task(trainer())
                 await orch.run()
-            assert servers[0].version >= 1
+            assert servers[0].loads >= 1
     finally:
         pull.close()
         ctx.term()

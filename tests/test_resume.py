@@ -41,7 +41,7 @@ async def test_sigkilled_orchestrator_resumes_and_the_trainer_gets_every_step_on
     async with sim_process() as server:
         cfg, out = write_job(tmp_path, server.url, steps, "resume")
         async with orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--journal", str(journal),
-                                        "--train-s", "0.3") as trainer:
+                                        "--train-s", "0.3", "--checkpoint-dir", str(tmp_path / "ckpt")) as trainer:
             async with orchestrator_process("run", str(cfg)) as run:
                 await wait_until(lambda: len(journal_steps(journal)) >= 3, 150, "3 steps at the trainer", alive=run)
                 os.kill(run.pid, signal.SIGKILL)  # mid-run: no cleanup of any kind
@@ -75,12 +75,14 @@ async def test_trainer_absent_at_start_then_killed_and_restarted(tmp_path: Path)
             await asyncio.sleep(8)
             assert run.returncode is None
             assert not (out / "metrics.jsonl").exists() or file_steps(out / "metrics.jsonl") == []
-            async with orchestrator_process("receive", address, "--journal", str(journal)) as trainer:
+            async with orchestrator_process("receive", address, "--journal", str(journal), "--checkpoint-dir",
+                                            str(tmp_path / "ckpt")) as trainer:
                 await wait_until(lambda: len(journal_steps(journal)) >= 4, 150, "4 steps at the trainer", alive=run)
                 os.kill(trainer.pid, signal.SIGKILL)
                 await trainer.wait()
             await asyncio.sleep(1)
-            async with orchestrator_process("receive", address, "--journal", str(journal)):
+            async with orchestrator_process("receive", address, "--journal", str(journal), "--checkpoint-dir",
+                                            str(tmp_path / "ckpt")):
                 code = await asyncio.wait_for(run.wait(), 150)
     assert code == 0
     assert journal_steps(journal) == list(range(steps))

@@ -23,7 +23,8 @@ async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch
         cfg, out = write_job(tmp_path, server.url, 1000, "shutdown")
         metrics = out / "metrics.jsonl"
         async with (orchestrator_process("run", str(cfg)) as run,
-                    orchestrator_process("receive", f"ipc://{out}/trainer.sock")):
+                    orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--checkpoint-dir",
+                                         str(tmp_path / "ckpt"))):
             await wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, 120,
                              "one step", alive=run)
             assert processes_mentioning(f"{out}/workers.sock"), "no env worker was running"

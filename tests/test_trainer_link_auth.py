@@ -91,7 +91,7 @@ async def test_only_the_authorized_trainer_gets_batches_and_is_heard(keys: KeySe
                     assert sender.acked == 2
                     announced = sender.announcements()
                     assert isinstance(announced, AsyncGenerator)
-                    assert await asyncio.wait_for(anext(announced), TIMEOUT_S) == 3  # not 42
+                    assert (await asyncio.wait_for(anext(announced), TIMEOUT_S)).step == 3  # not 42
                     await announced.aclose()
                     assert not await intruder.pull.poll(0)
                     assert intruder.last_step is None

@@ -109,7 +109,7 @@ async def test_send_receive_in_order_with_checkpoint(tmp_path: Path) -> None:
             assert [b.step for b in got] == [0, 1, 2]
             await receiver.announce(3)
             announced = sender.announcements()
-            assert await asyncio.wait_for(anext(announced), 5) == 3
+            assert (await asyncio.wait_for(anext(announced), 5)).step == 3
             await announced.aclose()
         finally:
             receiver.close()
@@ -164,7 +164,7 @@ async def test_marker_file_announcements(tmp_path: Path) -> None:
         write_marker(tmp_path / "ckpt", 1)
         write_marker(tmp_path / "ckpt", 2)
         announced = sender.announcements(tmp_path / "ckpt")
-        assert [await asyncio.wait_for(anext(announced), 5) for _ in range(2)] == [1, 2]
+        assert [(await asyncio.wait_for(anext(announced), 5)).step for _ in range(2)] == [1, 2]
         await announced.aclose()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1.ready", "step_2.ready"]
 
@@ -235,7 +235,7 @@ async def test_sync_receiver(tmp_path: Path) -> None:
                 receiver.recv(timeout_s=0.05)
             receiver.announce(3)
             announced = sender.announcements()
-            assert await asyncio.wait_for(anext(announced), 5) == 3
+            assert (await asyncio.wait_for(anext(announced), 5)).step == 3
             await announced.aclose()
         finally:
             receiver.close()

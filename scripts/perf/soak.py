@@ -80,7 +80,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             t_open = time.perf_counter()
             async with Orchestrator.open(cfg) as orch:
                 # runs until cancelled: ending at the last step would close its sockets before fds_end is read
-                trainer = ReferenceTrainer(orch.sender.address)
+                trainer = ReferenceTrainer(orch.sender.address, checkpoint_dir=Path(cfg.run.output_dir) / "ckpt")
 
                 def on_step(m: dict[str, Any]) -> None:
                     rss.append(float(m["rss_mb"]))

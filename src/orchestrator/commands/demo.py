@@ -59,7 +59,8 @@ async def demo(cfg: JobConfig) -> None:
         console.print(f"[bold]demo[/]: {cfg.sim.servers} simulated inference servers: "
                       + ", ".join(cfg.inference.servers))
         orch = await stack.enter_async_context(Orchestrator.open(cfg))
-        trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps)
+        trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
+                                   checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints")
         progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
                             TextColumn("{task.description}"), TimeElapsedColumn(), console=console)
         bar = progress.add_task("starting env workers", total=cfg.run.max_steps)
@@ -99,7 +100,7 @@ def sim_profile(cfg: JobConfig) -> str:
     """The server the simulator plays: ``sim.profile``, else the one ``inference.backend`` names."""
     if cfg.sim.profile is not None:
         return cfg.sim.profile
-    return "prime-rl" if getattr(cfg.inference, "backend", "vllm") == "prime-rl" else "vllm-0.26"
+    return "prime-rl" if cfg.inference.backend == "prime-rl" else "vllm-0.26"
 
 
 def sim_arguments(cfg: JobConfig) -> list[str]:

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of requests never answered")
     p.add_argument("--malformed-rate", type=float, default=0.0, help="fraction of malformed replies")
     p.add_argument("--drop-rate", type=float, default=0.0, help="fraction of connections dropped")
+    p.add_argument("--record-replies", action="store_true",
+                   help="keep each reply's token ids and routed experts in GET /sim/log (tests; memory grows)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -69,7 +71,7 @@ async def _serve(args: argparse.Namespace, faults: object) -> int:
         loop.add_signal_handler(sig, stop.set)
     async with SimServer.open(args.host, args.port, profile=args.profile, dev_mode=args.dev_mode, model=args.model,
                               seed=args.seed, layers=args.layers, top_k=args.top_k, num_experts=args.num_experts,
-                              faults=faults) as server:
+                              faults=faults, record_replies=args.record_replies) as server:
         print(server.url, flush=True)
         await stop.wait()
     return 0

@@ -19,7 +19,9 @@ grow without bound); ``Counters`` keep the totals.
 ``weight_version`` is vLLM 0.32+'s engine version string (null on other profiles). In a generate entry,
 ``weights_path`` and ``loads`` are those the reply was sampled with (for a refused or failed request: those
 when it was answered); ``pause_mode`` is the pause in force when the request arrived (null: running);
-``fault`` names an injected fault (``error``, ``drop``, ``down``, ``malformed:<kind>``) or is null.
+``fault`` names an injected fault (``error``, ``drop``, ``down``, ``malformed:<kind>``) or is null. A server
+started with ``record_replies`` (``sim-inference --record-replies``) also keeps each reply's ``token_ids``
+(prompt, then completion) and its ``routed_experts`` as sent; otherwise both are null.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class GenerateCall:
     fault: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    token_ids: list[int] | None = None  # prompt then completion (``record_replies`` only)
+    routed_experts: Any = None  # choices[0].routed_experts exactly as sent (``record_replies`` only)
 
 
 @dataclass

@@ -77,7 +77,7 @@ class SimServer:
 
     def __init__(self, *, profile: str = DEFAULT_PROFILE, dev_mode: bool = True, model: str = "sim-model",
                  seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
-                 faults: Faults = Faults()) -> None:
+                 faults: Faults = Faults(), record_replies: bool = False) -> None:
         if (layers == 0) != (top_k == 0):
             raise ValueError("set layers and top_k both (routed experts) or neither")
         if not 1 <= num_experts <= MAX_EXPERTS or top_k > num_experts:
@@ -91,6 +91,7 @@ class SimServer:
         self.policy = SimPolicy(self.vocab, seed, Experts(layers, top_k, num_experts) if layers else None)
         self.gate = Gate()
         self.faults = faults
+        self.record_replies = record_replies  # the log keeps each reply's tokens and routed experts (tests)
         self.weight_version = "default"  # vLLM 0.32+'s engine version string (/update_weight_version)
         self.counters = Counters()
         self.log = SimLog()
@@ -252,9 +253,11 @@ class SimServer:
             sampled_with = (self.weights_path, self.loads)
         raw, fault = self._maybe_malformed(reply)
         first = reply["choices"][0]
+        recorded = {"token_ids": [*req.token_ids, *first["token_ids"]],
+                    "routed_experts": first.get("routed_experts")} if self.record_replies else {}
         self._log_generate(200, req.cache_salt, arrival, sampled_with=sampled_with,
                            finish_reason=first["finish_reason"], fault=fault, prompt_tokens=len(req.token_ids),
-                           completion_tokens=reply["usage"]["completion_tokens"])
+                           completion_tokens=reply["usage"]["completion_tokens"], **recorded)
         return web.Response(body=raw, content_type="application/json")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:

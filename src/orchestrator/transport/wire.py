@@ -162,7 +162,10 @@ def decode(frames: Sequence[Any], shm: ShmResolver | None = None) -> Batch:
         need = tokens * int(np.prod(tail, dtype=np.int64)) * dtype.itemsize
         if len(buf) != need:
             raise WireError(f"column {name}: frame has {len(buf)} bytes, header implies {need}")
-        columns[name] = np.frombuffer(buf, dtype=dtype).reshape(tokens, *tail)
+        try:  # a tail whose product overflows passes the size check above with zero tokens
+            columns[name] = np.frombuffer(buf, dtype=dtype).reshape(tokens, *tail)
+        except ValueError as e:
+            raise WireError(f"column {name}: tail {list(tail)} does not fit its {len(buf)} bytes: {e}") from None
     for k, v in scalars.items():
         if not isinstance(v, list) or len(v) != n:
             raise WireError(f"scalar {k!r} does not have {n} values")
