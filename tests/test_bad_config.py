@@ -95,7 +95,7 @@ CASES = [
          source="{dir}/envs/b.toml: env[0]", key="env[1].taskset",
          files={"envs/b.toml": '[[env]]\nname = "b"\ngroup_size = 2\n'}),
     # out of range (bounds are checked, never clamped)
-    Case("above-upper-bound", BASE + "\n[sim]\nnum_experts = 300\n", "expected a value <= 256, got 300",
+    Case("above-upper-bound", BASE + "\n[sim]\nnum_experts = 70000\n", "expected a value <= 65535, got 70000",
          key="sim.num_experts"),
     Case("niceness-above-19", BASE.replace("batch_size = 8", "batch_size = 8\nworker_nice = 20"),
          "expected a value <= 19, got 20", key="scheduler.worker_nice"),
