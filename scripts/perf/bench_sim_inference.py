@@ -26,7 +26,7 @@ from orchestrator.procs import terminate
 
 PROMPT = list(range(10, 42))
 FIXED = orjson.dumps({"choices": [{"index": 0, "token_ids": [5, 6, 7], "finish_reason": "stop", "logprobs": {
-    "content": [{"token": f"token_id:{t}", "logprob": -1.0} for t in (5, 6, 7)]}}], "weight_version": 0})
+    "content": [{"token": f"token_id:{t}", "logprob": -1.0} for t in (5, 6, 7)]}}]})
 
 
 def serve_baseline() -> None:

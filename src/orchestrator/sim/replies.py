@@ -92,10 +92,11 @@ def generate_reply(profile: Profile, request_id: str, model: str, prompt_len: in
         "usage": usage,
         "prompt_logprobs": None,
         "kv_transfer_params": None,
+        "ec_transfer_params": None,
     }
     if profile.token_id_logprobs:
         reply |= {"prompt_token_id_logprobs": None, "prompt_token_ids": None, "mm_placeholders": None,
-                  "metrics": None, "ec_transfer_params": None, "output_mode": "tokens"}
+                  "metrics": None, "output_mode": "tokens"}
     return reply
 
 

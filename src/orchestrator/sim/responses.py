@@ -97,7 +97,7 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
-async def fastapi_not_found(request: web.Request, handler: _Handler) -> web.StreamResponse:
+async def fastapi_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
     """Unknown paths and methods answer as FastAPI does; ``Refusal`` raised by a handler is answered."""
     try:
         return await handler(request)

@@ -43,7 +43,7 @@ from orchestrator.sim.responses import (
     empty_response,
     engine_error,
     error_body,
-    fastapi_not_found,
+    fastapi_errors,
     json_response,
     model_not_found,
     read_json,
@@ -73,7 +73,20 @@ class Faults:
 
 
 class SimServer:
-    """The server's state and handlers. ``open()`` serves it on ``host:port`` (port 0: a free one)."""
+    """The server's state and handlers. ``open()`` serves it on ``host:port`` (port 0: a free one).
+
+    - ``profile``: the real server played, one of ``profiles.PROFILE_NAMES`` (ValueError otherwise);
+    - ``dev_mode``: vLLM profiles serve their admin routes only with it (``VLLM_SERVER_DEV_MODE=1``);
+      prime-rl's server always has its own and never runs in dev mode, so it ignores this;
+    - ``model``: the served name (other names: 404); ``max_model_len``: on the model card, and the
+      default ``max_tokens`` is what remains of it after the prompt;
+    - ``layers``/``top_k``/``num_experts`` (<= 65535): routed experts in replies when ``layers`` is set;
+    - ``seed``: sampling, routing and faults are deterministic under it for a given order of requests;
+    - ``faults``: injected faults (assign ``server.faults`` to change them while it runs).
+
+    ``weights_path``/``loads`` say what was loaded, ``log``/``counters`` what the server saw, ``gate`` its
+    pause state (tests wait on ``gate.wait_until``).
+    """
 
     def __init__(self, *, profile: str = DEFAULT_PROFILE, dev_mode: bool = True, model: str = "sim-model",
                  seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
@@ -146,7 +159,7 @@ class SimServer:
             await runner.cleanup()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20, middlewares=[self._outermost, fastapi_not_found])
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[self._outermost, fastapi_errors])
         app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models), web.get("/version", self.version),
             web.post("/tokenize", self.tokenize), web.post("/inference/v1/generate", self.generate),
