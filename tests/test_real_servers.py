@@ -90,18 +90,18 @@ async def test_a_run_through_weight_syncs_speaks_each_servers_protocol(tmp_path:
     salts: set[str] = set()
     for log in logs:
         admin = [(c["path"], c["query"], c["body"], c["status"]) for c in log["admin"]]
-        assert all(status == 200 for *_, status in admin), admin
-        syncs = [admin[i:i + 3] for i, c in enumerate(admin) if c[0] == "/pause"]
+        starts = [i for i, c in enumerate(admin) if c[0] == "/pause"]
+        syncs = [admin[i:admin.index(("/resume", {}, None, 200), i) + 1] for i in starts]
         assert len(syncs) >= 2, admin  # the trainer announced after every step
-        for n, (pause, load, resume) in enumerate(syncs, start=1):
-            assert pause[:3] == ("/pause", KEEP, None)  # keep in-flight requests, keep the cache (salted)
+        for n, sync in enumerate(syncs, start=1):
             weights = str((ckpt / f"step_{n}").resolve())
             if backend == "prime-rl":
-                assert load[:3] == ("/update_weights", {}, {"weight_dir": weights})
-            else:
-                assert load[:3] == ("/collective_rpc", {}, {"method": "reload_weights",
-                                                            "kwargs": {"weights_path": weights}})
-            assert resume[0] == "/resume"
+                load = [("/update_weights", {}, {"weight_dir": weights}, 200)]
+            else:  # vLLM 0.26 has no weight versions: that call's 404 is expected and ignored
+                load = [("/collective_rpc", {}, {"method": "reload_weights", "kwargs": {"weights_path": weights}}, 200),
+                        ("/update_weight_version", {}, {"new_version": str(n)}, 404)]
+            # keep in-flight requests and the (salted) cache; load; resume
+            assert sync == [("/pause", KEEP, None, 200), *load, ("/resume", {}, None, 200)], sync
         assert log["weights_path"] == str((ckpt / f"step_{len(syncs)}").resolve())
         sampled = [g for g in log["generate"] if g["status"] == 200 and g["cache_salt"] != "preflight"]
         assert sampled, "a server never rejoined"
@@ -137,7 +137,8 @@ BREAKS = [  # (profile, server options, backend, check kwargs, words the one mes
     ("vllm-0.33", {}, "vllm", {}, "use vLLM 0.26 or prime-rl's server"),
     ("vllm-0.26", {"layers": 2, "top_k": 2}, "vllm", {}, "for router replay use prime-rl's inference server"),
     ("prime-rl", {}, "vllm", {}, "set inference.backend = 'prime-rl'"),
-    ("vllm-0.26", {}, "prime-rl", {}, "start prime-rl's inference server"),
+    ("vllm-0.26", {}, "prime-rl", {}, "this is upstream vLLM, not prime-rl's inference server"),
+    ("vllm-0.26", {"dev_mode": False}, "prime-rl", {}, "start prime-rl's inference server"),
     ("prime-rl", {}, "prime-rl", {"model": "Qwen/Qwen3-4B"}, "set model.name to the served name"),
     ("prime-rl", {}, "prime-rl", {"tokenizer": "other"}, "set model.tokenizer to the served model's tokenizer"),
 ]
@@ -197,8 +198,10 @@ async def test_512_experts_arrive_as_uint16_byte_identical_to_what_the_server_se
             async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
                 tg.create_task(trainer.run())
                 await orch.run()
-        sent = {tuple(g["token_ids"]): g["routed_experts"] for g in sim.log.to_json()["generate"]
-                if g["status"] == 200 and g["token_ids"] is not None}
+        sent: dict[tuple[int, ...], list[dict[str, Any]]] = {}
+        for g in sim.log.to_json()["generate"]:
+            if g["status"] == 200 and g["token_ids"] is not None:
+                sent.setdefault(tuple(g["token_ids"]), []).append(g["routed_experts"])
     compared = 0
     for batch in batches:
         routed = batch.columns["routed_experts"]
@@ -206,15 +209,23 @@ async def test_512_experts_arrive_as_uint16_byte_identical_to_what_the_server_se
         for i in range(batch.num_samples):
             a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
             tokens = tuple(batch.columns["token_ids"][a:b].tolist())
-            reply = sent.get(tokens)
-            if reply is None:  # a sample of several turns: its tokens are no single request's
-                continue
-            rows = np.frombuffer(base64.b64decode(reply["data"]), reply["dtype"]).reshape(reply["shape"])
-            assert reply["dtype"] == "uint16"
-            assert rows.max() > 255
-            assert rows.shape[0] == len(tokens) - 1 - reply["start"]  # the last sampled token has no row yet
-            ours = routed[a:b][reply["start"]:]
-            assert ours[:-1].tobytes() == rows.tobytes()  # byte-identical
-            assert ours[-1].tobytes() == rows[-1].tobytes()  # verifiers' client repeats the last row
-            compared += 1
+            ours = routed[a:b]
+            # the replies that sampled exactly these tokens (a group often samples the same short answer twice)
+            candidates = sent.get(tokens, [])
+            matched = [r for r in candidates if ours[r["start"]:-1].tobytes() == decode(r).tobytes()]
+            assert matched or not candidates, f"sample {i} of step {batch.step}: no reply sent these routed experts"
+            if matched:
+                reply = matched[0]
+                candidates.remove(reply)  # each reply accounts for one sample
+                rows = decode(reply)
+                assert reply["dtype"] == "uint16"
+                assert rows.shape[0] == len(tokens) - 1 - reply["start"]  # the last sampled token has no row yet
+                assert ours[-1].tobytes() == rows[-1].tobytes()  # verifiers' client repeats the last row
+                compared += 1
+    assert any(decode(r).max() > 255 for rs in sent.values() for r in rs)  # ids above 255 took the uint16 path
     assert compared >= 8, compared
+
+
+def decode(reply: dict[str, Any]) -> np.ndarray:
+    """prime-rl's routed experts object as the array it encodes."""
+    return np.frombuffer(base64.b64decode(reply["data"]), reply["dtype"]).reshape(reply["shape"])

@@ -460,7 +460,8 @@ async def test_subprocess_server_plays_its_profile_and_reports_its_log() -> None
         assert log["generate"] == [{"status": 200, "cache_salt": "3", "weights_path": None, "loads": 0,
                                     "pause_mode": None, "finish_reason": log["generate"][0]["finish_reason"],
                                     "fault": None, "prompt_tokens": 5,
-                                    "completion_tokens": log["generate"][0]["completion_tokens"]}]
+                                    "completion_tokens": log["generate"][0]["completion_tokens"],
+                                    "token_ids": None, "routed_experts": None}]  # kept with --record-replies
         pid = proc.pid
     assert proc.proc.returncode == 0, f"sim server {pid} did not exit cleanly"
     async with sim_process(profile="vllm-0.33", dev_mode=False) as proc, aiohttp.ClientSession() as s:

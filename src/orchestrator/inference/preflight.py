@@ -151,10 +151,14 @@ async def _admin_problems(server: InferenceServer, backend: str) -> list[str]:
             found[probe] = e.status != 404
         except InferenceError:
             found[probe] = False
-    if backend == "prime-rl" and found[VLLMWeights.admin_probe]:
+    vllm_dev, prime_rl = found[VLLMWeights.admin_probe], found[PrimeRLWeights.admin_probe]
+    if backend == "prime-rl" and prime_rl and vllm_dev:
         return ["prime-rl's server runs with VLLM_SERVER_DEV_MODE=1, so vLLM's /pause and /update_weights "
                 "shadow prime-rl's: restart it without that variable"]
-    if backend == "vllm" and found[PrimeRLWeights.admin_probe]:
+    if backend == "prime-rl" and vllm_dev:
+        return ["this is upstream vLLM, not prime-rl's inference server (no /liveness route): set "
+                "inference.backend = 'vllm', or start prime-rl's server (uv run inference ...)"]
+    if backend == "vllm" and prime_rl:
         return ["this is prime-rl's inference server (it has /liveness): set inference.backend = 'prime-rl'"]
     if not found[sync.admin_probe]:
         return [f"no {sync.admin_probe} route, so no weight sync for backend {backend!r}: {sync.admin_fix}"]
