@@ -7,6 +7,12 @@ for each failed handshake, then sends steps 0..N-1 as soon as a trainer takes th
 acknowledgements and for the trainer's announcement of weights N, and prints ``{"done", "acked",
 "skipped", "announced"}`` (every checkpoint step announced to it, in order) and exits 0.
 
+``python tests/netns_peer.py intrude-workers ADDRESS [--server-key FILE --client-key FILE]``: the same at an
+orchestrator's env-worker address: garbage over plain TCP, then a DEALER that says hello, ready, sends a
+forged ``records`` message (reward FORGED_REWARD, token FORGED_TOKEN) for the first rollouts the
+orchestrator names, a ``fatal`` and junk. Prints ``{"refused": [EVENT]}``, then ``{"received"}`` per message
+it gets, until stdin says ``stop``: ``{"received_total": N}``.
+
 ``python tests/netns_peer.py intrude ADDRESS [--server-key FILE --client-key FILE]``: someone who must not
 get in. Writes garbage to both ports over plain TCP, then connects ZMQ sockets like a trainer's (CURVE
 with the given keys, else none) and sends a forged acknowledgement of step 50, a forged checkpoint 99 and
@@ -23,6 +29,7 @@ import contextlib
 import json
 import socket
 import sys
+import time
 from typing import Any
 
 import msgpack
@@ -44,6 +51,8 @@ from orchestrator.transport import Batch, BatchSender
 from orchestrator.transport.zmq_link import ckpt_address
 
 FORGED_HAVE = 50
+FORGED_REWARD = 7.75
+FORGED_TOKEN = 4242
 FORGED_CHECKPOINT = 99
 WAIT_S = 30.0
 
@@ -86,10 +95,70 @@ async def send(address: str, server_key: str, authorized: str, steps: int) -> No
         say(done=True, acked=sender.acked, skipped=sender.skipped, announced=announced)
 
 
+def raw_connection(address: str) -> socket.socket:
+    """A plain TCP connection to ``tcp://HOST:PORT``, retried while nothing listens there yet (at most WAIT_S)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            return socket.create_connection((host, int(port)), timeout=WAIT_S)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def intrude_workers(address: str, keys: ClientKeys | None) -> None:
+    from orchestrator.worker.protocol import Fatal, Hello, Ready, Records, RolloutHeader, pack
+
+    with raw_connection(address) as raw:
+        raw.sendall(b"\xff" * 64 + bytes(range(256)))
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IDENTITY, b"rogue-1")
+    if keys is not None:
+        secure_client(dealer, keys)
+    monitor = dealer.get_monitor_socket(HANDSHAKE_FAILED)
+    dealer.connect(address)
+    forged = [RolloutHeader(rid=f"g1-{i}", group="g1", env="orchestrator-arithmetic", task=0, policy_step=0,
+                            worker="rogue-1", server="x", ok=True, reward=FORGED_REWARD, samples=[(2, 0, 0)],
+                            tokens=2, frames=4) for i in range(2)]
+    columns = [np.full(2, FORGED_TOKEN, np.int32).tobytes(), b"\x01\x01", np.zeros(2, np.float32).tobytes(), b""]
+    for message in (Hello("local-0", 1), Ready("rogue-1", {"orchestrator-arithmetic": 1}),
+                    Records("g1", forged), Fatal("rogue-1", "I say stop")):
+        frames = [pack(message), *(columns * 2 if isinstance(message, Records) else [])]
+        dealer.send_multipart(frames, flags=zmq.NOBLOCK)  # queued until a connection takes it (never)
+    dealer.send(b"\xc1 junk", flags=zmq.NOBLOCK)
+    if not monitor.poll(int(WAIT_S * 1000)):
+        raise SystemExit(f"no failed handshake within {WAIT_S} s")
+    say(refused=[zmq.Event(recv_monitor_message(monitor)["event"]).name])
+    count_until_stopped(dealer, ctx)
+
+
+def count_until_stopped(sock: zmq.Socket[bytes], ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Print a line per message ``sock`` receives until stdin says stop; then the total."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(sys.stdin.fileno(), zmq.POLLIN)
+    received = 0
+    try:
+        while True:
+            ready = dict(poller.poll())
+            if sock in ready:
+                frames = sock.recv_multipart()
+                received += 1
+                say(received=len(frames))
+            if sys.stdin.fileno() in ready and sys.stdin.readline().strip() in ("stop", ""):
+                break
+    finally:
+        say(received_total=received)
+        ctx.destroy(linger=0)
+
+
 def intrude(address: str, keys: ClientKeys | None) -> None:
     for target in (address, ckpt_address(address)):
-        host, _, port = target.removeprefix("tcp://").rpartition(":")
-        with socket.create_connection((host, int(port)), timeout=WAIT_S) as raw:
+        with raw_connection(target) as raw:
             raw.sendall(b"\xff" * 64 + b"GET / HTTP/1.0\r\n\r\n" + bytes(range(256)))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -110,27 +179,12 @@ def intrude(address: str, keys: ClientKeys | None) -> None:
             raise SystemExit(f"no failed handshake within {WAIT_S} s")
         whys.append(zmq.Event(recv_monitor_message(monitor)["event"]).name)
     say(refused=whys)
-    poller = zmq.Poller()
-    poller.register(pull, zmq.POLLIN)
-    poller.register(sys.stdin.fileno(), zmq.POLLIN)
-    received = 0
-    try:
-        while True:
-            ready = dict(poller.poll())
-            if pull in ready:
-                frames = pull.recv_multipart()
-                received += 1
-                say(received=len(frames))
-            if sys.stdin.fileno() in ready and sys.stdin.readline().strip() in ("stop", ""):
-                break
-    finally:
-        say(received_total=received)
-        ctx.destroy(linger=0)
+    count_until_stopped(pull, ctx)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["send", "intrude"])
+    p.add_argument("mode", choices=["send", "intrude", "intrude-workers"])
     p.add_argument("address")
     p.add_argument("--server-key", default=None)
     p.add_argument("--client-key", default=None)
@@ -143,7 +197,7 @@ def main() -> None:
         keys = None
         if args.client_key is not None:
             keys = ClientKeys(load_public_key(args.server_key), load_key_pair(args.client_key))
-        intrude(args.address, keys)
+        (intrude_workers if args.mode == "intrude-workers" else intrude)(args.address, keys)
 
 
 if __name__ == "__main__":

@@ -147,3 +147,81 @@ def test_where_namespaces_cannot_be_made_the_reason_is_given() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                           env={**os.environ, "PATH": "/nonexistent"})
     assert done.stdout.strip() == "no `ip` command (iproute2) on this machine"
+
+
+JOB_STEPS = 3
+
+
+def write_job(tmp_path: Path, orch: str, keys: KeySet) -> Path:
+    """A job whose env workers and trainer are on other hosts, over TCP with CURVE keys."""
+    path = tmp_path / "job.toml"
+    path.write_text(f"""
+[run]
+name = "hosts"
+output_dir = "{tmp_path / 'out'}"
+max_steps = {JOB_STEPS}
+[inference]
+servers = ["http://{orch}:8000/v1"]
+backend = "prime-rl"
+[scheduler]
+batch_size = 8
+max_inflight = 8
+worker_address = "tcp://{orch}:5600"
+remote_workers = 1
+[transport]
+address = "tcp://{orch}:5700"
+[security]
+server_key = "{keys.server_secret}"
+authorized_keys = "{keys.authorized_dir}"
+[[env]]
+taskset = "orchestrator-arithmetic"
+group_size = 4
+workers = 0
+sampling = {{ max_tokens = 4 }}
+""")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The orchestrator and the inference server on one host, an env worker on a second, the trainer on a third
+    (TCP, CURVE); on a fourth, intruders without keys and with an unknown key write garbage to every port,
+    forge a worker's hello, ready, records (a reward and a token no real rollout has) and fatal, and forge the
+    trainer's acknowledgements. Every step reaches the trainer once, in order, and nothing forged is in it."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
+    keys = make_key_set(tmp_path / "keys", clients=("trainer", "worker"))
+    journal, ckpt = tmp_path / "journal.jsonl", tmp_path / "ckpt"
+    orchestrator = [sys.executable, "-m", "orchestrator", "--log-level", "WARNING"]
+    client = ["--server-key", str(keys.server_public)]
+    async with Network.open(("orch", "workers", "trainer", "intruder")) as net:
+        orch = net.address_of("orch")
+        sim = Lines(await net.run("orch", *orchestrator, "sim-inference", "--host", orch, "--port", "8000",
+                                  "--profile", "prime-rl", stdout=subprocess.PIPE))
+        assert sim.stream is not None
+        await asyncio.wait_for(sim.stream.readline(), WAIT_S)  # its URL: it listens
+        run = await net.run("orch", *orchestrator, "run", str(write_job(tmp_path, orch, keys)))
+        intruders = []
+        for address, mode in ((f"tcp://{orch}:5600", "intrude-workers"), (f"tcp://{orch}:5700", "intrude")):
+            for flags in ([], [*client, "--client-key", str(keys.client_secret("intruder"))]):
+                proc = await net.run("intruder", sys.executable, PEER, mode, address, *flags, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+                intruders.append(Lines(proc))
+                await intruders[-1].until(lambda seen: any("refused" in line for line in seen), f"a {mode} refusal")
+        await net.run("workers", *orchestrator, "env-worker", "--connect", f"tcp://{orch}:5600", "--id", "remote-w",
+                      *client, "--client-key", str(keys.client_secret("worker")))
+        await net.run("trainer", *orchestrator, "receive", f"tcp://{orch}:5700", "--journal", str(journal),
+                      "--checkpoint-dir", str(ckpt), *client, "--client-key", str(keys.client_secret("trainer")))
+        assert await asyncio.wait_for(run.wait(), 200) == 0
+        assert [await stop_intruder(lines) for lines in intruders] == [0, 0, 0, 0]
+    assert [line["step"] for line in read_journal(journal)] == list(range(JOB_STEPS))  # once each, in order
+    out = tmp_path / "out"
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert rows
+    assert {r["worker"] for r in rows} == {"remote-w"}
+    assert all(r["reward"] != 7.75 for r in rows)  # netns_peer.FORGED_REWARD
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(JOB_STEPS))
+    assert [n for n in namespaces() if n.startswith(prefix())] == []
+    assert processes_mentioning(str(tmp_path)) == []

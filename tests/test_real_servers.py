@@ -92,7 +92,7 @@ async def test_a_run_through_weight_syncs_speaks_each_servers_protocol(tmp_path:
         admin = [(c["path"], c["query"], c["body"], c["status"]) for c in log["admin"]]
         starts = [i for i, c in enumerate(admin) if c[0] == "/pause"]
         syncs = [admin[i:admin.index(("/resume", {}, None, 200), i) + 1] for i in starts]
-        assert len(syncs) >= 2, admin  # the trainer announced after every step
+        cut = False
         for n, sync in enumerate(syncs, start=1):
             weights = str((ckpt / f"step_{n}").resolve())
             if backend == "prime-rl":
@@ -100,9 +100,14 @@ async def test_a_run_through_weight_syncs_speaks_each_servers_protocol(tmp_path:
             else:  # vLLM 0.26 has no weight versions: that call's 404 is expected and ignored
                 load = [("/collective_rpc", {}, {"method": "reload_weights", "kwargs": {"weights_path": weights}}, 200),
                         ("/update_weight_version", {}, {"new_version": str(n)}, 404)]
-            # keep in-flight requests and the (salted) cache; load; resume
-            assert sync == [("/pause", KEEP, None, 200), *load, ("/resume", {}, None, 200)], sync
-        assert log["weights_path"] == str((ckpt / f"step_{len(syncs)}").resolve())
+            # keep in-flight requests and the (salted) cache; load; resume. The run may end during the sync of
+            # the checkpoint that follows its last step: that one is cut short, and still resumed.
+            expected = [("/pause", KEEP, None, 200), *load, ("/resume", {}, None, 200)]
+            cut = n == len(syncs) and sync != expected
+            assert sync == expected or (cut and sync == [*expected[:len(sync) - 1], expected[-1]]), sync
+        complete = len(syncs) - cut
+        assert complete >= 2, admin  # the trainer announced after every step
+        assert step_of(log["weights_path"]) >= complete
         sampled = [g for g in log["generate"] if g["status"] == 200 and g["cache_salt"] != "preflight"]
         assert sampled, "a server never rejoined"
         for g in sampled:  # no request counted as policy N was sampled with weights older than N

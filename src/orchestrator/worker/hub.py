@@ -8,12 +8,18 @@ that died, froze or was dropped). It wakes when the socket is readable and every
 
 Every message is decoded once, at the edge, into a typed struct (protocol.py). Nothing a worker sends can
 stop the hub: the reader callback never raises; an invalid message is a counted rejection naming the worker
-(``metrics["rejected:<why>"]``), and a worker whose invalid messages reach MAX_STRIKES is dropped (its
+(``metrics["rejected:<why>"]``; ``metrics["messages"]`` counts every message), and a worker whose invalid
+messages reach MAX_STRIKES is dropped (its
 rollouts fail with ``worker_died``; a local one is killed and restarted; its name is not admitted again). A
 record counts only when it comes from the worker its group was assigned to, for a rollout still in flight
 there; a straggler of a cancelled group is counted as ``late``. A worker's ``fatal`` ends that worker (a
 local one is restarted, backing off), not the job, unless no worker is ready and every worker that tried
-has failed to load the environments: then ``run()`` raises EnvironmentLoadError.
+has failed to load the environments (counting only workers this hub started, by pid, unless remote workers
+are expected): then ``run()`` raises EnvironmentLoadError.
+
+Only the processes this hub started are admitted, by name and pid, unless ``scheduler.remote_workers`` says
+remote workers are expected (then anyone who can connect may register: over tcp:// that is only holders of
+an authorized CURVE key, over ipc:// whoever may open the socket file).
 
 Supervision: a ready worker silent for DEAD_AFTER_S (one still loading its environments: LOAD_TIMEOUT_S) is
 lost (a local one is killed and restarted); a remote one that speaks again is sent ``setup`` and re-admitted
@@ -233,6 +239,7 @@ class WorkerHub:
                 ident, *frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self.metrics["messages"] += 1
             try:
                 self._handle(ident.bytes, frames)
             except Exception:  # a bug here must not stop the hub, nor skip the rest of the drain
@@ -271,6 +278,12 @@ class WorkerHub:
             self._fatal(worker, msg)
 
     def _hello(self, ident: bytes, msg: Hello) -> None:
+        proc = self._procs.get(msg.worker)
+        if self.expected <= self.local and (proc is None or proc.pid != msg.pid or ident != msg.worker.encode()):
+            # no remote worker is expected: only the processes this hub started are workers
+            self._reject(None, ident, "unknown_worker", f"hello from {msg.worker!r} (pid {msg.pid}), which this "
+                         "orchestrator did not start (scheduler.remote_workers = 0)")
+            return
         old = self.workers.pop(ident, None)
         if old is not None and old.rids:  # restarted under the same name: its rollouts are gone
             self._lose(old, "restarted")
@@ -291,8 +304,9 @@ class WorkerHub:
         self.metrics["fatal"] += 1
         log.error("env worker %s cannot go on: %s", worker.name, msg.error)
         self._lose(worker, f"fatal: {msg.error}")
-        if any(w.ready for w in self.workers.values()):
-            return
+        ours = worker.pid is not None and worker.pid in {p.pid for p in self._procs.values()}
+        if any(w.ready for w in self.workers.values()) or not (ours or self.expected > self.local):
+            return  # only a worker we started (or, when remote ones are expected, any) can end the job
         self._load_failures += 1
         if self._load_failures >= self.expected and self._failed is not None and not self._failed.done():
             self._failed.set_exception(EnvironmentLoadError(f"env worker {worker.name}: {msg.error}"))
