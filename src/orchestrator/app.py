@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
@@ -43,6 +45,7 @@ from orchestrator.worker.process import Worker
 from orchestrator.worker.protocol import EnvSpec, Setup
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WORKER_READY_TIMEOUT_S = 300.0
 FLUSH_TIMEOUT_S = 10.0
@@ -72,6 +75,9 @@ class Orchestrator:
             log.warning("cannot read the vocabulary size of %s; the gibberish filter assumes 2^17 tokens", tokenizer)
         self.builder = StepBuilder(cfg, vocab_size=vocab or 2**17)
         self.summary = RunSummary()
+        # the step's blocking work (advantages, batch, dumps, JSONL, state) runs here, one job at a time; owned:
+        # open() waits for it before its own state save, also when a step was cancelled mid-way
+        self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchestrator-step")
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
 
     @classmethod
@@ -97,9 +103,14 @@ class Orchestrator:
                 worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
                 cfg.security.server_keys(worker_address)))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
+            orch = cls(cfg, pool, hub, sender, state)
             try:
-                yield cls(cfg, pool, hub, sender, state)
-            finally:  # on shutdown too: acknowledgements that came after the last step's save count
+                yield orch
+            finally:
+                # a step cancelled at shutdown may still have work in the step thread (its writes, its state
+                # save): it finishes before the state is saved here, so no two saves ever overlap
+                await asyncio.to_thread(orch.step_thread.shutdown)
+                # on shutdown too: acknowledgements that came after the last step's save count
                 if sender.acked > state.acked_step:
                     state.acked_step = sender.acked
                     save_state(out, state)  # small and atomic; blocking, but the loop is ending anyway
@@ -139,6 +150,10 @@ class Orchestrator:
                 task.cancel()
         return self.summary
 
+    async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.step_thread, functools.partial(fn, *args,
+                                                                                                   **kwargs))
+
     async def _flush(self) -> None:
         try:
             async with asyncio.timeout(FLUSH_TIMEOUT_S):
@@ -147,7 +162,7 @@ class Orchestrator:
             log.warning("the trainer did not acknowledge steps %s within %.0f s; a --resume run sends them again",
                         sorted(self.sender.unacked), FLUSH_TIMEOUT_S)
         self.state.acked_step = self.sender.acked
-        await asyncio.to_thread(save_state, self.out, self.state)
+        await self._off_loop(save_state, self.out, self.state)
 
     async def _weight_sync(self, sched: Scheduler) -> None:
         """Consumes checkpoint announcements; produces weight updates on every server, then a new policy."""
@@ -168,7 +183,7 @@ class Orchestrator:
         cpu0 = time.process_time()
         groups = await sched.next_step(step)
         wait_s = time.perf_counter() - t0
-        result = await asyncio.to_thread(self.builder.build, step, groups)
+        result = await self._off_loop(self.builder.build, step, groups)
         t = time.perf_counter()
         sent = await self.sender.send(result.batch)  # False: a restarted trainer already had this step
         send_s = time.perf_counter() - t
@@ -180,7 +195,7 @@ class Orchestrator:
         phase = {"wait": wait_s, **result.phase_s, "send": send_s}
         if dump_due(self.cfg.pipeline.dump_steps, step):  # a worker thread writes it; its size is logged
             t = time.perf_counter()
-            await asyncio.to_thread(write_dump, dump_path(self.out, step), step, groups, result.batch, result.rows,
+            await self._off_loop(write_dump, dump_path(self.out, step), step, groups, result.batch, result.rows,
                                     run=self.cfg.run.name, vocab_size=self.builder.vocab_size,
                                     config_toml=to_toml(self.cfg))
             phase["dump"] = time.perf_counter() - t
@@ -193,7 +208,7 @@ class Orchestrator:
             extra.update(shm.metrics())
         rows = result.rows
         del groups, result  # the batch's column memory goes now, before the collection below
-        metrics = await asyncio.to_thread(self._finish_step, step, rows, phase, lag, t0, extra)
+        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra)
         log.info("%s", format_step_line(metrics))
         self.summary.steps += 1
         self.summary.metrics.append(metrics)

@@ -13,6 +13,7 @@ crash at any point leaves either the old state or the new one, never a torn file
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,15 +45,19 @@ def save_state(directory: Path, state: OrchestratorState) -> Path:
     """Atomically write ``state`` to ``directory/STATE_FILE`` (blocking; call off the event loop)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / STATE_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
     data = msgpack.packb(
         _pack_ints({"version": STATE_VERSION, **asdict(state)}), use_bin_type=True, default=_unsupported
     )
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:  # a full or read-only disk: no temp file left behind; the old state stays
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
