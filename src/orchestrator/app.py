@@ -31,9 +31,15 @@ from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.memory import malloc_trim, rss_mb
 from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
-from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_step_line, step_metrics
+from orchestrator.pipeline.outputs import (
+    StepOutputs,
+    drop_steps_from,
+    format_eval_line,
+    format_step_line,
+    step_metrics,
+)
 from orchestrator.pipeline.step import StepBuilder
-from orchestrator.scheduler import Scheduler
+from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
 from orchestrator.state import OrchestratorState, load_state, save_state
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
@@ -55,6 +61,7 @@ FLUSH_TIMEOUT_S = 10.0
 class RunSummary:
     steps: int = 0
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Orchestrator:
@@ -79,6 +86,7 @@ class Orchestrator:
         # open() waits for it before its own state save, also when a step was cancelled mid-way
         self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchestrator-step")
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
+        self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -86,7 +94,10 @@ class Orchestrator:
         out, state = await asyncio.to_thread(_prepare_output, cfg, resume)
         workers = sum(e.workers for e in cfg.env)
         tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
-        setup = Setup([EnvSpec(e.label, e.taskset, e.args) for e in cfg.env], cfg.model.name, str(tokenizer),
+        evals = cfg.eval.env if cfg.eval is not None else ()
+        setup = Setup([*(EnvSpec(e.label, e.taskset, e.args) for e in cfg.env),
+                       *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args) for e in evals)],
+                      cfg.model.name, str(tokenizer),
                       cfg.inference.request_timeout_s, cfg.inference.api_key_env)
         worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
@@ -137,8 +148,9 @@ class Orchestrator:
             await self.hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
             if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
                 await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
-            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, self.state.task_cursors)
-            background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched))]
+            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None)
+            background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched)),
+                           tg.create_task(self._evaluations(sched))]
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
             # first: it held the loop for ~30 ms in bench_scheduler and found no garbage to free.
             gc.freeze()
@@ -171,6 +183,11 @@ class Orchestrator:
         async for ckpt in self.sender.announcements(marker):
             if ckpt.step <= sched.policy:
                 continue
+            ev = sched.evaluator
+            if ev is not None and ev.cfg.hold_weights and not ev.idle.is_set():
+                log.info("weights of step %d wait for the evaluation round in progress", ckpt.step)
+                await ev.idle.wait()
+            sched.syncing = True  # no evaluation round starts until the new policy is in (set_policy)
             t0 = time.monotonic()
             result = await self.pool.update_weights(ckpt)
             log.info("weights of step %d on %d/%d servers in %.1f s", ckpt.step, len(result.updated),
@@ -178,12 +195,27 @@ class Orchestrator:
             self.state.policy_path = ckpt.path
             await sched.set_policy(ckpt.step)
 
+    async def _evaluations(self, sched: Scheduler) -> None:
+        """Consumes finished evaluation rounds; produces their rows (metrics.jsonl, eval_rollouts.jsonl), a log
+        line and ``on_eval``. Runs until cancelled."""
+        while True:
+            row, groups = await sched.eval_rows.get()
+            row["at_step"] = self.state.next_step
+            rollouts = [{"step": row["step"], "at_step": row["at_step"], "env": g.env, "task": g.task, "group": g.gid,
+                         "rollout": r.rid, "reward": r.reward, "ok": r.ok, "failure": r.header.failure,
+                         "error": r.header.error, "tokens": r.tokens, "policy": g.policy, "wall_s": r.header.wall_s,
+                         "worker": r.header.worker} for g in groups for r in g.records]
+            await self._off_loop(self.outputs.write_eval, row, rollouts)
+            log.info("%s", format_eval_line(row))
+            self.summary.evals.append(row)
+            self.on_eval(row)
+
     async def _step(self, step: int, sched: Scheduler) -> None:
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         groups = await sched.next_step(step)
         wait_s = time.perf_counter() - t0
-        result = await self._off_loop(self.builder.build, step, groups)
+        result = await self._off_loop(self.builder.build, step, groups, sched.take_dropped())
         t = time.perf_counter()
         sent = await self.sender.send(result.batch)  # False: a restarted trainer already had this step
         send_s = time.perf_counter() - t
@@ -191,7 +223,7 @@ class Orchestrator:
         self.state.next_step = step + 1
         self.state.acked_step = self.sender.acked
         self.state.policy_step = sched.policy
-        self.state.task_cursors = sched.cursors()
+        self.state.scheduler = sched.state()
         phase = {"wait": wait_s, **result.phase_s, "send": send_s}
         if dump_due(self.cfg.pipeline.dump_steps, step):  # a worker thread writes it; its size is logged
             t = time.perf_counter()
@@ -270,10 +302,10 @@ def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorSta
     out.mkdir(parents=True, exist_ok=True)
     if resume:
         state = load_state(out, cfg.run.name)
-        for name in ("rollouts.jsonl", "metrics.jsonl"):  # rows of the steps generated again go
+        for name in ("rollouts.jsonl", "metrics.jsonl", "eval_rollouts.jsonl"):  # rows of regenerated steps go
             drop_steps_from(out / name, state.acked_step + 1)
         return out, state
-    for name in ("rollouts.jsonl", "metrics.jsonl"):
+    for name in ("rollouts.jsonl", "metrics.jsonl", "eval_rollouts.jsonl"):
         (out / name).unlink(missing_ok=True)
     return out, OrchestratorState(cfg.run.name)
 

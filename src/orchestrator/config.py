@@ -17,29 +17,17 @@ import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from orchestrator.configbase import opt
 from orchestrator.errors import ConfigError, KeyFileError
+from orchestrator.scheduling.curriculum import CurriculumConfig
+from orchestrator.scheduling.gates import DEFAULT_GATES, GateConfig
 
 if typing.TYPE_CHECKING:
     from orchestrator.security import ServerKeys
-
-
-def opt(
-    default: Any = dataclasses.MISSING,
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    doc: str = "",
-) -> Any:
-    """A config field with optional numeric bounds (checked, never clamped) and a one-line description."""
-    meta = {"ge": ge, "gt": gt, "le": le, "doc": doc}
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -111,6 +99,8 @@ class SchedulerConfig:
                               "worker_address) that must be ready before the first group")
     max_buffered_rollouts: int = opt(1024, ge=1, doc="finished rollouts not in a step yet; full: no new work")
     worker_nice: int = opt(5, ge=0, le=19, doc="niceness added to local env workers, so the loop gets a busy CPU first")
+    max_rejected_batches: int = opt(10, ge=0, doc="a step that has seen this many batches' worth of rollouts "
+                                    "rejected by gates without filling stops the run (0: never)")
 
 
 @dataclass(frozen=True)
@@ -177,6 +167,8 @@ class PipelineConfig:
     advantage_kwargs: dict[str, Any] = opt({}, doc="keyword arguments of the advantage function")
     std_normalize: bool = opt(False, doc="default advantage: divide by the group's reward std")
     filters: tuple[FilterConfig, ...] = opt(DEFAULT_FILTERS, doc="[[pipeline.filters]] tables, in order")
+    gates: tuple[GateConfig, ...] = opt(DEFAULT_GATES, doc="[[pipeline.gates]] tables: which completed groups count "
+                                        "toward a step (the step refills past rejected ones)")
     dump_steps: int | tuple[int, ...] = opt(0, ge=0, doc="step dumps in output_dir/dumps for offline replay: N dumps "
                                             "steps 0, N, 2N...; a list dumps those steps; 0 or [] dumps none")
 
@@ -217,10 +209,29 @@ class EnvConfig:
     max_concurrent: int | None = opt(None, ge=1, doc="rollouts of this env running at once")
     group_scoring: bool = opt(False, doc="the env scores whole groups: any failure drops the group")
     sampling: SamplingConfig = opt(SamplingConfig(), doc="sampling parameters")
+    curriculum: CurriculumConfig | None = opt(None, doc="[env.curriculum]: draw tasks from pools by their recent "
+                                              "pass rate; unset: every task in turn, in a seeded order")
 
     @property
     def label(self) -> str:
         return self.name or self.taskset
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Online evaluation: every ``interval`` steps, the first ``num_examples`` tasks of each ``[[eval.env]]``,
+    ``group_size`` rollouts each, under one policy version, beside training."""
+
+    interval: int = opt(10, ge=1, doc="evaluate at steps 0 (see at_start), interval, 2*interval...")
+    num_examples: int = opt(32, ge=1, doc="tasks per environment: the first ones of its taskset, every time")
+    group_size: int = opt(4, ge=1, doc="rollouts per task (k): pass@k and pass^k for k = 1, 2, 4... up to it")
+    at_start: bool = opt(True, doc="evaluate the starting policy at step 0 too")
+    pass_threshold: float = opt(0.5, doc="a rollout passes when its reward is above this")
+    max_inflight: int | None = opt(None, ge=1, doc="evaluation rollouts at once, within scheduler.max_inflight "
+                                   "(default: half of it), so evaluation never starves training")
+    hold_weights: bool = opt(True, doc="a round keeps the policy it started with: a weight sync waits for it "
+                             "(training goes on meanwhile); false: record the versions that sampled it")
+    env: tuple[EnvConfig, ...] = opt(doc="[[eval.env]] tables, as [[env]] (group_size, weight, curriculum unused)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +243,8 @@ class JobConfig:
     transport: TransportConfig = opt(TransportConfig(), doc="batches to the trainer")
     security: SecurityConfig = opt(SecurityConfig(), doc="CURVE authentication of the tcp:// sockets we bind")
     monitor: MonitorConfig = opt(MonitorConfig(), doc="event-loop-lag monitor")
-    pipeline: PipelineConfig = opt(PipelineConfig(), doc="advantages and filters")
+    pipeline: PipelineConfig = opt(PipelineConfig(), doc="advantages, filters and gates")
+    eval: EvalConfig | None = opt(None, doc="[eval]: online evaluation; unset: none")
     sim: SimConfig = opt(SimConfig(), doc="simulated inference servers (demo and tests)")
     env: tuple[EnvConfig, ...] = opt(doc="one [[env]] table per environment")
 
@@ -267,6 +279,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     cfg = _build(JobConfig, raw, "", problems, source)
     if not problems:
         problems.extend(_cross_checks(typing.cast(JobConfig, cfg), source))
+        problems.extend(_section_problems(cfg, "", source))
     if not problems:
         problems.extend(_hook_problems(typing.cast(JobConfig, cfg), source))
     if problems:
@@ -287,6 +300,42 @@ def _hook_problems(cfg: JobConfig, source: Any) -> list[str]:
         except ConfigError as e:
             problems += [f"{source(p.split(':', 1)[0].split('.args')[0])}: {p}" for p in e.problems]
     return problems
+
+
+def _eval_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
+    ev, s = cfg.eval, cfg.scheduler
+    assert ev is not None
+    if not ev.env:
+        yield f"{source('eval.env')}: eval.env: [eval] needs at least one [[eval.env]] table"
+    cap = ev.max_inflight or max(s.max_inflight // 2, 1)
+    if ev.group_size > cap:
+        yield (f"{source('eval.group_size')}: eval.group_size: {ev.group_size} rollouts of a task must fit in "
+               f"eval.max_inflight ({cap}{'' if ev.max_inflight else ': half of scheduler.max_inflight'})")
+    if ev.max_inflight is not None and ev.max_inflight >= s.max_inflight:
+        yield (f"{source('eval.max_inflight')}: eval.max_inflight: must be below scheduler.max_inflight "
+               f"({ev.max_inflight} >= {s.max_inflight}), or evaluation could take every slot from training")
+    labels = [e.label for e in ev.env]
+    for i, label in enumerate(labels):
+        if label in labels[:i]:
+            yield (f"{source(f'eval.env[{i}].name')}: eval.env[{i}].name: {label!r} is already used by another "
+                   "[[eval.env]]; give each a distinct name")
+
+
+def _section_problems(obj: Any, key: str, source: Any) -> Iterable[str]:
+    """What each section that checks itself (``problems(key)``, see configbase) says, depth first."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    check = getattr(obj, "problems", None)
+    if check is not None:
+        yield from (f"{source(key)}: {p}" for p in check(key))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        sub = _join(key, f.name)
+        if isinstance(value, tuple):
+            for i, item in enumerate(value):
+                yield from _section_problems(item, f"{sub}[{i}]", source)
+        else:
+            yield from _section_problems(value, sub, source)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -546,6 +595,8 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         for key in sorted(set(sp.extra_body) & {f.name for f in dataclasses.fields(SamplingConfig)}):
             yield (f"{source(f'env[{i}].sampling.extra_body.{key}')}: env[{i}].sampling.extra_body.{key}: "
                    f"use env[{i}].sampling.{key}")
+    if cfg.eval is not None:
+        yield from _eval_checks(cfg, source)
     if not cfg.inference.servers:
         yield f"{source('inference.servers')}: inference.servers: at least one server URL is required"
     for i, url in enumerate(cfg.inference.servers):

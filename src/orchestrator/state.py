@@ -1,10 +1,12 @@
 """Orchestrator state, saved atomically so a killed run resumes at the next step.
 
 The state is a small msgpack map: format version, run name, the last step handed to the transport, the
-last step the trainer acknowledged, the policy step being sampled, the task cursor per environment and
-the scheduler's RNG state. Buffered (finished but untrained) rollouts are deliberately not saved: on
-resume they are sampled again, which costs a little inference and keeps the file small and the off-policy
-accounting exact.
+last step the trainer acknowledged, the policy step being sampled (and its weights' path), and the
+scheduler's state: everything that decides what is sampled next (the env-mixing generator, each env's task
+cursor or curriculum statistics, the number of draws) and the evaluation schedule. Buffered (finished but
+untrained) rollouts and groups in flight are deliberately not saved: they die with the run, and the
+resumed sampler goes on with the draws an uninterrupted run would have made after them. That costs a little
+inference and keeps the file small and the off-policy accounting exact.
 
 ``save_state`` writes a temp file in the same directory, fsyncs it and renames it over the old one, so a
 crash at any point leaves either the old state or the new one, never a torn file.
@@ -22,7 +24,7 @@ import msgpack
 
 from orchestrator.errors import OrchestratorError
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the scheduler's state replaces task cursors
 STATE_FILE = "orchestrator-state.msgpack"
 
 
@@ -37,8 +39,7 @@ class OrchestratorState:
     acked_step: int = -1  # the last step the trainer acknowledged
     policy_step: int = 0  # the weight version servers sample with
     policy_path: str | None = None  # where its weights are, as announced (None: inference.weights_path)
-    task_cursors: dict[str, int] = field(default_factory=dict)  # env -> tasks drawn so far
-    rng_state: dict[str, Any] = field(default_factory=dict)  # numpy bit generator state
+    scheduler: dict[str, Any] = field(default_factory=dict)  # what decides what is sampled next (Scheduler.state)
 
 
 def save_state(directory: Path, state: OrchestratorState) -> Path:

@@ -72,13 +72,33 @@ def format_step_line(m: Mapping[str, Any]) -> str:
             f"lag p99={lag['p99']:.1f}ms max={lag['max']:.1f}ms | rss={m['rss_mb']:.0f}MB{shm}")
 
 
+def format_eval_line(row: Mapping[str, Any]) -> str:
+    """One line per evaluation round: per env, mean reward and the largest k's pass@k."""
+    parts = []
+    for env, m in row["envs"].items():
+        k = max((int(key[5:]) for key in m if key.startswith("pass@")), default=1)
+        parts.append(f"{env}: reward {m['mean_reward']:.3f} pass@{k} {m.get(f'pass@{k}', 0.0):.3f} "
+                     f"({m['examples']} tasks, {m['errors']} errors)")
+    return f"eval of step {row['step']} (policy {row['policy']}, {row['wall_s']:.1f} s): " + "; ".join(parts)
+
+
 class StepOutputs:
-    """Appends rows to ``rollouts.jsonl`` and ``metrics.jsonl`` in ``output_dir`` (created if missing)."""
+    """Appends rows to ``rollouts.jsonl``, ``metrics.jsonl`` and ``eval_rollouts.jsonl`` in ``output_dir``
+    (created if missing). Evaluation rows go into ``metrics.jsonl`` too, marked ``"eval": true``, with
+    ``at_step``: the training step being made when the round ended (what a resume truncates by)."""
 
     def __init__(self, output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.rollouts_path = output_dir / "rollouts.jsonl"
         self.metrics_path = output_dir / "metrics.jsonl"
+        self.eval_rollouts_path = output_dir / "eval_rollouts.jsonl"
+
+    def write_eval(self, row: Mapping[str, Any], rollouts: Sequence[Mapping[str, Any]]) -> None:
+        """Blocking: call from a worker thread."""
+        with self.eval_rollouts_path.open("ab") as f:
+            f.write(b"".join(orjson.dumps(r, option=_OPTS) for r in rollouts))
+        with self.metrics_path.open("ab") as f:
+            f.write(orjson.dumps(row, option=_OPTS))
 
     def write(self, rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any]) -> None:
         """Blocking: call from a worker thread. One write per file per step."""
@@ -120,8 +140,10 @@ def drop_steps_from(path: Path, first: int, chunk: int = 1 << 16) -> int:
 
 
 def _step_of(line: bytes) -> float:
-    """The line's step; +inf for a blank or torn line (dropped with the regenerated steps)."""
+    """The line's step (an evaluation row's ``at_step``); +inf for a blank or torn line (dropped with the
+    regenerated steps)."""
     try:
-        return float(orjson.loads(line)["step"])
+        row = orjson.loads(line)
+        return float(row.get("at_step", row["step"]))
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
         return float("inf")

@@ -39,8 +39,9 @@ class StepBuilder:
         self.vocab_size = vocab_size
         self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
 
-    def build(self, step: int, groups: Sequence[Any]) -> StepResult:
-        """All three phases in order, each timed in ``phase_s``."""
+    def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult:
+        """All three phases in order, each timed in ``phase_s``. ``dropped``: groups whose every rollout
+        failed since the last step (their rows are written too, marked ``dropped``)."""
         phase: dict[str, float] = {}
         t = time.perf_counter()
         advantages = self.advantages(groups)
@@ -48,6 +49,7 @@ class StepBuilder:
 
         t = time.perf_counter()
         rows, trained = self.filter(step, groups, advantages)
+        rows += [{**row, "dropped": True} for g in dropped for row in _failed_rows(step, g)]
         phase["filter"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -58,8 +60,13 @@ class StepBuilder:
     # The phases of ``build``, public so replay (scripts/perf) can run and time them one at a time.
 
     def advantages(self, groups: Sequence[Any]) -> list[np.ndarray]:
-        """Phase ``advantage``: one array per group, over its survivors."""
-        return [self.advantage(g.survivors) for g in groups]
+        """Phase ``advantage``: one array per group, over its survivors (the scheduler's, computed when the
+        group completed for its gates, when it has them)."""
+        out = []
+        for g in groups:
+            adv = getattr(g, "advantages", None)
+            out.append(adv if adv is not None else self.advantage(g.survivors))
+        return out
 
     def filter(self, step: int, groups: Sequence[Any], advantages: Sequence[np.ndarray]
                ) -> tuple[list[dict[str, Any]], list[tuple[RolloutRecord, float]]]:
@@ -68,11 +75,7 @@ class StepBuilder:
         rows: list[dict[str, Any]] = []
         trained: list[tuple[RolloutRecord, float]] = []
         for g, adv in zip(groups, advantages, strict=True):
-            rows += [{"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": r.rid,
-                      "reward": 0.0, "advantage": None, "ok": False, "filters": [], "filtered": False,
-                      "failure": r.header.failure, "error": r.header.error, "tokens": 0, "policy": g.policy,
-                      "off_policy": step - g.policy, "wall_s": r.header.wall_s, "worker": r.header.worker}
-                     for r in g.records if not r.ok]
+            rows += _failed_rows(step, g)
             for rec, a in zip(g.survivors, adv.tolist(), strict=True):
                 verdict = self.filters(rec, a)
                 if not verdict.filtered:
@@ -112,3 +115,10 @@ class StepBuilder:
                 scalars["env"].append(rec.env)
                 scalars["rollout"].append(rec.rid)
         return Batch.from_columns(self.run, step, chunks, lengths, scalars)
+
+
+def _failed_rows(step: int, g: Any) -> list[dict[str, Any]]:
+    return [{"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": r.rid, "reward": 0.0,
+             "advantage": None, "ok": False, "filters": [], "filtered": False, "failure": r.header.failure,
+             "error": r.header.error, "tokens": 0, "policy": g.policy, "off_policy": step - g.policy,
+             "wall_s": r.header.wall_s, "worker": r.header.worker} for r in g.records if not r.ok]

@@ -99,8 +99,10 @@ def classify(errors: list[Any], is_timeout: bool) -> Failure:
     return Failure.ENV
 
 
-def episode_record(ep: Any, base: AssignedRollout, wall_s: float) -> tuple[RolloutHeader, list[Any]]:
-    """Turn a verifiers Episode into a record header and its column frames."""
+def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = True
+                   ) -> tuple[RolloutHeader, list[Any]]:
+    """Turn a verifiers Episode into a record header and its column frames (none for an evaluation rollout:
+    ``train`` False)."""
     trace = ep.traces[0] if ep.traces else None
     errors = list(ep.errors or [])
     if trace is not None:
@@ -116,7 +118,7 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float) -> tuple[Rollo
         return RolloutHeader.failed(base, Failure.INVALID_REWARD, f"the environment returned a reward of {reward}",
                                     wall_s=wall_s, stop=stop), []
     try:
-        shapes, frames = sample_frames(samples_from_trace(trace))
+        shapes, frames = sample_frames(samples_from_trace(trace)) if train else ([], [])
     except SampleError as e:
         return RolloutHeader.failed(base, Failure.BAD_SAMPLE, str(e), wall_s=wall_s, stop=stop), []
     metrics = {k: float(v) for k, v in (trace.metrics or {}).items()
@@ -126,8 +128,13 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float) -> tuple[Rollo
                            policy_step=base.policy_step, worker=base.worker, server=base.server, ok=True,
                            reward=reward, metrics=metrics, stop=stop, samples=shapes,
                            routed_dtype="uint16" if routed is not None and routed.dtype == np.uint16 else "uint8",
-                           tokens=sum(s[0] for s in shapes), wall_s=wall_s)
+                           tokens=sum(s[0] for s in shapes) if train else _trace_tokens(trace), wall_s=wall_s)
     return header, frames
+
+
+def _trace_tokens(trace: Any) -> int:
+    """Tokens of a trace's messages (an evaluation rollout's size, without building samples)."""
+    return sum(len(getattr(node, "token_ids", None) or ()) for node in (trace.nodes or []))
 
 
 class Worker:
@@ -266,7 +273,7 @@ class Worker:
         try:
             async with asyncio.TaskGroup() as tg:
                 for rid, slot in zip(msg.rids, slots, strict=True):
-                    tg.create_task(self._run_one(done, loaded, slot, ctx, self._assigned(msg, rid)))
+                    tg.create_task(self._run_one(done, loaded, slot, ctx, self._assigned(msg, rid), msg.train))
                 pending: list[tuple[RolloutHeader, list[Any]]] = []
                 for _ in msg.rids:
                     try:
@@ -282,11 +289,11 @@ class Worker:
             self.groups.pop(msg.group, None)
 
     async def _run_one(self, done: asyncio.Queue[tuple[RolloutHeader, list[Any]]], loaded: LoadedEnv, slot: Any,
-                       ctx: Any, base: AssignedRollout) -> None:
+                       ctx: Any, base: AssignedRollout, train: bool) -> None:
         start = time.monotonic()
         try:
             ep = await loaded.env.run_slot(slot, ctx)
-            item = episode_record(ep, base, round(time.monotonic() - start, 4))
+            item = episode_record(ep, base, round(time.monotonic() - start, 4), train)
         except Exception as e:  # an env that raises fails this rollout, not the worker
             item = (RolloutHeader.failed(base, Failure.ENV, f"{type(e).__name__}: {e}",
                                          wall_s=round(time.monotonic() - start, 4)), [])

@@ -149,6 +149,7 @@ class Assign(msgspec.Struct, tag="assign", tag_field="type"):
     server: str
     sampling: dict[str, Any]
     policy_step: Count
+    train: bool = True  # False: an evaluation group, whose rollouts build no training samples
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
