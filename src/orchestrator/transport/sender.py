@@ -139,9 +139,9 @@ class Sender(abc.ABC, Generic[P]):
     def _notify(self) -> None:
         self._changed.set()
 
-    async def _wait(self, ready: Callable[[], bool], step: int, why: str) -> None:
+    async def _wait(self, ready: Callable[[], bool], step: int, why: str | Callable[[], str]) -> None:
         """Wait until ``ready()``, re-checking on every ``_notify``; warn every ``warn_s`` that ``step`` waits
-        because the trainer ``why``."""
+        because the trainer ``why`` (a callable: said as it is then)."""
         t0 = time.monotonic()
         while not ready():
             self._changed.clear()
@@ -149,5 +149,5 @@ class Sender(abc.ABC, Generic[P]):
                 async with asyncio.timeout(self.warn_s):
                     await self._changed.wait()
             except TimeoutError:
-                log.warning("step %d waits: the trainer at %s %s (%.0f s so far)", step, self.address, why,
-                            time.monotonic() - t0)
+                log.warning("step %d waits: the trainer at %s %s (%.0f s so far)", step, self.address,
+                            why() if callable(why) else why, time.monotonic() - t0)
