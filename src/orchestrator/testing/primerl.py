@@ -225,7 +225,8 @@ def check_step(grid: list[list[MicroBatch]], *, seq_len: int, pad_to_multiple_of
         _check_micro_batch(mb, seq_len, pad_to_multiple_of, routed_dtype)
         if any(mb.loss_mask):
             samples += _samples(mb)
-        else:  # a dummy: a copy of a real micro-batch, without loss
+        elif set(mb.env_names) != {""}:  # a dummy: a copy of a real micro-batch without loss (not pads alone:
+            # what a step without samples sends)
             assert all(a == 0.0 for a in mb.advantages)
             assert any(other.input_ids == mb.input_ids and any(other.loss_mask) for other in flat), "dummy of what?"
     return samples
@@ -241,7 +242,8 @@ def _check_micro_batch(mb: MicroBatch, seq_len: int, multiple: int, routed_dtype
     assert n % multiple == 0, f"{n} tokens, not a multiple of {multiple}"
     pads = mb.env_names.count("")
     assert n - pads <= seq_len, f"{n} tokens with {pads} pads for seq_len {seq_len}"
-    assert pads < multiple, f"{pads} pads to reach a multiple of {multiple}"
+    only_pads = pads == n  # a step without samples: one micro-batch of pads per rank
+    assert pads < multiple or only_pads, f"{pads} pads to reach a multiple of {multiple}"
     assert "all" not in mb.env_names
     at = 0
     for length in mb.sequence_lengths:
@@ -255,7 +257,7 @@ def _check_micro_batch(mb: MicroBatch, seq_len: int, multiple: int, routed_dtype
     assert all(mb.advantages[i] == 0.0 for i in range(n) if not mb.loss_mask[i])
     assert (mb.ref_logprobs, mb.mm_kwargs, mb.mm_token_type_ids) == (None, None, None)
     assert (mb.rl_weights, mb.ce_weights, mb.ref_kl_weights) == (None, None, None)
-    if routed_dtype is None:
+    if routed_dtype is None or only_pads:
         assert mb.routed_experts is None
         return
     routed = _routed(mb)
