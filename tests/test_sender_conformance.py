@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from orchestrator.testing.primerl import FakePrimeRLTrainer
 from orchestrator.testing.procs import wait_until
@@ -181,6 +183,26 @@ async def trainer_end(kind: Kind, sender: Sender[Any], tmp: Path, held: int) -> 
         end.close()
 
 
+@contextlib.asynccontextmanager
+async def trainer_gone(sender: Sender[Any]) -> AsyncIterator[None]:
+    """On exit, wait until the sender has seen the trainer's connections close, as it has when a real trainer
+    comes back (it takes seconds to start); a trainer back within microseconds could say hello before its old
+    connection is gone, and ZMQ would spread the resent steps over both."""
+    if isinstance(sender, BatchSender):
+        monitor = sender.push.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            yield
+            event = await asyncio.wait_for(recv_monitor_message(monitor), TIMEOUT_S)  # type: ignore[arg-type]
+            assert event["event"] == zmq.EVENT_DISCONNECTED
+        finally:
+            sender.push.disable_monitor()
+            monitor.close()
+    else:
+        yield
+        if isinstance(sender, PrimeRLSender) and sender.layout == "zmq":  # prime-rl: each rank unsubscribed
+            await until(lambda: sender.presence.lost == {0, 1}, "both ranks lost")
+
+
 async def test_every_step_once_in_order(kind: Kind, tmp_path: Path) -> None:
     async with kind.open(tmp_path, False) as sender, trainer_end(kind, sender, tmp_path, -1) as end, \
             asyncio.timeout(TIMEOUT_S):
@@ -205,13 +227,11 @@ async def test_the_bound_holds_a_send_until_the_trainer_acknowledges(kind: Kind,
 
 async def test_a_restarted_trainer_gets_every_step_after_its_checkpoint(kind: Kind, tmp_path: Path) -> None:
     async with kind.open(tmp_path, False) as sender, asyncio.timeout(TIMEOUT_S):
-        async with trainer_end(kind, sender, tmp_path, -1) as first:
+        async with trainer_gone(sender), trainer_end(kind, sender, tmp_path, -1) as first:
             sending = asyncio.ensure_future(send_all(sender, range(4)))
             before = await take(first, 2) + await take(first, 1, ack=False)  # takes step 2, dies before acking it
             await sending
             checkpoint = first.held
-        if isinstance(sender, PrimeRLSender) and sender.layout == "zmq":  # its ranks' connections are gone
-            await until(lambda: sender.presence.lost == {0, 1}, "both ranks lost")
         async with trainer_end(kind, sender, tmp_path, checkpoint) as second:
             sending = asyncio.ensure_future(send_all(sender, range(4, 6)))
             after = await take(second, 5 - checkpoint)
