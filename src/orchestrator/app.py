@@ -34,6 +34,7 @@ from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
 from orchestrator.pipeline.outputs import (
     StepOutputs,
     drop_steps_from,
+    eval_rollout_rows,
     format_eval_line,
     format_step_line,
     step_metrics,
@@ -92,27 +93,10 @@ class Orchestrator:
     @contextlib.asynccontextmanager
     async def open(cls, cfg: JobConfig, *, resume: bool = False) -> AsyncIterator[Orchestrator]:
         out, state = await asyncio.to_thread(_prepare_output, cfg, resume)
-        workers = sum(e.workers for e in cfg.env)
-        tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
-        evals = cfg.eval.env if cfg.eval is not None else ()
-        setup = Setup([*(EnvSpec(e.label, e.taskset, e.args) for e in cfg.env),
-                       *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args) for e in evals)],
-                      cfg.model.name, str(tokenizer),
-                      cfg.inference.request_timeout_s, cfg.inference.api_key_env)
-        worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
-        env_vars = {"HOME": os.environ.get("HOME", str(out))}
         async with contextlib.AsyncExitStack() as stack:
-            pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
-            if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
-                reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
-                                          model=cfg.model.name, tokenizer=tokenizer, resume=True)
-                log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(reports),
-                         sorted({r.max_model_len or 0 for r in reports}))
+            pool, hub = await open_engines(cfg, stack, out)
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume))
-            hub = await stack.enter_async_context(WorkerHub.open(
-                worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
-                cfg.security.server_keys(worker_address)))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             orch = cls(cfg, pool, hub, sender, state)
             try:
@@ -137,15 +121,7 @@ class Orchestrator:
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(self.lag.run()), tg.create_task(self.pool.run()),
                           tg.create_task(self.hub.run())]
-            local = sum(e.workers for e in cfg.env)
-            remote = cfg.scheduler.remote_workers
-            if local + remote == 0:  # debugging mode: environments run on this loop
-                log.warning("workers = 0: environments run inside the orchestrator process (debugging only)")
-                background.append(tg.create_task(_in_process_worker(self.hub.address)))
-            elif remote:
-                log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote,
-                         self.hub.address)
-            await self.hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
+            await start_workers(tg, self.hub, background)
             if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
                 await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
             sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None)
@@ -157,6 +133,7 @@ class Orchestrator:
             self.lag.reset()
             for step in range(self.state.acked_step + 1, cfg.run.max_steps):
                 await self._step(step, sched)
+            await self._last_evaluation(sched, cfg.run.max_steps - 1)
             await self._flush()
             for task in background:
                 task.cancel()
@@ -201,14 +178,25 @@ class Orchestrator:
         while True:
             row, groups = await sched.eval_rows.get()
             row["at_step"] = self.state.next_step
-            rollouts = [{"step": row["step"], "at_step": row["at_step"], "env": g.env, "task": g.task, "group": g.gid,
-                         "rollout": r.rid, "reward": r.reward, "ok": r.ok, "failure": r.header.failure,
-                         "error": r.header.error, "tokens": r.tokens, "policy": g.policy, "wall_s": r.header.wall_s,
-                         "worker": r.header.worker} for g in groups for r in g.records]
-            await self._off_loop(self.outputs.write_eval, row, rollouts)
+            await self._off_loop(self.outputs.write_eval, row, eval_rollout_rows(row, groups))
             log.info("%s", format_eval_line(row))
             self.summary.evals.append(row)
             self.on_eval(row)
+            sched.eval_rows.task_done()
+
+    async def _last_evaluation(self, sched: Scheduler, last_step: int) -> None:
+        """The run's steps are done: the round in progress, and one still due by ``last_step``, finish (each
+        group bounded by group_timeout_s) and are written, so no evaluation a run owes is lost."""
+        ev = sched.evaluator
+        while ev is not None:
+            if not ev.idle.is_set():
+                log.info("steps done; waiting for the evaluation round in progress")
+                await ev.idle.wait()
+            await sched.eval_rows.join()
+            due = ev.due(last_step)
+            if due is None:
+                return
+            sched.start_evaluation(due)
 
     async def _step(self, step: int, sched: Scheduler) -> None:
         t0 = time.perf_counter()
@@ -283,6 +271,44 @@ def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.Abstra
     shm_bytes = t.shm_pool_mb << 20 if t.kind == "shm" else None  # shm: columns through a same-node pool
     return BatchSender.open(address, t.send_hwm, require_report=resume, shm_bytes=shm_bytes,
                             server_keys=cfg.security.server_keys(address))  # tcp:// with keys: CURVE
+
+
+async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *,
+                       evaluation_only: bool = False) -> tuple[InferencePool, WorkerHub]:
+    """The inference pool (checked by preflight unless turned off) and the env-worker hub, entered on
+    ``stack``; the hub's workers load the training environments and the ``[[eval.env]]`` ones (under
+    EVAL_PREFIX), or only the latter with ``evaluation_only``."""
+    tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+    train = () if evaluation_only else cfg.env
+    evals = cfg.eval.env if cfg.eval is not None else ()
+    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args) for e in train),
+                   *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args) for e in evals)],
+                  cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env)
+    worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
+    env_vars = {"HOME": os.environ.get("HOME", str(out))}
+    pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
+    if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
+        reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+                                  model=cfg.model.name, tokenizer=tokenizer, resume=True)
+        log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(reports),
+                 sorted({r.max_model_len or 0 for r in reports}))
+    workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
+    hub = await stack.enter_async_context(WorkerHub.open(
+        worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
+        cfg.security.server_keys(worker_address)))
+    return pool, hub
+
+
+async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[asyncio.Task[Any]]) -> None:
+    """Wait until the hub's env workers are ready (with none local and none remote, one runs on this loop,
+    for debugging: its task joins ``background``)."""
+    local, remote = hub.local, hub.remote
+    if local + remote == 0:  # debugging mode: environments run on this loop
+        log.warning("workers = 0: environments run inside the orchestrator process (debugging only)")
+        background.append(tg.create_task(_in_process_worker(hub.address)))
+    elif remote:
+        log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote, hub.address)
+    await hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
 
 
 def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorState]:

@@ -26,6 +26,7 @@ COMMANDS = {
     "sim-inference": "sim_inference",
     "env-worker": "env_worker",
     "run": "run",
+    "eval": "eval",
     "demo": "demo",
     "receive": "receive",
     "report": "report",

@@ -72,6 +72,14 @@ def format_step_line(m: Mapping[str, Any]) -> str:
             f"lag p99={lag['p99']:.1f}ms max={lag['max']:.1f}ms | rss={m['rss_mb']:.0f}MB{shm}")
 
 
+def eval_rollout_rows(row: Mapping[str, Any], groups: Sequence[Any]) -> list[dict[str, Any]]:
+    """The ``eval_rollouts.jsonl`` rows of a finished evaluation round (``row``) and its groups."""
+    return [{"step": row["step"], "at_step": row.get("at_step", row["step"]), "env": g.env, "task": g.task,
+             "group": g.gid, "rollout": r.rid, "reward": r.reward, "ok": r.ok, "failure": r.header.failure,
+             "error": r.header.error, "tokens": r.tokens, "policy": g.policy, "wall_s": r.header.wall_s,
+             "worker": r.header.worker} for g in groups for r in g.records]
+
+
 def format_eval_line(row: Mapping[str, Any]) -> str:
     """One line per evaluation round: per env, mean reward and the largest k's pass@k."""
     parts = []

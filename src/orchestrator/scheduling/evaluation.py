@@ -1,11 +1,12 @@
 """Online evaluation: rounds of ``[eval]``, and their metrics.
 
 A round is due at step 0 (``at_start``) and every ``interval`` steps; it starts at the beginning of that step
-with the policy in force, and runs the first ``num_examples`` tasks of every ``[[eval.env]]``, ``group_size``
+(or, if the round before still runs, as soon as it ends, under its own step: ``due``) with the policy in
+force, and runs the first ``num_examples`` tasks of every ``[[eval.env]]``, ``group_size``
 rollouts each, beside training: the scheduler opens evaluation groups first, but never more than
 ``eval.max_inflight`` rollouts of them at once, so training keeps the rest. With ``hold_weights`` a weight
 sync waits while a round runs (``idle``), so a round is one policy version; otherwise the round records every
-version that sampled it. A round that is still running when the next is due delays it. Evaluation groups are
+version that sampled it. Evaluation groups are
 never trained on, never stale, and their rollouts build no training samples.
 
 Metrics per env (``metrics(...)``): mean reward, avg@k (mean of the tasks' mean rewards), pass@k and pass^k
@@ -108,8 +109,16 @@ class Evaluator:
     def size(self) -> int:
         return self.cfg.group_size
 
+    def due(self, step: int) -> int | None:
+        """The round to start at training step ``step``, by its step (on the ``interval`` grid): None while a
+        round runs or before the next is due. A round that could not start on time (the one before still
+        ran) starts late under its own step; one that fell a whole interval behind is skipped."""
+        if self.round is not None or step < self.next_step:
+            return None
+        return self.next_step + (step - self.next_step) // self.cfg.interval * self.cfg.interval
+
     def maybe_start(self, step: int, policy: int) -> bool:
-        """Start the round due at ``step`` (if one is due and none runs); True if it started."""
+        """Start the round of ``step`` (if it is due and none runs); True if it started."""
         if self.round is not None or step < self.next_step:
             return False
         queue = deque((env, task) for task in range(max(self.tasks.values())) for env in self.envs

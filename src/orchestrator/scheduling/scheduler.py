@@ -148,6 +148,8 @@ class Scheduler:
         if ev is not None and self._eval_due is not None and not self.syncing:
             if ev.maybe_start(self._eval_due, self.policy):
                 log.info("evaluation round of step %d starts under policy %d", self._eval_due, self.policy)
+            elif ev.round is None:  # not due after all: nothing pending holds weight syncs
+                ev.idle.set()
             self._eval_due = None
         task = None if ev is None else ev.next_task(self._inflight_eval())
         if ev is not None and task is not None and self._room(ev.size, evaluation=True):
@@ -283,9 +285,8 @@ class Scheduler:
     async def next_step(self, step: int) -> list[Group]:
         """Wait for, and take, the groups of step ``step`` (see the module docstring for the rules); starts
         the evaluation round due at ``step``."""
-        if self.evaluator is not None and step >= self.evaluator.next_step and self.evaluator.round is None:
-            self._eval_due = step
-            self._wake.set()
+        if self.evaluator is not None and (due := self.evaluator.due(step)) is not None:
+            self.start_evaluation(due)
         oldest = step - self.s.max_async_level
         taken: list[Group] = []
         count = 0
@@ -310,6 +311,14 @@ class Scheduler:
             taken.append(group)
             count += self._size(group)
         return taken
+
+    def start_evaluation(self, step: int) -> None:
+        """Start the evaluation round of ``step`` as soon as no weight sync is under way (its row arrives on
+        ``eval_rows``)."""
+        assert self.evaluator is not None
+        self._eval_due = step
+        self.evaluator.idle.clear()  # pending counts as running: a held weight sync waits from now
+        self._wake.set()
 
     def _check_rejections(self, step: int, count: int, target: int) -> None:
         bound = self.s.max_rejected_batches * target

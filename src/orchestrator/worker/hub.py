@@ -126,6 +126,7 @@ class WorkerHub:
         self.address = address
         self.setup = setup
         self.local = local
+        self.remote = remote
         self.expected = max(local + remote, 1)
         self.env_vars = dict(env_vars or {})
         self.nice = nice
