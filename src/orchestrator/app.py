@@ -30,10 +30,10 @@ from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.memory import malloc_trim, rss_mb
+from orchestrator.outdir import OutputDir
 from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
 from orchestrator.pipeline.outputs import (
     StepOutputs,
-    drop_steps_from,
     eval_rollout_rows,
     format_eval_line,
     format_step_line,
@@ -41,7 +41,7 @@ from orchestrator.pipeline.outputs import (
 )
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
-from orchestrator.state import OrchestratorState, load_state, save_state
+from orchestrator.state import OrchestratorState, save_state
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
 from orchestrator.transport.primerl import PrimeRLSender
@@ -88,17 +88,22 @@ class Orchestrator:
         self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchestrator-step")
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
         self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
+        self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: JobConfig, *, resume: bool = False) -> AsyncIterator[Orchestrator]:
-        out, state = await asyncio.to_thread(_prepare_output, cfg, resume)
+    async def open(cls, cfg: JobConfig, *, resume: bool = False, force: bool = False) -> AsyncIterator[Orchestrator]:
+        """``force``: resume even with a config that changes what is sampled (outdir.py)."""
+        outdir = await asyncio.to_thread(OutputDir.open, cfg, resume=resume, force=force)
+        out, state = outdir.path, outdir.state
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(outdir.close)  # last out: the directory stays locked until everything else is done
             pool, hub = await open_engines(cfg, stack, out)
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             orch = cls(cfg, pool, hub, sender, state)
+            orch.held = outdir.held
             try:
                 yield orch
             finally:
@@ -244,10 +249,23 @@ class Orchestrator:
         metrics = step_metrics(step, rows, phase_s=phase, lag=lag, rss_mb=rss_mb(),
                                wall_s=time.perf_counter() - t0, extra=extra)
         t = time.perf_counter()
-        self.outputs.write(rows, metrics)
+        self._write_rows(step, rows, metrics)
         save_state(self.out, self.state)
         metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
         return metrics
+
+
+    def _write_rows(self, step: int, rows: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
+        """A step regenerated after a resume that the trainer already had (not sent) keeps the rows written
+        when it was trained; one sent again gets the new rows (outdir.py)."""
+        held = self.held.pop(step, None)
+        if metrics.get("sent", True):
+            self.outputs.write(rows, metrics)
+        elif held is not None:
+            log.info("step %d: the trainer already had it; its rows from before the resume stay", step)
+            self.outputs.write_lines(*held)
+        else:
+            self.outputs.write([{**r, "regenerated": True} for r in rows], {**metrics, "regenerated": True})
 
 
 def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
@@ -309,20 +327,6 @@ async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[
     elif remote:
         log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote, hub.address)
     await hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
-
-
-def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorState]:
-    """The absolute output directory and the state to start from (a fresh run clears old outputs)."""
-    out = Path(cfg.run.output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if resume:
-        state = load_state(out, cfg.run.name)
-        for name in ("rollouts.jsonl", "metrics.jsonl", "eval_rollouts.jsonl"):  # rows of regenerated steps go
-            drop_steps_from(out / name, state.acked_step + 1)
-        return out, state
-    for name in ("rollouts.jsonl", "metrics.jsonl", "eval_rollouts.jsonl"):
-        (out / name).unlink(missing_ok=True)
-    return out, OrchestratorState(cfg.run.name)
 
 
 async def _in_process_worker(address: str) -> None:

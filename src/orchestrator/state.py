@@ -40,6 +40,7 @@ class OrchestratorState:
     policy_step: int = 0  # the weight version servers sample with
     policy_path: str | None = None  # where its weights are, as announced (None: inference.weights_path)
     scheduler: dict[str, Any] = field(default_factory=dict)  # what decides what is sampled next (Scheduler.state)
+    sampling: dict[str, Any] = field(default_factory=dict)  # the config's seed, step size, envs (outdir.py)
 
 
 def save_state(directory: Path, state: OrchestratorState) -> Path:

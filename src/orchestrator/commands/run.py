@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="job config (TOML)")
     add_set_argument(p)
     p.add_argument("--resume", action="store_true", help="continue from the state saved in run.output_dir")
+    p.add_argument("--force", action="store_true",
+                   help="with --resume: resume even if the config changes what is sampled (seed, step size, envs)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -39,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     async def job() -> None:
         from orchestrator.app import Orchestrator
 
-        async with Orchestrator.open(cfg, resume=args.resume) as orch:
+        async with Orchestrator.open(cfg, resume=args.resume, force=args.force) as orch:
             await orch.run()
 
     return run_async(interruptible(job()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 import pandas as pd
@@ -110,20 +110,23 @@ class StepOutputs:
 
     def write(self, rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any]) -> None:
         """Blocking: call from a worker thread. One write per file per step."""
-        data = b"".join(orjson.dumps(r, option=_OPTS) for r in rows)
+        self.write_lines([orjson.dumps(r, option=_OPTS) for r in rows], [orjson.dumps(metrics, option=_OPTS)])
+
+    def write_lines(self, rollouts: Sequence[bytes], metrics: Sequence[bytes]) -> None:
+        """Blocking: append JSONL lines as they are (e.g. a step's rows written before a resume)."""
         with self.rollouts_path.open("ab") as f:
-            f.write(data)
+            f.write(b"".join(rollouts))
         with self.metrics_path.open("ab") as f:
-            f.write(orjson.dumps(metrics, option=_OPTS))
+            f.write(b"".join(metrics))
 
 
 
-def drop_steps_from(path: Path, first: int, chunk: int = 1 << 16) -> int:
+def drop_steps_from(path: Path, first: int, chunk: int = 1 << 16) -> bytes:
     """Truncate a step-ordered JSONL file before its first line whose ``step`` is >= ``first`` (a resumed run
     regenerates those steps); a torn last line goes too. Reads backwards from the end, so a long file costs
-    only its tail. Returns the bytes removed. Blocking."""
+    only its tail. Returns the removed bytes. Blocking."""
     if not path.exists():
-        return 0
+        return b""
     with path.open("r+b") as f:
         size = pos = cut = f.seek(0, 2)  # bytes [0, cut) are kept so far; buf holds [pos, cut)
         buf = b""
@@ -134,17 +137,37 @@ def drop_steps_from(path: Path, first: int, chunk: int = 1 << 16) -> int:
                     break  # the first line in buf may be partial: read more first
                 line = buf[nl + 1:]
                 if _step_of(line) < first:
-                    f.truncate(cut)
-                    return size - cut
+                    return _cut(f, cut, size)
                 cut -= len(line)
                 buf = buf[:nl + 1]
             if pos == 0:
-                f.truncate(cut)
-                return size - cut
+                return _cut(f, cut, size)
             start = max(pos - chunk, 0)
             f.seek(start)
             buf = f.read(pos - start) + buf
             pos = start
+
+
+def _cut(f: BinaryIO, cut: int, size: int) -> bytes:
+    f.seek(cut)
+    tail = f.read(size - cut)
+    f.truncate(cut)
+    return tail
+
+
+def lines_by_step(data: bytes) -> dict[int, list[bytes]]:
+    """Whole JSONL lines of training steps by their step (evaluation rows and torn lines left out)."""
+    out: dict[int, list[bytes]] = {}
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            continue
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and not row.get("eval") and isinstance(row.get("step"), int):
+            out.setdefault(row["step"], []).append(line)
+    return out
 
 
 def _step_of(line: bytes) -> float:
