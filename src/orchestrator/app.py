@@ -41,7 +41,7 @@ from orchestrator.pipeline.outputs import (
 )
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
-from orchestrator.state import OrchestratorState, save_state
+from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
 from orchestrator.transport.primerl import PrimeRLSender
@@ -129,7 +129,11 @@ class Orchestrator:
             await start_workers(tg, self.hub, background)
             if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
                 await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
-            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None)
+            try:
+                sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None)
+            except (KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign state file
+                raise StateError(f"{self.out / STATE_FILE}: the scheduler's saved state is unusable ({e!r}); fix the "
+                                 "file or start fresh (without --resume)") from None
             background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched)),
                            tg.create_task(self._evaluations(sched))]
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()

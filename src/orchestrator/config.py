@@ -356,6 +356,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError([f"{path}: file not found"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{path}: a directory, not a TOML file"]) from None
+    except OSError as e:
+        raise ConfigError([f"{path}: cannot read it ({e.strerror})"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{path}: not a text file (byte {e.start} is not UTF-8); expected TOML"]) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
 
@@ -591,6 +597,10 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         if env.max_concurrent is not None and env.group_size > env.max_concurrent:
             yield (f"{source(f'env[{i}].max_concurrent')}: env[{i}].max_concurrent: must be >= "
                    f"group_size ({env.max_concurrent} < {env.group_size})")
+        if env.group_size == 1 and cfg.pipeline.advantage == "default":
+            yield (f"{source(f'env[{i}].group_size')}: env[{i}].group_size: 1 with the default advantage (reward "
+                   "minus the group's mean) gives every sample advantage 0: nothing would train. Use group_size "
+                   ">= 2, or a pipeline.advantage with its own baseline")
         if env.label in labels:
             yield (f"{source(f'env[{i}].name')}: env[{i}].name: {env.label!r} is already used by "
                    f"env[{labels[env.label]}]; give each environment a distinct name")

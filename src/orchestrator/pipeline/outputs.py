@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 import orjson
 import pandas as pd
 
+from orchestrator.errors import OrchestratorError
 from orchestrator.lagmon import LagStats
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,10 @@ def format_eval_line(row: Mapping[str, Any]) -> str:
     return f"eval of step {row['step']} (policy {row['policy']}, {row['wall_s']:.1f} s): " + "; ".join(parts)
 
 
+class OutputError(OrchestratorError):
+    """The run's output files cannot be written."""
+
+
 class StepOutputs:
     """Appends rows to ``rollouts.jsonl``, ``metrics.jsonl`` and ``eval_rollouts.jsonl`` in ``output_dir``
     (created if missing). Evaluation rows go into ``metrics.jsonl`` too, marked ``"eval": true``, with
@@ -103,10 +108,8 @@ class StepOutputs:
 
     def write_eval(self, row: Mapping[str, Any], rollouts: Sequence[Mapping[str, Any]]) -> None:
         """Blocking: call from a worker thread."""
-        with self.eval_rollouts_path.open("ab") as f:
-            f.write(b"".join(orjson.dumps(r, option=_OPTS) for r in rollouts))
-        with self.metrics_path.open("ab") as f:
-            f.write(orjson.dumps(row, option=_OPTS))
+        _append(self.eval_rollouts_path, b"".join(orjson.dumps(r, option=_OPTS) for r in rollouts))
+        _append(self.metrics_path, orjson.dumps(row, option=_OPTS))
 
     def write(self, rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any]) -> None:
         """Blocking: call from a worker thread. One write per file per step."""
@@ -114,10 +117,18 @@ class StepOutputs:
 
     def write_lines(self, rollouts: Sequence[bytes], metrics: Sequence[bytes]) -> None:
         """Blocking: append JSONL lines as they are (e.g. a step's rows written before a resume)."""
-        with self.rollouts_path.open("ab") as f:
-            f.write(b"".join(rollouts))
-        with self.metrics_path.open("ab") as f:
-            f.write(b"".join(metrics))
+        _append(self.rollouts_path, b"".join(rollouts))
+        _append(self.metrics_path, b"".join(metrics))
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path``; OutputError naming the file and the cause (a full or read-only disk)."""
+    try:
+        with path.open("ab") as f:
+            f.write(data)
+    except OSError as e:
+        raise OutputError(f"{path}: cannot write the run's outputs ({e.strerror}); free space or fix the "
+                          "directory's permissions, then continue with --resume") from None
 
 
 
