@@ -86,7 +86,8 @@ class Orchestrator:
         out, state = await asyncio.to_thread(_prepare_output, cfg, resume)
         workers = sum(e.workers for e in cfg.env)
         tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
-        setup = Setup([EnvSpec(e.label, e.taskset, e.args) for e in cfg.env], cfg.model.name, str(tokenizer),
+        setup = Setup([EnvSpec(e.label, e.taskset, e.args, e.verifiers, e.select, f"env[{i}]")
+                       for i, e in enumerate(cfg.env)], cfg.model.name, str(tokenizer),
                       cfg.inference.request_timeout_s, cfg.inference.api_key_env)
         worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"

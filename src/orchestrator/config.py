@@ -209,7 +209,8 @@ class SamplingConfig:
 @dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     name: str | None = opt(None, doc="name in logs and metrics; unset means the taskset id")
-    taskset: str = opt(doc="verifiers taskset id or importable module, e.g. orchestrator.envs.arithmetic")
+    taskset: str = opt(doc="verifiers taskset id: an installed package exporting a Taskset (orchestrator-arithmetic "
+                       "is module orchestrator_arithmetic) or one of verifiers' own (textarena)")
     args: dict[str, Any] = opt({}, doc="arguments of the taskset")
     group_size: int = opt(8, ge=1, doc="rollouts per task (one group)")
     weight: float = opt(1.0, gt=0, doc="mixing weight among environments")
@@ -217,6 +218,12 @@ class EnvConfig:
     max_concurrent: int | None = opt(None, ge=1, doc="rollouts of this env running at once")
     group_scoring: bool = opt(False, doc="the env scores whole groups: any failure drops the group")
     sampling: SamplingConfig = opt(SamplingConfig(), doc="sampling parameters")
+    verifiers: dict[str, Any] = opt({}, doc="verifiers' [env] table without taskset, passed through: each seat "
+                                    "(agent, player...) with harness, runtime (unset: subprocess), max_turns, token "
+                                    "limits, timeout, retries; the env's timeout, retries... (checked by verifiers "
+                                    "in `orchestrator check` and the env workers)")
+    select: dict[str, Any] = opt({}, doc="which tasks, as verifiers' SelectConfig: limit, skip, include, exclude... "
+                                 "(an endless taskset needs limit)")
 
     @property
     def label(self) -> str:

@@ -128,9 +128,14 @@ WorkerMessage = Hello | Ready | Records | Heartbeat | Fatal
 
 
 class EnvSpec(msgspec.Struct):
+    """One ``[[env]]`` table as a worker loads it (see envconfig.py for ``verifiers`` and ``select``)."""
+
     name: str
     taskset: str
     args: dict[str, Any] = {}
+    verifiers: dict[str, Any] = {}
+    select: dict[str, Any] = {}
+    key: str = "env"  # its key path in the job config (env[1]), so load errors name it
 
 
 class Setup(msgspec.Struct, tag="setup", tag_field="type"):
