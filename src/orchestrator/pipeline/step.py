@@ -81,7 +81,8 @@ class StepBuilder:
                 rows.append({"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": h.rid,
                              "reward": rec.reward, "advantage": a, "ok": True, "filters": list(verdict.matched),
                              "filtered": verdict.filtered, "failure": None, "error": None, "tokens": h.tokens,
-                             "samples": len(h.samples), "policy": g.policy, "off_policy": step - g.policy,
+                             "samples": len(h.samples), "turns": h.turns, "policy": g.policy,
+                             "off_policy": step - g.policy,
                              "metrics": h.metrics, "stop": h.stop, "wall_s": h.wall_s, "worker": h.worker})
         return rows, trained
 

@@ -131,7 +131,7 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float) -> tuple[Rollo
                            policy_step=base.policy_step, worker=base.worker, server=base.server, ok=True,
                            reward=reward, metrics=metrics, stop=stop, samples=shapes,
                            routed_dtype="uint16" if routed is not None and routed.dtype == np.uint16 else "uint8",
-                           tokens=sum(s[0] for s in shapes), wall_s=wall_s)
+                           tokens=sum(s[0] for s in shapes), turns=trace.num_turns, wall_s=wall_s)
     return header, frames
 
 

@@ -68,6 +68,7 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     samples: list[tuple[Count, Count, Count]] = []  # per sample: tokens, layers, top_k
     routed_dtype: Literal["uint8", "uint16"] = "uint8"  # of the routed-experts frame
     tokens: Count = 0
+    turns: Count = 0  # model turns (verifiers' trace.num_turns)
     wall_s: float = 0.0
     frames: Count = 0  # column frames that follow this header in its message: 0 or 4
 
