@@ -12,7 +12,9 @@ Rules, with every bound from the config:
   in-flight + buffered + the group stays within ``max_buffered_rollouts``: a full buffer pauses generation.
 - A group completes when every rollout has come back (success or failure) or ``group_timeout_s`` passed
   (missing rollouts fail with ``group_timeout``). Survivors train; an all-failed group, or a
-  ``group_scoring`` group with any failure, is dropped and counted. Each failure is logged once.
+  ``group_scoring`` group with any failure, is dropped and counted. Each failure is logged once. Dropped
+  groups wait in ``dropped`` until the next step takes them (``take_dropped``) to write their rows; at most
+  ``max_buffered_rollouts`` rollouts' worth wait (the oldest beyond go unwritten, counted).
 - Off-policy (``policy`` = the weight version servers had when the group was assigned, the oldest policy
   that sampled any of its tokens): a step ``s`` takes only groups with ``policy >= s - max_async_level``;
   older finished groups are discarded as stale. When the policy becomes ``p``, in-flight groups with
@@ -110,6 +112,7 @@ class Scheduler:
         self.inflight: dict[str, Group] = {}
         self.by_rid: dict[str, Group] = {}
         self.done: deque[Group] = deque()
+        self.dropped: deque[Group] = deque()  # dropped groups whose rows the next step writes (bounded, see above)
         self.buffered = 0  # rollouts in finished groups not yet taken by a step
         self._wake = asyncio.Event()
         self._group_done = asyncio.Event()
@@ -218,11 +221,26 @@ class Scheduler:
             self.counts["dropped_groups"] += 1
             log.warning("group %s (%s) dropped: %d of %d rollouts failed", group.gid, group.env,
                         group.size - len(survivors), group.size)
+            self._keep_dropped(group)
         else:
             self.done.append(group)
             self.buffered += len(survivors)
             self._group_done.set()
         self._wake.set()
+
+    def _keep_dropped(self, group: Group) -> None:
+        self.dropped.append(group)
+        kept = sum(len(g.records) for g in self.dropped)
+        while kept > self.s.max_buffered_rollouts:  # no step for a long time (every group fails): keep the newest
+            oldest = self.dropped.popleft()
+            kept -= len(oldest.records)
+            self.counts["dropped_rows_unwritten"] += len(oldest.records)
+
+    def take_dropped(self) -> list[Group]:
+        """The groups dropped since the last call (their rows go to rollouts.jsonl, marked dropped)."""
+        out = list(self.dropped)
+        self.dropped.clear()
+        return out
 
     async def _expire(self) -> None:
         now = time.monotonic()

@@ -34,9 +34,13 @@ def step_metrics(
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The metrics row of one step, aggregated over its rollout rows (each has env, reward, ok, filtered,
-    tokens and off_policy keys)."""
-    df = pd.DataFrame.from_records(list(rows), columns=["env", "reward", "ok", "filtered", "tokens", "off_policy"])
-    ok = df[df["ok"].astype(bool)] if len(df) else df
+    tokens and off_policy keys, and ``dropped`` for rows of dropped groups). ``rollouts`` and ``failed`` count
+    every row; rewards, ``filtered``, ``off_policy`` and ``tokens`` only the groups the step took."""
+    df = pd.DataFrame.from_records(list(rows), columns=["env", "reward", "ok", "filtered", "tokens", "off_policy",
+                                                        "dropped"])
+    dropped = df["dropped"].astype("boolean").fillna(False).astype(bool)
+    kept = df[~dropped]
+    ok = kept[kept["ok"].astype(bool)] if len(kept) else kept
     trained = ok[~ok["filtered"].astype(bool)] if len(ok) else ok
     per_env = ok.groupby("env")["reward"].agg(["mean", "count"]) if len(ok) else pd.DataFrame()
     out: dict[str, Any] = {
@@ -48,6 +52,7 @@ def step_metrics(
         "trained": len(trained),
         "filtered": int(ok["filtered"].astype(bool).sum()) if len(ok) else 0,
         "failed": int((~df["ok"].astype(bool)).sum()) if len(df) else 0,
+        "dropped": int(dropped.sum()),
         "reward_mean": {str(env): round(float(r["mean"]), 6) for env, r in per_env.iterrows()},
         "rollouts_per_env": {str(env): int(r["count"]) for env, r in per_env.iterrows()},
         "off_policy": {str(int(k)): int(v) for k, v in ok["off_policy"].value_counts().sort_index().items()}
@@ -67,7 +72,8 @@ def format_step_line(m: Mapping[str, Any]) -> str:
     rewards = " ".join(f"{env}={r:.3f}" for env, r in m["reward_mean"].items())
     lag = m["lag"]
     shm = f" | shm={m['shm_live_mb']:.1f}MB in {m['shm_spans']} spans" if "shm_live_mb" in m else ""
-    return (f"step {m['step']}: {m['rollouts']} rollouts ({m['failed']} failed, {m['filtered']} filtered), "
+    dropped = f", {m['dropped']} in dropped groups" if m.get("dropped") else ""
+    return (f"step {m['step']}: {m['rollouts']} rollouts ({m['failed']} failed, {m['filtered']} filtered{dropped}), "
             f"{m['tokens']} tokens, {m['rollouts_per_s']:.1f} rollouts/s | reward {rewards} | {phases} | "
             f"lag p99={lag['p99']:.1f}ms max={lag['max']:.1f}ms | rss={m['rss_mb']:.0f}MB{shm}")
 
