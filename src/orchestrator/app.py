@@ -34,6 +34,8 @@ from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
 from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_step_line, step_metrics
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduler import Scheduler
+from orchestrator.sinks import Sinks, open_sinks
+from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import OrchestratorState, load_state, save_state
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
@@ -59,7 +61,7 @@ class RunSummary:
 
 class Orchestrator:
     def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: Sender,
-                 state: OrchestratorState) -> None:
+                 state: OrchestratorState, sinks: Sinks) -> None:
         self.cfg = cfg
         self.pool = pool
         self.hub = hub
@@ -69,7 +71,9 @@ class Orchestrator:
         m = cfg.monitor
         self.lag = LagMonitor(m.lag_interval_s, m.lag_window, m.lag_warn_ms, m.lag_error_ms)
         self.outputs = StepOutputs(self.out)
+        self.sinks = sinks  # step metrics (and, later, eval metrics under a prefix) go through these
         tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+        self.samples = SampleTable(tokenizer)
         vocab = vocab_size(tokenizer)
         if vocab is None:
             log.warning("cannot read the vocabulary size of %s; the gibberish filter assumes 2^17 tokens", tokenizer)
@@ -93,6 +97,8 @@ class Orchestrator:
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
         env_vars = {"HOME": os.environ.get("HOME", str(out))}
         async with contextlib.AsyncExitStack() as stack:
+            sinks = await asyncio.to_thread(open_sinks, cfg, out, resume=resume)  # W&B starts its service here
+            stack.push_async_callback(asyncio.to_thread, sinks.close)
             pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
             if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
                 reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
@@ -104,7 +110,7 @@ class Orchestrator:
                 worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
                 cfg.security.server_keys(worker_address)))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
-            orch = cls(cfg, pool, hub, sender, state)
+            orch = cls(cfg, pool, hub, sender, state, sinks)
             try:
                 yield orch
             finally:
@@ -208,17 +214,19 @@ class Orchestrator:
         if (shm := getattr(self.sender, "pool", None)) is not None:  # kind = shm: live MB and spans of the pool
             extra.update(shm.metrics())
         rows = result.rows
+        samples = (await self._off_loop(self.samples.rows, rows, groups, self.sinks.samples)
+                   if self.sinks.samples_due(step) else [])
         del groups, result  # the batch's column memory goes now, before the collection below
-        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra)
+        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra, samples)
         log.info("%s", format_step_line(metrics))
         self.summary.steps += 1
         self.summary.metrics.append(metrics)
         self.on_step(metrics)
 
     def _finish_step(self, step: int, rows: list[dict[str, Any]], phase: dict[str, float], lag: LagStats,
-                     t0: float, extra: dict[str, Any]) -> dict[str, Any]:
+                     t0: float, extra: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
         """Blocking (a worker thread): collect garbage, return memory to the OS, then the step's metrics
-        (pandas), both JSONL files and the state file."""
+        (pandas), rollouts.jsonl, the metrics sinks (metrics.jsonl, W&B) and the state file."""
         t = time.perf_counter()
         gc.collect()
         malloc_trim()
@@ -226,7 +234,10 @@ class Orchestrator:
         metrics = step_metrics(step, rows, phase_s=phase, lag=lag, rss_mb=rss_mb(),
                                wall_s=time.perf_counter() - t0, extra=extra)
         t = time.perf_counter()
-        self.outputs.write(rows, metrics)
+        self.outputs.write_rows(rows)
+        self.sinks.log(metrics, step=step)
+        if samples:
+            self.sinks.log_samples(samples, step=step)
         save_state(self.out, self.state)
         metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
         return metrics
@@ -269,13 +280,14 @@ def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorSta
     """The absolute output directory and the state to start from (a fresh run clears old outputs)."""
     out = Path(cfg.run.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    outputs = [out / "rollouts.jsonl", *sorted(out.glob("metrics*.jsonl"))]  # metrics-<prefix>.jsonl too
     if resume:
         state = load_state(out, cfg.run.name)
-        for name in ("rollouts.jsonl", "metrics.jsonl"):  # rows of the steps generated again go
-            drop_steps_from(out / name, state.acked_step + 1)
+        for path in outputs:  # rows of the steps generated again go
+            drop_steps_from(path, state.acked_step + 1)
         return out, state
-    for name in ("rollouts.jsonl", "metrics.jsonl"):
-        (out / name).unlink(missing_ok=True)
+    for path in outputs:
+        path.unlink(missing_ok=True)
     return out, OrchestratorState(cfg.run.name)
 
 

@@ -2,7 +2,8 @@
 
 A rollout row is a flat dict (env, task, group, reward, advantage, filters, filtered, error, lengths,
 timing...; never big arrays). ``step_metrics`` aggregates a step's rows with pandas into the metrics row;
-``StepOutputs.write`` appends both files with one write each. Both run in a worker thread, never on the
+``StepOutputs`` appends rows (and, for scripts, metrics) with one write per file; the orchestrator sends
+metrics through its sinks (orchestrator.sinks: metrics.jsonl, W&B). Both run in a worker thread, never on the
 event loop; orjson serialises (numpy scalars included).
 """
 
@@ -17,6 +18,7 @@ import orjson
 import pandas as pd
 
 from orchestrator.lagmon import LagStats
+from orchestrator.sinks.jsonl import JsonlSink
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +81,25 @@ def format_step_line(m: Mapping[str, Any]) -> str:
 
 
 class StepOutputs:
-    """Appends rows to ``rollouts.jsonl`` and ``metrics.jsonl`` in ``output_dir`` (created if missing)."""
+    """Appends rows to ``rollouts.jsonl`` in ``output_dir`` (created if missing); ``write`` also appends the
+    step's metrics to ``metrics.jsonl`` (the orchestrator sends metrics through its sinks instead)."""
 
     def __init__(self, output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.rollouts_path = output_dir / "rollouts.jsonl"
-        self.metrics_path = output_dir / "metrics.jsonl"
+        self.metrics = JsonlSink(output_dir)
+        self.metrics_path = self.metrics.path()
 
-    def write(self, rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any]) -> None:
-        """Blocking: call from a worker thread. One write per file per step."""
+    def write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Blocking: call from a worker thread. One write per step."""
         data = b"".join(orjson.dumps(r, option=_OPTS) for r in rows)
         with self.rollouts_path.open("ab") as f:
             f.write(data)
-        with self.metrics_path.open("ab") as f:
-            f.write(orjson.dumps(metrics, option=_OPTS))
 
+    def write(self, rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any]) -> None:
+        """Blocking: call from a worker thread. One write per file per step."""
+        self.write_rows(rows)
+        self.metrics.log(metrics, step=int(metrics["step"]))
 
 
 def drop_steps_from(path: Path, first: int, chunk: int = 1 << 16) -> int:
