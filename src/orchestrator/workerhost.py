@@ -14,7 +14,7 @@ local, once, while PyPI can be reached:
    ``textarena`` (when it is installed): not NLTK's lists (those are only downloadable), the same format.
 4. ``DIR/env.json`` and ``DIR/env.sh``: the variables an env worker needs (``worker_env(DIR)`` returns them).
 
-``orchestrator prepare-worker-host DIR`` runs it; README "Bring your own environment" says when.
+``orchestrator prepare-worker-host DIR`` runs it; docs/bring-your-own-env.md says when.
 """
 
 from __future__ import annotations
