@@ -46,8 +46,7 @@ SECRET_KEY = PUBLIC_KEY + '    secret-key = "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!N
 SECURITY = '\n[security]\nserver_key = "{dir}/keys/orchestrator.key_secret"\nauthorized_keys = "{dir}/authorized"\n'
 KEY_FILES = {"keys/orchestrator.key_secret": SECRET_KEY, "authorized/trainer.key": PUBLIC_KEY}
 WORKERS_ON_ALL_INTERFACES = BASE.replace("batch_size = 8", 'batch_size = 8\nworker_address = "tcp://0.0.0.0:5600"')
-PRIME_RL = ('\n[transport]\nkind = "prime-rl"\naddress = "tcp://10.1.2.3:5555"\ncheckpoint_source = "marker"\n'
-            'marker_dir = "m"\n')
+PRIME_RL = '\n[transport]\nkind = "prime-rl"\naddress = "tcp://10.1.2.3:5555"\ntrainer_dir = "trainer"\n'
 
 
 @dataclass(frozen=True)

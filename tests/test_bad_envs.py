@@ -259,7 +259,8 @@ workers = 0
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env={**os.environ, "HOME": str(tmp_path / "home")})
         try:
-            _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+            # a bound only: loading takes 6 s on a quiet machine, far more with its cores busy
+            _, stderr = await asyncio.wait_for(proc.communicate(), 180)
         finally:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.errors import WireError
-from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver, decode, encode, encode_primerl
+from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver, decode, encode, encode_step
 from orchestrator.transport.zmq_link import ckpt_address
 
 LINK_LOGGER = "orchestrator.transport.zmq_link"
@@ -92,8 +92,8 @@ BAD = [
     Bad("another-programs-msgpack", lambda: [msgpack.packb({"jsonrpc": "2.0", "method": "ping", "id": 1})],
         "WireError", "format version None, this receiver reads 1"),
     Bad("header-is-an-array", lambda: [msgpack.packb([1, "run", 1])], "WireError", "header is a list, not a map"),
-    Bad("prime-rl-layout", lambda: [bytes(f) for f in encode_primerl(batch(1), b"run")], "WireError",
-        "header is not msgpack"),
+    Bad("prime-rl-message", lambda: [b"data_rank|0|", bytes(encode_step(batch(1), seq_len=64, ranks=1).messages[0])],
+        "WireError", "header is not msgpack"),
     Bad("newer-format-version", lambda: with_header(1, v=2), "WireError", "format version 2, this receiver reads 1"),
     Bad("header-misses-a-field", lambda: with_header(1, n=None), "WireError", "header misses or mangles a field"),
     Bad("replayed-step", lambda: frames_of(0), "DuplicateStep", "step 0 is duplicate: the last step received was 0"),

@@ -145,8 +145,23 @@ BAD = [
      "env[1].name: 'orchestrator-arithmetic' is already used"),
     ("not a URL", GOOD.replace("http://127.0.0.1:8000/v1", "127.0.0.1:8000"),
      "inference.servers[0]: expected an http:// or https:// URL"),
-    ("prime-rl without a tcp address", GOOD + '\n[transport]\nkind = "prime-rl"\ncheckpoint_source = "marker"\n'
-     'marker_dir = "m"\n', "transport.address: kind = 'prime-rl' needs the trainer's tcp://HOST:PORT"),
+    ("prime-rl without a tcp address", GOOD + '\n[transport]\nkind = "prime-rl"\ntrainer_dir = "t"\n',
+     "transport.address: kind = 'prime-rl' binds prime-rl's publisher at tcp://HOST:PORT (READY at PORT + 1)"),
+    ("prime-rl without its trainer's directory",
+     GOOD + '\n[transport]\nkind = "prime-rl"\naddress = "tcp://127.0.0.1:5555"\n',
+     "transport.trainer_dir: required when kind = 'prime-rl'"),
+    ("prime-rl with markers", GOOD + '\n[transport]\nkind = "prime-rl"\naddress = "tcp://127.0.0.1:5555"\n'
+     'trainer_dir = "t"\ncheckpoint_source = "marker"\n',
+     "transport.checkpoint_source: kind = 'prime-rl' reads checkpoints from transport.trainer_dir/broadcasts"),
+    ("prime-rl files with an address", GOOD + '\n[transport]\nkind = "prime-rl"\nprime_rl_layout = "filesystem"\n'
+     'address = "tcp://127.0.0.1:5555"\ntrainer_dir = "t"\n', "transport.address: unused with prime_rl_layout"),
+    ("prime-rl port without a next one",
+     GOOD + '\n[transport]\nkind = "prime-rl"\naddress = "tcp://127.0.0.1:65535"\ntrainer_dir = "t"\n',
+     "transport.address: kind = 'prime-rl' binds"),
+    ("prime-rl env named all", GOOD.replace("group_size = 4", 'group_size = 4\nname = "all"') + '\n[transport]\n'
+     'kind = "prime-rl"\naddress = "tcp://127.0.0.1:5555"\ntrainer_dir = "t"\n', "env[0].name: 'all' is reserved"),
+    ("trainer_dir without prime-rl", GOOD + '\n[transport]\ntrainer_dir = "t"\n',
+     "transport.trainer_dir: applies only to kind = 'prime-rl' (kind = 'zmq')"),
     ("filesystem without markers", GOOD + '\n[transport]\nkind = "filesystem"\ndirectory = "b"\n',
      "transport.checkpoint_source: must be 'marker' when kind = 'filesystem'"),
     ("marker without dir", GOOD + '\n[transport]\ncheckpoint_source = "marker"\n',
@@ -216,8 +231,7 @@ def test_loopback_and_ipc_need_no_keys(address: str, tmp_path: Path) -> None:
 
 
 def test_prime_rl_on_another_host_needs_the_opt_in(tmp_path: Path) -> None:
-    text = GOOD + ('\n[transport]\nkind = "prime-rl"\naddress = "tcp://10.1.2.3:5555"\ncheckpoint_source = "marker"\n'
-                   'marker_dir = "m"\n')
+    text = GOOD + '\n[transport]\nkind = "prime-rl"\naddress = "tcp://10.1.2.3:5555"\ntrainer_dir = "t"\n'
     with pytest.raises(ConfigError, match="prime-rl's trainer has no CURVE support"):
         load_config(write(tmp_path, text))
     cfg = load_config(write(tmp_path, text + "\n[security]\nallow_unauthenticated_trainer = true\n"))

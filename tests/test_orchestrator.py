@@ -9,8 +9,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-import zmq
-import zmq.asyncio
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig, load_config
@@ -21,7 +19,6 @@ from orchestrator.state import load_state
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.checkpoints import write_marker
 from orchestrator.transport.filesystem import FileBatchReceiver
-from orchestrator.transport.primerl import PrimeRLBatch, decode_primerl
 from orchestrator.transport.trainer import ReferenceTrainer
 
 pytestmark = pytest.mark.slow
@@ -228,43 +225,3 @@ marker_dir = "{markers}"
         with pytest.raises(TransportError, match=r"steps \[7\] from an earlier run"):
             async with Orchestrator.open(cfg):
                 pass
-
-
-async def test_prime_rl_transport_feeds_a_bound_pull_socket(tmp_path: Path) -> None:
-    """A prime-rl trainer binds PULL and reads [run name, TrainingBatch]; checkpoints come as markers."""
-    markers = tmp_path / "markers"
-    ctx = zmq.asyncio.Context()
-    pull = ctx.socket(zmq.PULL)
-    try:
-        pull.bind("tcp://127.0.0.1:*")
-        address = pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        async with sim_servers(1, layers=2, top_k=2, profile="prime-rl") as servers:
-            cfg = job(tmp_path, [servers[0].url], backend="prime-rl", extra=f"""
-[transport]
-kind = "prime-rl"
-address = "{address}"
-checkpoint_source = "marker"
-marker_dir = "{markers}"
-""")
-            got: list[PrimeRLBatch] = []
-
-            async def trainer() -> None:
-                while len(got) < cfg.run.max_steps:
-                    sender_id, payload = await pull.recv_multipart()
-                    assert sender_id == b"t"
-                    got.append(decode_primerl([sender_id, payload]))
-                    weights = tmp_path / "ckpt" / str(got[-1].step + 1)
-                    weights.mkdir(parents=True)
-                    await asyncio.to_thread(write_marker, markers, got[-1].step + 1, str(weights))
-
-            async with Orchestrator.open(cfg) as orch, asyncio.timeout(150), asyncio.TaskGroup() as tg:
-                tg.create_task(trainer())
-                await orch.run()
-            assert servers[0].loads >= 1
-    finally:
-        pull.close()
-        ctx.term()
-    assert [b.step for b in got] == [0, 1, 2]
-    batch = got[1].to_batch()
-    assert batch.num_samples > 0
-    assert batch.columns["routed_experts"].shape[1:] == (2, 2)

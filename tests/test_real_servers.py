@@ -183,7 +183,7 @@ async def test_check_servers_exits_1_naming_the_fix(tmp_path: Path) -> None:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "orchestrator", "--log-level", "ERROR", "check", str(job), "--servers",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        out, err = await asyncio.wait_for(proc.communicate(), 180)
     assert proc.returncode == 1, (out, err)
     assert b"VLLM_SERVER_DEV_MODE=1" in err
     assert server.url.encode() in err

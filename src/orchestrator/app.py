@@ -16,11 +16,11 @@ import gc
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
@@ -40,7 +40,7 @@ from orchestrator.state import OrchestratorState, load_state, save_state
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
 from orchestrator.transport.primerl import PrimeRLSender
-from orchestrator.transport.wire import Batch
+from orchestrator.transport.sender import Sender
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.process import Worker
@@ -60,7 +60,7 @@ class RunSummary:
 
 
 class Orchestrator:
-    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: Sender,
+    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: Sender[Any],
                  state: OrchestratorState, sinks: Sinks) -> None:
         self.cfg = cfg
         self.pool = pool
@@ -211,8 +211,7 @@ class Orchestrator:
                  "orch_cpu_ms_per_rollout": round((time.process_time() - cpu0) * 1e3 / max(len(result.rows), 1), 3),
                  "filters": result.filter_counts, "scheduler": counts, "pool": dict(self.pool.metrics),
                  "hub": dict(self.hub.metrics)}
-        if (shm := getattr(self.sender, "pool", None)) is not None:  # kind = shm: live MB and spans of the pool
-            extra.update(shm.metrics())
+        extra.update(self.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
         rows = result.rows
         samples = (await self._off_loop(self.samples.rows, rows, groups, self.sinks.samples)
                    if self.sinks.samples_due(step) else [])
@@ -243,31 +242,21 @@ class Orchestrator:
         return metrics
 
 
-class Sender(Protocol):
-    """What the orchestrator uses of a batch sender (``BatchSender``, ``FileBatchSender``, ``PrimeRLSender``)."""
-
-    @property
-    def address(self) -> str: ...
-    @property
-    def unacked(self) -> Mapping[int, Any]: ...  # sent, not yet acknowledged
-    @property
-    def acked(self) -> int: ...  # the last step acknowledged, -1 for none
-    async def send(self, batch: Batch) -> bool: ...  # False: skipped, the trainer already has it
-    async def wait_acked(self) -> None: ...
-    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]: ...
-
-
-def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender]:
-    """The batch sender ``[transport] kind`` names: ZMQ (default), files in a shared directory, or prime-rl.
-    A ZMQ sender on tcp:// with ``[security]`` keys accepts only the authorized trainers."""
+def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
+    """The batch sender ``[transport] kind`` names: ZMQ (default; shm: columns through shared memory), files in
+    a shared directory, or prime-rl's own trainer. A ZMQ sender on tcp:// with ``[security]`` keys accepts only
+    the authorized trainers; prime-rl's link cannot authenticate (config.py refuses a non-loopback address
+    unless ``security.allow_unauthenticated_trainer``)."""
     t = cfg.transport
     if t.kind == "prime-rl":
-        assert t.address is not None  # config cross-check
-        if cfg.security.allow_unauthenticated_trainer:
+        assert t.trainer_dir is not None  # config cross-check
+        if cfg.security.allow_unauthenticated_trainer and t.prime_rl_layout == "zmq":
             log.warning("batches go to the prime-rl trainer at %s unauthenticated and unencrypted "
                         "(security.allow_unauthenticated_trainer)", t.address)
-        temperature = {e.label: e.sampling.temperature for e in cfg.env}
-        return PrimeRLSender.open(t.address, cfg.run.name.encode(), t.send_hwm, temperature=temperature)
+        return PrimeRLSender.open(
+            t.trainer_dir, data_ranks=t.data_ranks, seq_len=t.seq_len, pad_to_multiple_of=t.pad_to_multiple_of,
+            layout=t.prime_rl_layout, address=t.address, window=t.send_hwm, resume=resume,
+            temperature={e.label: e.sampling.temperature for e in cfg.env})
     if t.kind == "filesystem":
         assert t.directory is not None  # config cross-check
         return FileBatchSender.open(t.directory, t.send_hwm, resume=resume)

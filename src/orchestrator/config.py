@@ -117,13 +117,23 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class TransportConfig:
     kind: Literal["zmq", "shm", "filesystem", "prime-rl"] = opt(
-        "zmq", doc="how batches reach the trainer; prime-rl: its TrainingBatch to a prime-rl trainer at address")
-    address: str | None = opt(None, doc="ZMQ address to bind; unset means ipc:// in output_dir")
-    send_hwm: int = opt(2, ge=1, doc="batches queued in ZMQ before sends wait (back-pressure)")
+        "zmq", doc="how batches reach the trainer; prime-rl: per-rank micro-batches to prime-rl's own trainer")
+    address: str | None = opt(None, doc="ZMQ address to bind; unset means ipc:// in output_dir (kind = prime-rl: "
+                              "tcp://HOST:PORT, READY on PORT + 1)")
+    send_hwm: int = opt(2, ge=1, doc="steps sent and not yet acknowledged before sends wait (back-pressure); "
+                        "kind = prime-rl: steps ahead of the trainer's newest weights + 1 (2 is prime-rl's rule)")
     checkpoint_source: Literal["zmq", "marker"] = opt("zmq", doc="how the trainer announces checkpoints")
     marker_dir: str | None = opt(None, doc="checkpoint marker files' directory (checkpoint_source = marker)")
     directory: str | None = opt(None, doc="batch directory (kind = filesystem)")
     shm_pool_mb: int = opt(4096, ge=1, doc="shared-memory pool size (kind = shm); a bigger step goes as frames")
+    trainer_dir: str | None = opt(None, doc="kind = prime-rl: the trainer's output_dir; weights are read from its "
+                                  "broadcasts/step_N/STABLE (prime_rl_layout = filesystem: batches go to rollouts/)")
+    prime_rl_layout: Literal["zmq", "filesystem"] = opt(
+        "zmq", doc="kind = prime-rl: its rollout_transport.type: zmq (PUB on address) or filesystem (files)")
+    data_ranks: int = opt(1, ge=1, doc="kind = prime-rl: the trainer's data-parallel ranks (its num_train_workers)")
+    seq_len: int = opt(2048, ge=1, doc="kind = prime-rl: micro-batch length; longer samples are truncated to it")
+    pad_to_multiple_of: int = opt(1, ge=1, doc="kind = prime-rl: micro-batches are padded to a multiple of this "
+                                  "(the trainer's context parallelism)")
 
 
 @dataclass(frozen=True)
@@ -587,12 +597,10 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                "checkpoint_source = 'marker'")
     if t.kind == "filesystem" and t.directory is None:
         yield f"{source('transport.directory')}: transport.directory: required when kind = 'filesystem'"
-    if t.kind == "prime-rl" and not (t.address or "").startswith("tcp://"):
-        yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' needs the trainer's "
-               f"tcp://HOST:PORT (its receiver binds; we connect), got {t.address!r}")
-    if t.kind in ("filesystem", "prime-rl") and t.checkpoint_source != "marker":
+    if t.kind == "filesystem" and t.checkpoint_source != "marker":
         yield (f"{source('transport.checkpoint_source')}: transport.checkpoint_source: must be 'marker' when "
-               f"kind = {t.kind!r} (there is no message channel back from the trainer)")
+               "kind = 'filesystem' (there is no message channel back from the trainer)")
+    yield from _prime_rl_checks(cfg, source)
     if t.kind == "shm" and t.address is not None and not t.address.startswith("ipc://"):
         yield (f"{source('transport.address')}: transport.address: kind = 'shm' is same-node only and needs an "
                f"ipc://PATH address (or none: ipc:// in output_dir), got {t.address!r}; use kind = 'zmq' for tcp")
@@ -614,6 +622,38 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
     if m.lag_error_ms < m.lag_warn_ms:
         yield (f"{source('monitor.lag_error_ms')}: monitor.lag_error_ms: must be >= monitor.lag_warn_ms "
                f"({m.lag_error_ms} < {m.lag_warn_ms})")
+
+
+def _prime_rl_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
+    """kind = 'prime-rl': where the trainer is, and nothing set that it would not use."""
+    t = cfg.transport
+    if t.kind != "prime-rl":
+        if t.trainer_dir is not None:
+            yield (f"{source('transport.trainer_dir')}: transport.trainer_dir: applies only to kind = 'prime-rl' "
+                   f"(kind = {t.kind!r}); remove it")
+        return
+    if t.trainer_dir is None:
+        yield (f"{source('transport.trainer_dir')}: transport.trainer_dir: required when kind = 'prime-rl' (the "
+               "trainer's output_dir, where it writes broadcasts/step_N)")
+    if t.prime_rl_layout == "zmq":
+        host, _, port = (t.address or "").removeprefix("tcp://").rpartition(":")
+        if not (t.address or "").startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65535:
+            yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' binds prime-rl's publisher "
+                   f"at tcp://HOST:PORT (READY at PORT + 1), e.g. 'tcp://0.0.0.0:5555', got {t.address!r}")
+    elif t.address is not None:
+        yield (f"{source('transport.address')}: transport.address: unused with prime_rl_layout = 'filesystem' (the "
+               "batches go to transport.trainer_dir/rollouts); remove it")
+    for key in ("marker_dir", "directory"):
+        if getattr(t, key) is not None:
+            yield (f"{source(f'transport.{key}')}: transport.{key}: unused with kind = 'prime-rl' (its weights come "
+                   "from transport.trainer_dir/broadcasts); remove it")
+    if t.checkpoint_source == "marker":
+        yield (f"{source('transport.checkpoint_source')}: transport.checkpoint_source: kind = 'prime-rl' reads "
+               "checkpoints from transport.trainer_dir/broadcasts/step_N/STABLE; remove it")
+    for i, env in enumerate(cfg.env):
+        if env.label == "all":
+            yield (f"{source(f'env[{i}].name')}: env[{i}].name: 'all' is reserved by prime-rl's trainer (its metrics "
+                   "aggregate); name the environment otherwise")
 
 
 def _security_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
@@ -644,11 +684,12 @@ def _security_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                    "security.authorized_keys = the directory of the clients' public .key files (README: "
                    "Security); or bind 127.0.0.1")
     trainer, opted_in = t.address or "", sec.allow_unauthenticated_trainer
-    if t.kind == "prime-rl" and trainer.startswith("tcp://") and not is_loopback(trainer) and not opted_in:
-        yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' sends batches to "
+    binds_trainer = t.kind == "prime-rl" and t.prime_rl_layout == "zmq" and trainer.startswith("tcp://")
+    if binds_trainer and not is_loopback(trainer) and not opted_in:
+        yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' publishes batches at "
                f"{trainer} unauthenticated and unencrypted (prime-rl's trainer has no CURVE support), so anyone on "
-               "that network can read them or take them in the trainer's place. Use a loopback address (e.g. "
-               "through an SSH tunnel), or set security.allow_unauthenticated_trainer = true if the network "
+               "that network can subscribe to them or send READY in a trainer's place. Use a loopback address "
+               "(e.g. through an SSH tunnel), or set security.allow_unauthenticated_trainer = true if the network "
                "between the two hosts is trusted")
     if sec.allow_unauthenticated_trainer and t.kind != "prime-rl":
         yield (f"{source('security.allow_unauthenticated_trainer')}: security.allow_unauthenticated_trainer: "

@@ -49,7 +49,8 @@ import zmq.asyncio
 from orchestrator import ipc
 from orchestrator.errors import DuplicateStep, TransportError, WireError
 from orchestrator.security import ClientKeys, RefusalWatch, ServerKeys, curve_server, secure_client
-from orchestrator.transport.checkpoints import Checkpoint, marker_announcements
+from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, marker_announcements
+from orchestrator.transport.sender import Sender
 from orchestrator.transport.shm import PoolNotMapped, ShmAttachment, ShmPool, pool_socket_path, serve_pool
 from orchestrator.transport.wire import Batch, decode, encode
 
@@ -82,24 +83,19 @@ async def push_polling(sock: zmq.asyncio.Socket, frames: Sequence[Any], what: st
                 log.warning("no trainer takes %s at %s (%.0f s so far); waiting", what, address, last - t0)
 
 
-class BatchSender:
+class BatchSender(Sender[list[Any]]):
+    """Orchestrator side of the ZMQ link (see the module docstring); ``unacked`` keeps each step's frames."""
+
+    kind = "zmq"
+
     def __init__(self, push: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str, window: int,
                  warn_s: float, require_report: bool) -> None:
+        super().__init__(address, window, warn_s)
         self.push, self.pull = push, pull
-        self.address = address
-        self.window = window
-        self.warn_s = warn_s
-        self.next_step: int | None = None
-        self.bytes_sent = 0
-        self.trainer_has: int | None = None  # the last step the trainer reported holding
         self.require_report = require_report
-        self.unacked: dict[int, list[Any]] = {}  # step -> frames, in send order, at most ``window``
-        self.skipped: list[int] = []  # steps not sent because the trainer already had them
         self.on_ack: Callable[[int], None] = lambda _step: None  # e.g. release a step's shared memory
         self.pool: ShmPool | None = None  # set by open(shm_bytes=...): columns go through shared memory
-        self._changed = asyncio.Event()  # set on every trainer report
-        self._sending = asyncio.Lock()  # concurrent sends go one at a time, in call order
-        self._checkpoints: asyncio.Queue[Checkpoint] = asyncio.Queue()
+        self._checkpoints = CheckpointFeed()
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -116,7 +112,7 @@ class BatchSender:
             sender = await stack.enter_async_context(cls._open(address, hwm, warn_s, require_report, server_keys))
             if pool is not None:  # served once the batch address is ours; closed before the pool is
                 await stack.enter_async_context(serve_pool(pool, pool_socket_path(sender.address)))
-                sender.pool, sender.on_ack = pool, pool.release_through
+                sender.pool, sender.on_ack, sender.kind = pool, pool.release_through, "shm"
             yield sender
 
     @classmethod
@@ -164,29 +160,17 @@ class BatchSender:
                 ipc.remove(endpoint)
 
     @property
-    def acked(self) -> int:
-        """The last step the trainer acknowledged (-1 for none)."""
-        return -1 if self.trainer_has is None else self.trainer_has
+    def trainer_has(self) -> int | None:
+        """The last step the trainer reported holding (None: no report yet)."""
+        return self.window.peer_has
 
-    async def send(self, batch: Batch) -> bool:
-        """Send one step, or skip it (False) when the trainer already has it; waits, never drops, while
-        ``hwm`` steps are unacknowledged or (``require_report``) the trainer has not reported yet, and (shared
-        memory) while the pool has no room for the step's columns."""
-        async with self._sending:
-            return await self._send(batch)
+    async def _before_send(self, step: int) -> None:
+        if self.require_report:  # after a restart: learn what the trainer has before sending anything
+            await self._wait(lambda: self.window.peer_has is not None, step, "has not reported its last step")
 
-    async def _send(self, batch: Batch) -> bool:
-        if self.next_step is not None and batch.step != self.next_step:
-            raise DuplicateStep(f"refusing to send step {batch.step}: the next step is {self.next_step}")
-        if self.require_report:
-            await self._wait(lambda: self.trainer_has is not None, batch.step, "has not reported its last step")
-        if self.trainer_has is not None and batch.step <= self.trainer_has:
-            log.info("step %d not sent: the trainer already has steps up to %d", batch.step, self.trainer_has)
-            self.skipped.append(batch.step)
-            self.next_step = batch.step + 1
-            return False
-        await self._wait(lambda: len(self.unacked) < self.window, batch.step,
-                         f"has not acknowledged steps {sorted(self.unacked)}")
+    async def _deliver(self, batch: Batch) -> tuple[list[Any], int]:
+        """Push the step's frames (the header alone when the columns went into shared memory); waits (memory:
+        while the pool has no room for the step's columns)."""
         frames = encode(batch) if self.pool is None else await self.pool.frames(batch)
         try:
             await self._push(frames, batch.step)
@@ -194,26 +178,13 @@ class BatchSender:
             if self.pool is not None:  # never sent: its span is free again
                 self.pool.drop(batch.step)
             raise
-        self.unacked[batch.step] = frames
-        self.next_step = batch.step + 1
-        self.bytes_sent += sum(len(f) for f in frames)
-        return True
+        return frames, sum(len(f) for f in frames)
 
-    async def wait_acked(self) -> None:
-        """Wait until the trainer has acknowledged every step sent (warning every ``warn_s``)."""
-        if self.unacked:
-            await self._wait(lambda: not self.unacked, max(self.unacked), "has not acknowledged the last steps")
-
-    async def _wait(self, ready: Callable[[], bool], step: int, why: str) -> None:
-        t0 = time.monotonic()
-        while not ready():
-            self._changed.clear()
-            try:
-                async with asyncio.timeout(self.warn_s):
-                    await self._changed.wait()
-            except TimeoutError:
-                log.warning("step %d waits: the trainer at %s %s (%.0f s so far)", step, self.address, why,
-                            time.monotonic() - t0)
+    def metrics(self) -> dict[str, Any]:
+        out = super().metrics()
+        if self.pool is not None:  # kind = shm: live MB and spans of the pool
+            out.update(self.pool.metrics())
+        return out
 
     async def _push(self, frames: Sequence[Any], step: int) -> None:
         await push_polling(self.push, frames, f"step {step}", self.address, self.warn_s)
@@ -232,32 +203,32 @@ class BatchSender:
             except (ValueError, KeyError, TypeError, AttributeError, OverflowError, msgpack.UnpackException) as e:
                 log.warning("ignored a malformed message from the trainer (%d bytes): %s", len(raw), e)
                 continue
-            if checkpoint is not None:  # repeats are harmless: the weight sync skips what it has loaded
-                self._checkpoints.put_nowait(checkpoint)
+            if checkpoint is not None:  # repeats are harmless: the feed keeps only newer ones
+                self._checkpoints.offer(checkpoint)
             if have is not None:
                 await self._report(have, bool(msg.get("hello")))
 
     async def _report(self, have: int, hello: bool) -> None:
-        if hello and self.trainer_has is not None and have < self.trainer_has:
+        if hello and self.window.peer_has is not None and have < self.window.peer_has:
             log.warning("trainer restarted holding step %d; steps up to %d were acknowledged before and are "
-                        "not kept, so it continues after them", have, self.trainer_has)
-        self.trainer_has = have if self.trainer_has is None else max(have, self.trainer_has)
-        for step in [s for s in self.unacked if s <= have]:
-            del self.unacked[step]
-            self.on_ack(step)
-        if hello and self.unacked:
-            log.info("trainer (re)connected holding step %d: resending steps %s", have, sorted(self.unacked))
-            for step, frames in list(self.unacked.items()):
+                        "not kept, so it continues after them", have, self.window.peer_has)
+        done = self.window.acknowledge(have)
+        if done:
+            self.on_ack(done[-1])
+        if hello and self.window.unacked:
+            log.info("trainer (re)connected holding step %d: resending steps %s", have, sorted(self.window.unacked))
+            for step, frames in list(self.window.unacked.items()):
+                assert frames is not None  # every step this sender records keeps its frames
                 await self._push(frames, step)
-        self._changed.set()
+        self._notify()
 
     async def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]:
         """Checkpoints announced by the trainer (ZMQ, or marker files when ``marker_dir`` is set)."""
         if marker_dir is not None:
             async for ckpt in marker_announcements(marker_dir):
                 yield ckpt
-        while True:
-            yield await self._checkpoints.get()
+        async for ckpt in self._checkpoints.updates():
+            yield ckpt
 
 
 _S = TypeVar("_S", bound=zmq.Socket[Any])
