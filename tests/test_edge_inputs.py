@@ -13,7 +13,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from orchestrator.pipeline.outputs import OutputError, StepOutputs
+from orchestrator.pipeline.outputs import StepOutputs
+from orchestrator.sinks.jsonl import OutputError
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
 
 JOB = """[run]

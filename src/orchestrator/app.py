@@ -41,6 +41,8 @@ from orchestrator.pipeline.outputs import (
 )
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
+from orchestrator.sinks import Sinks, open_sinks
+from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
@@ -67,7 +69,7 @@ class RunSummary:
 
 class Orchestrator:
     def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: Sender[Any],
-                 state: OrchestratorState) -> None:
+                 state: OrchestratorState, sinks: Sinks) -> None:
         self.cfg = cfg
         self.pool = pool
         self.hub = hub
@@ -77,7 +79,9 @@ class Orchestrator:
         m = cfg.monitor
         self.lag = LagMonitor(m.lag_interval_s, m.lag_window, m.lag_warn_ms, m.lag_error_ms)
         self.outputs = StepOutputs(self.out)
+        self.sinks = sinks  # step metrics (and, later, eval metrics under a prefix) go through these
         tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+        self.samples = SampleTable(tokenizer)
         vocab = vocab_size(tokenizer)
         if vocab is None:
             log.warning("cannot read the vocabulary size of %s; the gibberish filter assumes 2^17 tokens", tokenizer)
@@ -99,10 +103,12 @@ class Orchestrator:
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(outdir.close)  # last out: the directory stays locked until everything else is done
+            sinks = await asyncio.to_thread(open_sinks, cfg, out, resume=resume)  # W&B starts its service here
+            stack.push_async_callback(asyncio.to_thread, sinks.close)
             pool, hub = await open_engines(cfg, stack, out)
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
-            orch = cls(cfg, pool, hub, sender, state)
+            orch = cls(cfg, pool, hub, sender, state, sinks)
             orch.held = outdir.held
             try:
                 yield orch
@@ -187,11 +193,17 @@ class Orchestrator:
         while True:
             row, groups = await sched.eval_rows.get()
             row["at_step"] = self.state.next_step
-            await self._off_loop(self.outputs.write_eval, row, eval_rollout_rows(row, groups))
+            await self._off_loop(self._write_eval, row, groups)
             log.info("%s", format_eval_line(row))
             self.summary.evals.append(row)
             self.on_eval(row)
             sched.eval_rows.task_done()
+
+    def _write_eval(self, row: dict[str, Any], groups: list[Any]) -> None:
+        """Blocking (the step thread): the round's rollouts to eval_rollouts.jsonl, its row to the sinks
+        (metrics.jsonl, marked ``"eval": true``; W&B's ``eval/...``)."""
+        self.outputs.write_eval_rollouts(eval_rollout_rows(row, groups))
+        self.sinks.log_eval(row, step=row["step"])
 
     async def _last_evaluation(self, sched: Scheduler, last_step: int) -> None:
         """The run's steps are done: the round in progress, and one still due by ``last_step``, finish (each
@@ -235,17 +247,19 @@ class Orchestrator:
                  "hub": dict(self.hub.metrics)}
         extra.update(self.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
         rows = result.rows
+        samples = (await self._off_loop(self.samples.rows, rows, groups, self.sinks.samples)
+                   if self.sinks.samples_due(step) else [])
         del groups, result  # the batch's column memory goes now, before the collection below
-        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra)
+        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra, samples)
         log.info("%s", format_step_line(metrics))
         self.summary.steps += 1
         self.summary.metrics.append(metrics)
         self.on_step(metrics)
 
     def _finish_step(self, step: int, rows: list[dict[str, Any]], phase: dict[str, float], lag: LagStats,
-                     t0: float, extra: dict[str, Any]) -> dict[str, Any]:
+                     t0: float, extra: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
         """Blocking (a worker thread): collect garbage, return memory to the OS, then the step's metrics
-        (pandas), both JSONL files and the state file."""
+        (pandas), rollouts.jsonl, the metrics sinks (metrics.jsonl, W&B) and the state file."""
         t = time.perf_counter()
         gc.collect()
         malloc_trim()
@@ -254,6 +268,8 @@ class Orchestrator:
                                wall_s=time.perf_counter() - t0, extra=extra)
         t = time.perf_counter()
         self._write_rows(step, rows, metrics)
+        if samples:
+            self.sinks.log_samples(samples, step=step)
         save_state(self.out, self.state)
         metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
         return metrics
@@ -264,13 +280,17 @@ class Orchestrator:
         when it was trained; one sent again gets the new rows (outdir.py)."""
         held = self.held.pop(step, None)
         if metrics.get("sent", True):
-            self.outputs.write(rows, metrics)
+            self.outputs.write_rows(rows)
+            self.sinks.log(metrics, step=step)
         elif held is not None:
             log.info("step %d: the trainer already had it; its rows from before the resume stay", step)
-            self.outputs.write_lines(*held)
+            rollouts, old_metrics = held
+            self.outputs.write_lines(rollouts)
+            for line in old_metrics:
+                self.sinks.log(orjson.loads(line), step=step)
         else:
-            self.outputs.write([{**r, "regenerated": True} for r in rows], {**metrics, "regenerated": True})
-
+            self.outputs.write_rows([{**r, "regenerated": True} for r in rows])
+            self.sinks.log({**metrics, "regenerated": True}, step=step)
 
 def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
     """The batch sender ``[transport] kind`` names: ZMQ (default; shm: columns through shared memory), files in
@@ -303,8 +323,10 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
     train = () if evaluation_only else cfg.env
     evals = cfg.eval.env if cfg.eval is not None else ()
-    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args) for e in train),
-                   *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args) for e in evals)],
+    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args, e.verifiers, e.select, f"env[{i}]")
+                     for i, e in enumerate(train)),
+                   *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args, e.verifiers, e.select, f"eval.env[{i}]")
+                     for i, e in enumerate(evals))],
                   cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env)
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}

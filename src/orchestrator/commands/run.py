@@ -1,4 +1,5 @@
-"""``orchestrator run CONFIG``: run a job against the inference servers and trainer it names."""
+"""``orchestrator run CONFIG``: run a job against the inference servers and trainer it names; on a terminal a
+progress bar with each environment's reward, otherwise a plain line per step (orchestrator.progress), on stdout."""
 
 from __future__ import annotations
 
@@ -40,9 +41,12 @@ def main(args: argparse.Namespace) -> int:
 
     async def job() -> None:
         from orchestrator.app import Orchestrator
+        from orchestrator.progress import StepProgress
 
         async with Orchestrator.open(cfg, resume=args.resume, force=args.force) as orch:
-            await orch.run()
+            with StepProgress(cfg.run.max_steps, orch.state.acked_step + 1) as progress:
+                orch.on_step = progress.on_step
+                await orch.run()
 
     return run_async(interruptible(job()))
 

@@ -2,7 +2,8 @@
 
 A rollout row is a flat dict (env, task, group, reward, advantage, filters, filtered, error, lengths,
 timing...; never big arrays). ``step_metrics`` aggregates a step's rows with pandas into the metrics row;
-``StepOutputs.write`` appends both files with one write each. Both run in a worker thread, never on the
+``StepOutputs`` appends rows (and, for scripts, metrics) with one write per file; the orchestrator sends
+metrics through its sinks (orchestrator.sinks: metrics.jsonl, W&B). Both run in a worker thread, never on the
 event loop; orjson serialises (numpy scalars included).
 """
 
@@ -16,8 +17,8 @@ from typing import Any, BinaryIO
 import orjson
 import pandas as pd
 
-from orchestrator.errors import OrchestratorError
 from orchestrator.lagmon import LagStats
+from orchestrator.sinks.jsonl import JsonlSink, append_bytes
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,13 @@ def step_metrics(
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The metrics row of one step, aggregated over its rollout rows (each has env, reward, ok, filtered,
-    tokens and off_policy keys)."""
-    df = pd.DataFrame.from_records(list(rows), columns=["env", "reward", "ok", "filtered", "tokens", "off_policy"])
-    ok = df[df["ok"].astype(bool)] if len(df) else df
+    tokens and off_policy keys, and ``dropped`` for rows of dropped groups). ``rollouts`` and ``failed`` count
+    every row; rewards, ``filtered``, ``off_policy`` and ``tokens`` only the groups the step took."""
+    df = pd.DataFrame.from_records(list(rows), columns=["env", "reward", "ok", "filtered", "tokens", "off_policy",
+                                                        "dropped"])
+    dropped = df["dropped"].astype("boolean").fillna(False).astype(bool)
+    kept = df[~dropped]
+    ok = kept[kept["ok"].astype(bool)] if len(kept) else kept
     trained = ok[~ok["filtered"].astype(bool)] if len(ok) else ok
     per_env = ok.groupby("env")["reward"].agg(["mean", "count"]) if len(ok) else pd.DataFrame()
     out: dict[str, Any] = {
@@ -49,6 +54,7 @@ def step_metrics(
         "trained": len(trained),
         "filtered": int(ok["filtered"].astype(bool).sum()) if len(ok) else 0,
         "failed": int((~df["ok"].astype(bool)).sum()) if len(df) else 0,
+        "dropped": int(dropped.sum()),
         "reward_mean": {str(env): round(float(r["mean"]), 6) for env, r in per_env.iterrows()},
         "rollouts_per_env": {str(env): int(r["count"]) for env, r in per_env.iterrows()},
         "off_policy": {str(int(k)): int(v) for k, v in ok["off_policy"].value_counts().sort_index().items()}
@@ -68,7 +74,8 @@ def format_step_line(m: Mapping[str, Any]) -> str:
     rewards = " ".join(f"{env}={r:.3f}" for env, r in m["reward_mean"].items())
     lag = m["lag"]
     shm = f" | shm={m['shm_live_mb']:.1f}MB in {m['shm_spans']} spans" if "shm_live_mb" in m else ""
-    return (f"step {m['step']}: {m['rollouts']} rollouts ({m['failed']} failed, {m['filtered']} filtered), "
+    dropped = f", {m['dropped']} in dropped groups" if m.get("dropped") else ""
+    return (f"step {m['step']}: {m['rollouts']} rollouts ({m['failed']} failed, {m['filtered']} filtered{dropped}), "
             f"{m['tokens']} tokens, {m['rollouts_per_s']:.1f} rollouts/s | reward {rewards} | {phases} | "
             f"lag p99={lag['p99']:.1f}ms max={lag['max']:.1f}ms | rss={m['rss_mb']:.0f}MB{shm}")
 
@@ -91,44 +98,34 @@ def format_eval_line(row: Mapping[str, Any]) -> str:
     return f"eval of step {row['step']} (policy {row['policy']}, {row['wall_s']:.1f} s): " + "; ".join(parts)
 
 
-class OutputError(OrchestratorError):
-    """The run's output files cannot be written."""
-
-
 class StepOutputs:
-    """Appends rows to ``rollouts.jsonl``, ``metrics.jsonl`` and ``eval_rollouts.jsonl`` in ``output_dir``
-    (created if missing). Evaluation rows go into ``metrics.jsonl`` too, marked ``"eval": true``, with
-    ``at_step``: the training step being made when the round ended (what a resume truncates by)."""
+    """Appends rows to ``rollouts.jsonl`` and ``eval_rollouts.jsonl`` in ``output_dir`` (created if missing);
+    ``write`` also appends the step's metrics to ``metrics.jsonl`` (the orchestrator sends metrics through its
+    sinks instead, sinks/)."""
 
     def __init__(self, output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         self.rollouts_path = output_dir / "rollouts.jsonl"
-        self.metrics_path = output_dir / "metrics.jsonl"
         self.eval_rollouts_path = output_dir / "eval_rollouts.jsonl"
+        self.metrics = JsonlSink(output_dir)
+        self.metrics_path = self.metrics.path()
 
-    def write_eval(self, row: Mapping[str, Any], rollouts: Sequence[Mapping[str, Any]]) -> None:
-        """Blocking: call from a worker thread."""
-        _append(self.eval_rollouts_path, b"".join(orjson.dumps(r, option=_OPTS) for r in rollouts))
-        _append(self.metrics_path, orjson.dumps(row, option=_OPTS))
+    def write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Blocking: call from a worker thread. One write per step."""
+        append_bytes(self.rollouts_path, b"".join(orjson.dumps(r, option=_OPTS) for r in rows))
+
+    def write_lines(self, rollouts: Sequence[bytes]) -> None:
+        """Blocking: append ``rollouts.jsonl`` lines as they are (a step's rows written before a resume)."""
+        append_bytes(self.rollouts_path, b"".join(rollouts))
+
+    def write_eval_rollouts(self, rollouts: Sequence[Mapping[str, Any]]) -> None:
+        """Blocking: an evaluation round's rollouts."""
+        append_bytes(self.eval_rollouts_path, b"".join(orjson.dumps(r, option=_OPTS) for r in rollouts))
 
     def write(self, rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any]) -> None:
         """Blocking: call from a worker thread. One write per file per step."""
-        self.write_lines([orjson.dumps(r, option=_OPTS) for r in rows], [orjson.dumps(metrics, option=_OPTS)])
-
-    def write_lines(self, rollouts: Sequence[bytes], metrics: Sequence[bytes]) -> None:
-        """Blocking: append JSONL lines as they are (e.g. a step's rows written before a resume)."""
-        _append(self.rollouts_path, b"".join(rollouts))
-        _append(self.metrics_path, b"".join(metrics))
-
-
-def _append(path: Path, data: bytes) -> None:
-    """Append ``data`` to ``path``; OutputError naming the file and the cause (a full or read-only disk)."""
-    try:
-        with path.open("ab") as f:
-            f.write(data)
-    except OSError as e:
-        raise OutputError(f"{path}: cannot write the run's outputs ({e.strerror}); free space or fix the "
-                          "directory's permissions, then continue with --resume") from None
+        self.write_rows(rows)
+        self.metrics.log(metrics, step=int(metrics["step"]))
 
 
 

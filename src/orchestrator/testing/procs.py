@@ -13,16 +13,19 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 Process = asyncio.subprocess.Process
 
 
 @contextlib.asynccontextmanager
-async def orchestrator_process(*args: str, log_level: str | None = None) -> AsyncIterator[Process]:
+async def orchestrator_process(*args: str, log_level: str | None = None, **popen: Any) -> AsyncIterator[Process]:
     """``python -m orchestrator --log-level LEVEL ARGS...``; killed by pid on exit if still running.
-    ``log_level`` defaults to $ORCHESTRATOR_TEST_LOG_LEVEL, else WARNING."""
+    ``log_level`` defaults to $ORCHESTRATOR_TEST_LOG_LEVEL, else WARNING; ``popen`` (``stdout``, ``stderr``,
+    ``env``...) goes to ``asyncio.create_subprocess_exec``."""
     log_level = log_level or os.environ.get("ORCHESTRATOR_TEST_LOG_LEVEL", "WARNING")
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "--log-level", log_level, *args)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "--log-level", log_level, *args,
+                                                **popen)
     try:
         yield proc
     finally:
