@@ -80,6 +80,8 @@ max_inflight = 4
 max_async_level = 1
 max_off_policy_steps = 2
 max_buffered_rollouts = 8
+[pipeline]
+gates = []  # a random policy never wins: every group's rewards are equal, and this test is not about gates
 """ + HANGMAN.format(name="hangman", workers=1, max_turns=4) + HANGMAN.format(name="one-turn", workers=0,
                                                                               max_turns=1)
     path = tmp_path / "job.toml"
