@@ -189,13 +189,13 @@ async def trainer_gone(sender: Sender[Any]) -> AsyncIterator[None]:
     comes back (it takes seconds to start); a trainer back within microseconds could say hello before its old
     connection is gone, and ZMQ would spread the resent steps over both."""
     if isinstance(sender, BatchSender):
-        monitor = sender.push.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sender.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             yield
             event = await asyncio.wait_for(recv_monitor_message(monitor), TIMEOUT_S)  # type: ignore[arg-type]
             assert event["event"] == zmq.EVENT_DISCONNECTED
         finally:
-            sender.push.disable_monitor()
+            sender.router.disable_monitor()
             monitor.close()
     else:
         yield
