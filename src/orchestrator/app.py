@@ -96,7 +96,7 @@ class Orchestrator:
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
         async with contextlib.AsyncExitStack() as stack:
             pool, hub = await open_engines(cfg, stack, out)
-            sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume))
+            sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume, state.acked_step))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             orch = cls(cfg, pool, hub, sender, state)
             try:
@@ -124,7 +124,8 @@ class Orchestrator:
             await start_workers(tg, self.hub, background)
             if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
                 await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
-            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None)
+            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None,
+                              checkpoints=self.sender)
             background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched)),
                            tg.create_task(self._evaluations(sched))]
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
@@ -163,8 +164,10 @@ class Orchestrator:
             ev = sched.evaluator
             if ev is not None and ev.cfg.hold_weights and not ev.idle.is_set():
                 log.info("weights of step %d wait for the evaluation round in progress", ckpt.step)
+                sched.loading = f"weights of step {ckpt.step} wait for the evaluation round in progress"
                 await ev.idle.wait()
             sched.syncing = True  # no evaluation round starts until the new policy is in (set_policy)
+            sched.loading = f"weights of step {ckpt.step} are loading on the inference servers"
             t0 = time.monotonic()
             result = await self.pool.update_weights(ckpt)
             log.info("weights of step %d on %d/%d servers in %.1f s", ckpt.step, len(result.updated),
@@ -250,12 +253,16 @@ class Orchestrator:
         return metrics
 
 
-def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
+def open_sender(cfg: JobConfig, address: str, resume: bool, acked_before: int = -1
+                ) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
     """The batch sender ``[transport] kind`` names: ZMQ (default; shm: columns through shared memory), files in
     a shared directory, or prime-rl's own trainer. A ZMQ sender on tcp:// with ``[security]`` keys accepts only
     the authorized trainers; prime-rl's link cannot authenticate (config.py refuses a non-loopback address
-    unless ``security.allow_unauthenticated_trainer``)."""
+    unless ``security.allow_unauthenticated_trainer``). ``acked_before``: the step the state says the trainer
+    acknowledged (a resumed run; a ZMQ trainer reporting less is behind). Every wait warns every
+    ``monitor.stall_warn_s``."""
     t = cfg.transport
+    warn_s = cfg.monitor.stall_warn_s
     if t.kind == "prime-rl":
         assert t.trainer_dir is not None  # config cross-check
         if cfg.security.allow_unauthenticated_trainer and t.prime_rl_layout == "zmq":
@@ -264,13 +271,14 @@ def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.Abstra
         return PrimeRLSender.open(
             t.trainer_dir, data_ranks=t.data_ranks, seq_len=t.seq_len, pad_to_multiple_of=t.pad_to_multiple_of,
             layout=t.prime_rl_layout, address=t.address, window=t.send_hwm, resume=resume,
-            temperature={e.label: e.sampling.temperature for e in cfg.env})
+            temperature={e.label: e.sampling.temperature for e in cfg.env}, warn_s=warn_s)
     if t.kind == "filesystem":
         assert t.directory is not None  # config cross-check
-        return FileBatchSender.open(t.directory, t.send_hwm, resume=resume)
+        return FileBatchSender.open(t.directory, t.send_hwm, resume=resume, warn_s=warn_s)
     shm_bytes = t.shm_pool_mb << 20 if t.kind == "shm" else None  # shm: columns through a same-node pool
-    return BatchSender.open(address, t.send_hwm, require_report=resume, shm_bytes=shm_bytes,
-                            server_keys=cfg.security.server_keys(address))  # tcp:// with keys: CURVE
+    return BatchSender.open(address, t.send_hwm, warn_s, require_report=resume, shm_bytes=shm_bytes,
+                            server_keys=cfg.security.server_keys(address),  # tcp:// with keys: CURVE
+                            keep=t.keep_acked, acked_before=acked_before if resume else -1)
 
 
 async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *,
