@@ -103,11 +103,11 @@ class DeliveryWindow(Generic[P]):
     def rejoin(self, have: int) -> list[int]:
         """A trainer (re)joins holding every step <= ``have``: the steps it lacks that are gone (not kept), or
         [] when it can go on. A trainer behind what was acknowledged gets the kept steps it lacks back in
-        ``unacked``, ahead of the rest, and ``acked`` drops to ``have``; a trainer at or past it is an
-        acknowledgement. When steps are gone nothing changes: that trainer cannot be fed."""
+        ``unacked``, ahead of the rest, and ``acked`` drops to ``have``; for one at or past it nothing
+        changes (its ``have`` is an acknowledgement: call ``acknowledge``). When steps are gone nothing
+        changes either: that trainer cannot be fed."""
         floor = max(self.acked, self.acked_before)
         if have >= floor:
-            self.acknowledge(have)
             return []
         gone = [s for s in range(have + 1, floor + 1) if s not in self.kept]  # an earlier run's: never kept
         if gone:
