@@ -113,11 +113,39 @@ async def test_a_step_waiting_for_weights_is_named_then_resolved_by_a_trainer_th
                 assert "has announced no checkpoint; asked it for its newest" in line, line
                 await wait_until(lambda: bool(logged(tmp_path / "silent.log", "waits for weights of step >= 1")),
                                  HANG_GUARD_S, "the trainer told", alive=silent)
-                assert journal_steps(journal) == [0, 1]
+                await wait_until(lambda: journal_steps(journal) == [0, 1], HANG_GUARD_S, "steps 0 and 1 journalled")
                 os.kill(silent.pid, signal.SIGKILL)
                 await silent.wait()
             async with trainer(out, journal, ckpt, tmp_path / "trainer.log"):
                 code = await asyncio.wait_for(run.wait(), HANG_GUARD_S)
+    assert code == 0, run_log.read_text()[-3000:]
+    assert journal_steps(journal) == list(range(steps))
+
+
+async def test_a_paused_trainer_is_named_within_the_bound_and_the_run_goes_on_when_it_resumes(tmp_path: Path) -> None:
+    """Item 1: a trainer paused (SIGSTOP) stalled a step without a word. Within the bound a line names what the
+    step waits for: the trainer's acknowledgements (the window is full) or its checkpoint (the policy is too
+    old for the step), whichever comes first; once it resumes the run finishes."""
+    steps = 6
+    journal, ckpt = tmp_path / "trainer.jsonl", tmp_path / "ckpt"
+    run_log = tmp_path / "run.log"
+
+    def named() -> list[str]:
+        return [line for line in logged(run_log, " waits") if "waits for a checkpoint of policy >= " in line
+                or "has not acknowledged steps" in line]
+
+    async with sim_process() as server:
+        cfg, out = write_job(tmp_path, server.url, steps, "paused")
+        async with orchestrator_process("run", str(cfg), "--set", "monitor.stall_warn_s=2", log=run_log) as run, \
+                trainer(out, journal, ckpt, tmp_path / "trainer.log") as paused:
+            await wait_until(lambda: len(journal_steps(journal)) >= 1, HANG_GUARD_S, "a step at the trainer",
+                             alive=run)
+            os.kill(paused.pid, signal.SIGSTOP)
+            try:
+                await wait_until(lambda: bool(named()), HANG_GUARD_S, "a line naming the wait", alive=run)
+            finally:
+                os.kill(paused.pid, signal.SIGCONT)
+            code = await asyncio.wait_for(run.wait(), HANG_GUARD_S)
     assert code == 0, run_log.read_text()[-3000:]
     assert journal_steps(journal) == list(range(steps))
 
