@@ -22,7 +22,7 @@ servers = ["http://127.0.0.1:8000/v1"]
 batch_size = 16
 
 [[env]]
-taskset = "orchestrator.envs.arithmetic"
+taskset = "orchestrator-arithmetic"
 group_size = 4
 """
 
@@ -52,7 +52,7 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
     assert cfg.scheduler.token_budget is None
     assert cfg.scheduler.max_inflight == 64
     assert cfg.monitor.lag_interval_s == 0.1
-    assert cfg.env[0].label == "orchestrator.envs.arithmetic"
+    assert cfg.env[0].label == "orchestrator-arithmetic"
     assert cfg.env[0].sampling.max_tokens == 256
 
 
@@ -81,7 +81,7 @@ def test_include_appends_env_tables(tmp_path: Path) -> None:
     (tmp_path / "envs").mkdir()
     write(tmp_path, '[[env]]\nname = "b"\ntaskset = "x.y"\ngroup_size = 2\n', "envs/b.toml")
     cfg = load_config(write(tmp_path, 'include = ["envs/b.toml"]\n' + GOOD))
-    assert [e.label for e in cfg.env] == ["orchestrator.envs.arithmetic", "b"]
+    assert [e.label for e in cfg.env] == ["orchestrator-arithmetic", "b"]
 
 
 def test_error_in_included_file_names_that_file(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ BAD = [
      "inference.servers: missing required key"),
     ("missing inference", GOOD.replace('[inference]\nservers = ["http://127.0.0.1:8000/v1"]', ""),
      "inference: missing required key"),
-    ("missing taskset", GOOD.replace('taskset = "orchestrator.envs.arithmetic"', ""),
+    ("missing taskset", GOOD.replace('taskset = "orchestrator-arithmetic"', ""),
      "env[0].taskset: missing required key"),
     ("no env", GOOD[: GOOD.index("[[env]]")], "env: missing required key"),
     ("out of range", GOOD + "weight = 0\n", "env[0].weight: expected a value > 0"),
@@ -141,8 +141,8 @@ BAD = [
      "scheduler.max_off_policy_steps: must be >="),
     ("buffer below batch", GOOD.replace("batch_size = 16", "batch_size = 16\nmax_buffered_rollouts = 8"),
      "scheduler.max_buffered_rollouts: must be >="),
-    ("duplicate env names", GOOD + '\n[[env]]\ntaskset = "orchestrator.envs.arithmetic"\ngroup_size = 2\n',
-     "env[1].name: 'orchestrator.envs.arithmetic' is already used"),
+    ("duplicate env names", GOOD + '\n[[env]]\ntaskset = "orchestrator-arithmetic"\ngroup_size = 2\n',
+     "env[1].name: 'orchestrator-arithmetic' is already used"),
     ("not a URL", GOOD.replace("http://127.0.0.1:8000/v1", "127.0.0.1:8000"),
      "inference.servers[0]: expected an http:// or https:// URL"),
     ("prime-rl without a tcp address", GOOD + '\n[transport]\nkind = "prime-rl"\ntrainer_dir = "t"\n',

@@ -94,6 +94,8 @@ max_off_policy_steps = 100
 max_buffered_rollouts = {max_inflight + 8}
 {extra}
 
+[pipeline]
+gates = []  # every finished group trains: gates are not what this test is about
 [[env]]
 name = "arith"
 taskset = "orchestrator-arithmetic"
@@ -335,6 +337,9 @@ async def test_500s_hangs_and_malformed_replies(tmp_path: Path) -> None:
 
         async def stop_then_drain(orch: Orchestrator, watch: StepWatch, trainer: ReferenceTrainer) -> None:
             await watch.reached(5)
+            # and until every kind was injected once: on a busy machine few requests fall between steps 1 and 5
+            await wait_until(lambda: all(injected(cluster)[k] > 0 for k in kinds), 120,
+                             "each kind of fault injected at least once", poll_s=0.05)
             for i in range(3):
                 cluster.set_faults(i, **LATENCY)
             facts["injected"] = injected(cluster)  # final: nothing is injected from here on

@@ -196,6 +196,8 @@ servers = ["{url}"]
 [scheduler]
 batch_size = 8
 max_inflight = 8
+[pipeline]
+gates = []  # every finished group trains: gates are not what this test is about
 [[env]]
 taskset = "orchestrator-arithmetic"
 group_size = 4

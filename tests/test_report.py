@@ -70,8 +70,7 @@ def test_eval_rows_get_their_own_plot_and_stay_out_of_the_step_plots(tmp_path: P
     outputs = StepOutputs(tmp_path)
     for step in (0, 2):  # evaluation rows, among the step rows as a run writes them
         env = {"mean_reward": 0.1 * step, "pass@1": 0.1, "pass@2": 0.2, "pass^2": 0.0, "examples": 4, "errors": 0}
-        outputs.write_eval({"eval": True, "step": step, "at_step": step + 1, "policy": step, "envs": {"arith": env}},
-                           [])
+        outputs.metrics.log({"at_step": step + 1, "policy": step, "envs": {"arith": env}}, step=step, prefix="eval")
     assert main(["report", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.split()
     assert printed == [str(tmp_path / "plots" / f"{n}.png") for n in [*NAMES, "eval"]]

@@ -71,6 +71,34 @@ async def test_all_failed_group_is_dropped_and_counted(tmp_path: Path) -> None:
     assert counts["dropped_groups"] == 1
 
 
+async def test_dropped_groups_wait_for_the_next_step_to_write_their_rows(tmp_path: Path) -> None:
+    def outcome(env: str, rid: str) -> Outcome:
+        return "env_error: broken" if rid.startswith("g1-") else 1.0
+
+    async with running(config(tmp_path), outcome) as (sched, _):
+        groups = await asyncio.wait_for(sched.next_step(0), 5)  # g1's records came before the step filled
+        dropped = sched.take_dropped()
+        assert sched.take_dropped() == []  # taken once
+    assert "g1" not in [g.gid for g in groups]
+    assert [g.gid for g in dropped] == ["g1"]
+    assert len(dropped[0].records) == 4
+    assert not dropped[0].survivors
+
+
+async def test_dropped_groups_kept_for_rows_are_bounded(tmp_path: Path) -> None:
+    """Every group fails, so no step ever fills: only the newest max_buffered_rollouts rollouts' worth of
+    dropped groups wait for a step, the rest are counted as unwritten."""
+    cfg = config(tmp_path, scheduler="batch_size = 4\nmax_inflight = 4\nmax_buffered_rollouts = 8")
+    async with running(cfg, lambda e, r: "env_error: broken") as (sched, _):
+        await wait_until(lambda: sched.counts["dropped_rows_unwritten"] >= 8, 5, "dropped groups beyond the bound")
+        kept = sched.take_dropped()
+        counts = sched.take_counts()
+    assert 1 <= len(kept) <= 2
+    assert sum(len(g.records) for g in kept) <= 8
+    assert counts["dropped_groups"] * 4 >= counts["dropped_rows_unwritten"] + 4 * len(kept)
+    assert [int(g.gid[1:]) for g in kept] == sorted(int(g.gid[1:]) for g in kept)  # the newest, in order
+
+
 async def test_group_scoring_env_drops_on_any_failure(tmp_path: Path) -> None:
     envs = '[[env]]\nname = "a"\ntaskset = "x"\ngroup_size = 4\ngroup_scoring = true\n'
 

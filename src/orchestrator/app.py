@@ -30,10 +30,10 @@ from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.memory import malloc_trim, rss_mb
+from orchestrator.outdir import OutputDir
 from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
 from orchestrator.pipeline.outputs import (
     StepOutputs,
-    drop_steps_from,
     eval_rollout_rows,
     format_eval_line,
     format_step_line,
@@ -41,7 +41,9 @@ from orchestrator.pipeline.outputs import (
 )
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
-from orchestrator.state import OrchestratorState, load_state, save_state
+from orchestrator.sinks import Sinks, open_sinks
+from orchestrator.sinks.samples import SampleTable
+from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
 from orchestrator.transport.primerl import PrimeRLSender
@@ -67,7 +69,7 @@ class RunSummary:
 
 class Orchestrator:
     def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: Sender[Any],
-                 state: OrchestratorState) -> None:
+                 state: OrchestratorState, sinks: Sinks) -> None:
         self.cfg = cfg
         self.pool = pool
         self.hub = hub
@@ -77,7 +79,9 @@ class Orchestrator:
         m = cfg.monitor
         self.lag = LagMonitor(m.lag_interval_s, m.lag_window, m.lag_warn_ms, m.lag_error_ms)
         self.outputs = StepOutputs(self.out)
+        self.sinks = sinks  # step metrics (and, later, eval metrics under a prefix) go through these
         tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+        self.samples = SampleTable(tokenizer)
         vocab = vocab_size(tokenizer)
         if vocab is None:
             log.warning("cannot read the vocabulary size of %s; the gibberish filter assumes 2^17 tokens", tokenizer)
@@ -88,17 +92,24 @@ class Orchestrator:
         self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchestrator-step")
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
         self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
+        self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: JobConfig, *, resume: bool = False) -> AsyncIterator[Orchestrator]:
-        out, state = await asyncio.to_thread(_prepare_output, cfg, resume)
+    async def open(cls, cfg: JobConfig, *, resume: bool = False, force: bool = False) -> AsyncIterator[Orchestrator]:
+        """``force``: resume even with a config that changes what is sampled (outdir.py)."""
+        outdir = await asyncio.to_thread(OutputDir.open, cfg, resume=resume, force=force)
+        out, state = outdir.path, outdir.state
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(outdir.close)  # last out: the directory stays locked until everything else is done
+            sinks = await asyncio.to_thread(open_sinks, cfg, out, resume=resume)  # W&B starts its service here
+            stack.push_async_callback(asyncio.to_thread, sinks.close)
             pool, hub = await open_engines(cfg, stack, out)
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume, state.acked_step))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
-            orch = cls(cfg, pool, hub, sender, state)
+            orch = cls(cfg, pool, hub, sender, state, sinks)
+            orch.held = outdir.held
             try:
                 yield orch
             finally:
@@ -124,8 +135,12 @@ class Orchestrator:
             await start_workers(tg, self.hub, background)
             if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
                 await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
-            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None,
-                              checkpoints=self.sender)
+            try:
+                sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None,
+                                  checkpoints=self.sender)
+            except (KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign state file
+                raise StateError(f"{self.out / STATE_FILE}: the scheduler's saved state is unusable ({e!r}); fix the "
+                                 "file or start fresh (without --resume)") from None
             background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched)),
                            tg.create_task(self._evaluations(sched))]
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
@@ -181,11 +196,17 @@ class Orchestrator:
         while True:
             row, groups = await sched.eval_rows.get()
             row["at_step"] = self.state.next_step
-            await self._off_loop(self.outputs.write_eval, row, eval_rollout_rows(row, groups))
+            await self._off_loop(self._write_eval, row, groups)
             log.info("%s", format_eval_line(row))
             self.summary.evals.append(row)
             self.on_eval(row)
             sched.eval_rows.task_done()
+
+    def _write_eval(self, row: dict[str, Any], groups: list[Any]) -> None:
+        """Blocking (the step thread): the round's rollouts to eval_rollouts.jsonl, its row to the sinks
+        (metrics.jsonl, marked ``"eval": true``; W&B's ``eval/...``)."""
+        self.outputs.write_eval_rollouts(eval_rollout_rows(row, groups))
+        self.sinks.log_eval(row, step=row["step"])
 
     async def _last_evaluation(self, sched: Scheduler, last_step: int) -> None:
         """The run's steps are done: the round in progress, and one still due by ``last_step``, finish (each
@@ -229,17 +250,19 @@ class Orchestrator:
                  "hub": dict(self.hub.metrics)}
         extra.update(self.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
         rows = result.rows
+        samples = (await self._off_loop(self.samples.rows, rows, groups, self.sinks.samples)
+                   if self.sinks.samples_due(step) else [])
         del groups, result  # the batch's column memory goes now, before the collection below
-        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra)
+        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra, samples)
         log.info("%s", format_step_line(metrics))
         self.summary.steps += 1
         self.summary.metrics.append(metrics)
         self.on_step(metrics)
 
     def _finish_step(self, step: int, rows: list[dict[str, Any]], phase: dict[str, float], lag: LagStats,
-                     t0: float, extra: dict[str, Any]) -> dict[str, Any]:
+                     t0: float, extra: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
         """Blocking (a worker thread): collect garbage, return memory to the OS, then the step's metrics
-        (pandas), both JSONL files and the state file."""
+        (pandas), rollouts.jsonl, the metrics sinks (metrics.jsonl, W&B) and the state file."""
         t = time.perf_counter()
         gc.collect()
         malloc_trim()
@@ -247,10 +270,29 @@ class Orchestrator:
         metrics = step_metrics(step, rows, phase_s=phase, lag=lag, rss_mb=rss_mb(),
                                wall_s=time.perf_counter() - t0, extra=extra)
         t = time.perf_counter()
-        self.outputs.write(rows, metrics)
+        self._write_rows(step, rows, metrics)
+        if samples:
+            self.sinks.log_samples(samples, step=step)
         save_state(self.out, self.state)
         metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
         return metrics
+
+    def _write_rows(self, step: int, rows: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
+        """A step regenerated after a resume that the trainer already had (not sent) keeps the rows written
+        when it was trained; one sent again gets the new rows (outdir.py)."""
+        held = self.held.pop(step, None)
+        if metrics.get("sent", True):
+            self.outputs.write_rows(rows)
+            self.sinks.log(metrics, step=step)
+        elif held is not None:
+            log.info("step %d: the trainer already had it; its rows from before the resume stay", step)
+            rollouts, old_metrics = held
+            self.outputs.write_lines(rollouts)
+            for line in old_metrics:
+                self.sinks.log(orjson.loads(line), step=step)
+        else:
+            self.outputs.write_rows([{**r, "regenerated": True} for r in rows])
+            self.sinks.log({**metrics, "regenerated": True}, step=step)
 
 
 def open_sender(cfg: JobConfig, address: str, resume: bool, acked_before: int = -1
@@ -289,8 +331,10 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
     train = () if evaluation_only else cfg.env
     evals = cfg.eval.env if cfg.eval is not None else ()
-    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args) for e in train),
-                   *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args) for e in evals)],
+    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args, e.verifiers, e.select, f"env[{i}]")
+                     for i, e in enumerate(train)),
+                   *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args, e.verifiers, e.select, f"eval.env[{i}]")
+                     for i, e in enumerate(evals))],
                   cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env)
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
@@ -317,20 +361,6 @@ async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[
     elif remote:
         log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote, hub.address)
     await hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
-
-
-def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorState]:
-    """The absolute output directory and the state to start from (a fresh run clears old outputs)."""
-    out = Path(cfg.run.output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if resume:
-        state = load_state(out, cfg.run.name)
-        for name in ("rollouts.jsonl", "metrics.jsonl", "eval_rollouts.jsonl"):  # rows of regenerated steps go
-            drop_steps_from(out / name, state.acked_step + 1)
-        return out, state
-    for name in ("rollouts.jsonl", "metrics.jsonl", "eval_rollouts.jsonl"):
-        (out / name).unlink(missing_ok=True)
-    return out, OrchestratorState(cfg.run.name)
 
 
 async def _in_process_worker(address: str) -> None:

@@ -31,6 +31,7 @@ COMMANDS = {
     "receive": "receive",
     "report": "report",
     "keys": "keys",
+    "prepare-worker-host": "prepare_worker_host",
 }
 
 EXIT_CONFIG = 2

@@ -12,6 +12,7 @@ once. The only conversion is TOML's integer to a float field (``1`` for ``1.0``)
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import tomllib
 import types
@@ -152,6 +153,22 @@ class SecurityConfig:
         return load_server_keys(self.server_key, self.authorized_keys)
 
 
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """Weights & Biases (``pip install 'rollout-orchestrator[wandb]'``); its API key comes from W&B's own
+    login or ``WANDB_API_KEY``, never from this file."""
+
+    project: str = opt(doc="W&B project")
+    entity: str | None = opt(None, doc="W&B entity (team or user); unset: your default entity")
+    name: str | None = opt(None, doc="run name; unset: run.name")
+    mode: Literal["online", "offline", "disabled"] = opt(
+        "online", doc="offline: write the run under output_dir/wandb, upload later with `wandb sync`")
+    tags: tuple[str, ...] = opt((), doc="run tags")
+    samples_every: int = opt(10, ge=0, doc="a table of sample rollouts (text, reward, advantage) every N steps; "
+                             "0: none")
+    samples: int = opt(8, ge=1, doc="rollouts in each samples table (the first rollout of the step's first groups)")
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
     lag_interval_s: float = opt(0.1, gt=0, le=10, doc="event-loop-lag sampling interval")
@@ -161,6 +178,8 @@ class MonitorConfig:
     stall_warn_s: float = opt(30.0, gt=0, doc="liveness bound: a step that makes no progress for this long gets a "
                               "line saying what it waits for (a checkpoint, the trainer, workers, servers), again "
                               "every as long")
+    wandb: WandbConfig | None = opt(None, doc="[monitor.wandb]: also log to Weights & Biases; unset: metrics.jsonl "
+                                    "only")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +238,8 @@ class SamplingConfig:
 @dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     name: str | None = opt(None, doc="name in logs and metrics; unset means the taskset id")
-    taskset: str = opt(doc="verifiers taskset id or importable module, e.g. orchestrator.envs.arithmetic")
+    taskset: str = opt(doc="verifiers taskset id: an installed package exporting a Taskset (orchestrator-arithmetic "
+                       "is module orchestrator_arithmetic) or one of verifiers' own (textarena)")
     args: dict[str, Any] = opt({}, doc="arguments of the taskset")
     group_size: int = opt(8, ge=1, doc="rollouts per task (one group)")
     weight: float = opt(1.0, gt=0, doc="mixing weight among environments")
@@ -229,6 +249,12 @@ class EnvConfig:
     sampling: SamplingConfig = opt(SamplingConfig(), doc="sampling parameters")
     curriculum: CurriculumConfig | None = opt(None, doc="[env.curriculum]: draw tasks from pools by their recent "
                                               "pass rate; unset: every task in turn, in a seeded order")
+    verifiers: dict[str, Any] = opt({}, doc="verifiers' [env] table without taskset, passed through: each seat "
+                                    "(agent, player...) with harness, runtime (unset: subprocess), max_turns, token "
+                                    "limits, timeout, retries; the env's timeout, retries... (checked by verifiers "
+                                    "in `orchestrator check` and the env workers)")
+    select: dict[str, Any] = opt({}, doc="which tasks, as verifiers' SelectConfig: limit, skip, include, exclude... "
+                                 "(an endless taskset needs limit)")
 
     @property
     def label(self) -> str:
@@ -362,6 +388,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError([f"{path}: file not found"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{path}: a directory, not a TOML file"]) from None
+    except OSError as e:
+        raise ConfigError([f"{path}: cannot read it ({e.strerror})"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{path}: not a text file (byte {e.start} is not UTF-8); expected TOML"]) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
 
@@ -597,6 +629,10 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         if env.max_concurrent is not None and env.group_size > env.max_concurrent:
             yield (f"{source(f'env[{i}].max_concurrent')}: env[{i}].max_concurrent: must be >= "
                    f"group_size ({env.max_concurrent} < {env.group_size})")
+        if env.group_size == 1 and cfg.pipeline.advantage == "default":
+            yield (f"{source(f'env[{i}].group_size')}: env[{i}].group_size: 1 with the default advantage (reward "
+                   "minus the group's mean) gives every sample advantage 0: nothing would train. Use group_size "
+                   ">= 2, or a pipeline.advantage with its own baseline")
         if env.label in labels:
             yield (f"{source(f'env[{i}].name')}: env[{i}].name: {env.label!r} is already used by "
                    f"env[{labels[env.label]}]; give each environment a distinct name")
@@ -653,6 +689,9 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                 yield (f"{source(f'pipeline.dump_steps[{i}]')}: pipeline.dump_steps[{i}]: expected a step "
                        f"number >= 0, got {n}")
     m = cfg.monitor
+    if m.wandb is not None and importlib.util.find_spec("wandb") is None:
+        yield (f"{source('monitor.wandb')}: monitor.wandb: needs the wandb package: "
+               "pip install 'rollout-orchestrator[wandb]' (or remove [monitor.wandb])")
     if m.lag_error_ms < m.lag_warn_ms:
         yield (f"{source('monitor.lag_error_ms')}: monitor.lag_error_ms: must be >= monitor.lag_warn_ms "
                f"({m.lag_error_ms} < {m.lag_warn_ms})")

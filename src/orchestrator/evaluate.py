@@ -40,7 +40,8 @@ async def evaluate(cfg: JobConfig, out: Path, *, step: int = 0, policy: int = 0)
             sched.start_evaluation(step)
             row, groups = await sched.eval_rows.get()
             row["at_step"] = step
-            await asyncio.to_thread(outputs.write_eval, row, eval_rollout_rows(row, groups))
+            await asyncio.to_thread(outputs.write_eval_rollouts, eval_rollout_rows(row, groups))
+            await asyncio.to_thread(outputs.metrics.log, row, step=step, prefix="eval")
             log.info("%s", format_eval_line(row))
             for task in background:
                 task.cancel()

@@ -40,6 +40,7 @@ class OrchestratorState:
     policy_step: int = 0  # the weight version servers sample with
     policy_path: str | None = None  # where its weights are, as announced (None: inference.weights_path)
     scheduler: dict[str, Any] = field(default_factory=dict)  # what decides what is sampled next (Scheduler.state)
+    sampling: dict[str, Any] = field(default_factory=dict)  # the config's seed, step size, envs (outdir.py)
 
 
 def save_state(directory: Path, state: OrchestratorState) -> Path:
@@ -56,8 +57,11 @@ def save_state(directory: Path, state: OrchestratorState) -> Path:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
-    except BaseException:  # a full or read-only disk: no temp file left behind; the old state stays
+    except BaseException as e:  # a full or read-only disk: no temp file left behind; the old state stays
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise StateError(f"{path}: cannot save the run's state ({e.strerror}); the previous state stays. Free "
+                             "space or fix the directory's permissions, then continue with --resume") from None
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
@@ -106,6 +110,19 @@ def load_state(directory: Path, run: str) -> OrchestratorState:
     if raw.get("run") != run:
         raise StateError(f"{path}: saved by run {raw.get('run')!r}, not {run!r}; use another output_dir")
     try:
-        return OrchestratorState(**raw)
+        state = OrchestratorState(**raw)
     except TypeError as e:
         raise StateError(f"{path}: unexpected fields in state: {e}") from None
+    for name, kind in _FIELD_TYPES.items():  # a hand-edited file: wrong types fail here, by name, not later
+        value = getattr(state, name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise StateError(f"{path}: {name} = {value!r} is not {_TYPE_NAMES[name]}; fix the file or start fresh "
+                             "(without --resume)")
+    return state
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "run": str, "next_step": int, "acked_step": int, "policy_step": int, "policy_path": (str, type(None)),
+    "scheduler": dict, "sampling": dict}
+_TYPE_NAMES = {"run": "a string", "policy_path": "a string or nil", "scheduler": "a map", "sampling": "a map",
+               "next_step": "an integer", "acked_step": "an integer", "policy_step": "an integer"}

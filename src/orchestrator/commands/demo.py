@@ -2,8 +2,8 @@
 
 Starts simulated inference servers (subprocesses), env workers with the built-in environments, and the
 reference trainer (which announces a checkpoint after every step, so weights sync every step); runs
-``--steps`` steps with a progress bar, prints a summary table and renders the plots of ``orchestrator report``
-(when matplotlib, the ``plots`` extra, is installed).
+``--steps`` steps with the progress bar of ``orchestrator run`` (orchestrator.progress), prints a summary table
+and renders the plots of ``orchestrator report`` (when matplotlib, the ``plots`` extra, is installed).
 """
 
 from __future__ import annotations
@@ -43,17 +43,14 @@ def main(args: argparse.Namespace) -> int:
 async def demo(cfg: JobConfig) -> None:
     import asyncio
 
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from orchestrator.app import Orchestrator
     from orchestrator.commands.report import render_report
     from orchestrator.errors import OrchestratorError
+    from orchestrator.progress import StepProgress
     from orchestrator.transport.trainer import ReferenceTrainer
 
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        console = Console(stderr=True, width=160)
+    progress = StepProgress(cfg.run.max_steps)  # the same bar (or plain lines) as `orchestrator run`
+    console = progress.console
     async with contextlib.AsyncExitStack() as stack:
         cfg = await stack.enter_async_context(with_sim_servers(cfg))
         console.print(f"[bold]demo[/]: {cfg.sim.servers} simulated inference servers: "
@@ -61,15 +58,7 @@ async def demo(cfg: JobConfig) -> None:
         orch = await stack.enter_async_context(Orchestrator.open(cfg))
         trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
                                    checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints")
-        progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                            TextColumn("{task.description}"), TimeElapsedColumn(), console=console)
-        bar = progress.add_task("starting env workers", total=cfg.run.max_steps)
-
-        def on_step(m: dict[str, Any]) -> None:
-            rewards = " ".join(f"{k}={v:.2f}" for k, v in m["reward_mean"].items())
-            progress.update(bar, advance=1, description=f"reward {rewards} | {m['rollouts_per_s']:.0f} rollouts/s")
-
-        orch.on_step = on_step
+        orch.on_step = progress.on_step
         with progress:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(trainer.run())

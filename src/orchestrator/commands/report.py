@@ -10,6 +10,7 @@ backend through matplotlib's object API (no pyplot state), so it runs in any thr
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ from orchestrator.errors import OrchestratorError
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+log = logging.getLogger(__name__)
 
 HELP = "plot a run's metrics.jsonl (reward, lag, RSS, phases, throughput) as PNG files"
 INSTALL_HINT = "pip install 'rollout-orchestrator[plots]'"
@@ -53,12 +56,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     except OSError as e:
         raise OrchestratorError(f"{path}: cannot read the run's metrics ({e.strerror})") from None
     rows = []
-    for i, line in enumerate(data.splitlines(), 1):
+    lines = data.splitlines()
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = orjson.loads(line)
         except orjson.JSONDecodeError as e:
+            if i == len(lines) and not data.endswith(b"\n"):  # a run writing it now, or one that crashed mid-line
+                log.warning("%s:%d: skipping the last line, cut short (%d bytes)", path, i, len(line))
+                break
             raise OrchestratorError(f"{path}:{i}: not JSON: {e}") from None
         if not isinstance(row, dict) or "step" not in row:
             raise OrchestratorError(f"{path}:{i}: not a metrics row (no 'step')")

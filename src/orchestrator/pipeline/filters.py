@@ -29,6 +29,7 @@ import numpy as np
 from orchestrator.config import FilterConfig
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline.imports import import_hook
+from orchestrator.scheduling.gates import take_by_name_and_env
 
 
 class Filterable(Protocol):
@@ -110,8 +111,5 @@ class FilterSet:
 
     def take_counts(self) -> dict[str, dict[str, int]]:
         """Counts since the last call, as {filter: {env: matched}}; resets them."""
-        out: dict[str, dict[str, int]] = {}
-        for (name, env), n in sorted(self.counts.items()):
-            out.setdefault(name, {})[env] = n
-        self.counts.clear()
-        return out
+        return take_by_name_and_env(self.counts)
+

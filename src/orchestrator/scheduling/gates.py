@@ -106,8 +106,13 @@ class Gates:
 
     def take_counts(self) -> dict[str, dict[str, int]]:
         """Rejections since the last call, as {gate: {env: groups}}."""
-        out: dict[str, dict[str, int]] = {}
-        for (name, env), n in sorted(self.counts.items()):
-            out.setdefault(name, {})[env] = n
-        self.counts.clear()
-        return out
+        return take_by_name_and_env(self.counts)
+
+
+def take_by_name_and_env(counts: Counter[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    """``counts`` keyed (name, env) as {name: {env: n}}, then cleared (per-step counts of filters and gates)."""
+    out: dict[str, dict[str, int]] = {}
+    for (name, env), n in sorted(counts.items()):
+        out.setdefault(name, {})[env] = n
+    counts.clear()
+    return out

@@ -15,7 +15,8 @@ Rules, with every bound from the config:
   Evaluation groups (evaluation.py) open first, within ``eval.max_inflight``.
 - A group completes when every rollout has come back (success or failure) or ``group_timeout_s`` passed
   (groups.py). Survivors train; an all-failed group, or a ``group_scoring`` group with any failure, is
-  dropped and counted. Each failure is logged once; a failure that is the server's feeds its health.
+  dropped and counted; the next step writes its rows (``take_dropped``; bounded). Each failure is logged
+  once; a failure that is the server's feeds its health.
 - Gates (gates.py) run when a training group completes, on its advantages: a rejected group does not count
   and the step keeps filling. A step that sees ``max_rejected_batches`` batches' worth of rejected
   rollouts without filling stops the run with SchedulingError naming the gates.
@@ -107,7 +108,7 @@ class Scheduler:
         self.advantage = AdvantageFn(cfg.pipeline)
         self.gates = Gates(cfg.pipeline.gates)
         self.done: deque[Group] = deque()
-        self.dropped: list[Group] = []  # all-failed groups since the last take_dropped (their rows are written)
+        self.dropped: deque[Group] = deque()  # dropped groups whose rows the next step writes (_keep_dropped)
         self.eval_rows: asyncio.Queue[tuple[dict[str, Any], list[Group]]] = asyncio.Queue()  # one per round
         self.buffered = 0  # rollouts in accepted groups not yet taken by a step
         self.syncing = False  # a weight sync is under way: no evaluation round starts
@@ -258,7 +259,7 @@ class Scheduler:
                                 / group.size)
         if not survivors or (env.group_scoring and len(survivors) < group.size):
             self.counts["dropped_groups"] += 1
-            self.dropped.append(group)
+            self._keep_dropped(group)
             log.warning("group %s (%s) dropped: %d of %d rollouts failed", group.gid, group.env,
                         group.size - len(survivors), group.size)
             return
@@ -374,9 +375,21 @@ class Scheduler:
                     self.counts["dropped_groups"], self.counts["rejected_groups"], self._rejected,
                     self.s.max_rejected_batches * target, failed or "none")
 
+    def _keep_dropped(self, group: Group) -> None:
+        """At most ``max_buffered_rollouts`` rollouts' worth of dropped groups wait for a step to write their rows
+        (when no step comes for long, e.g. every group fails, the oldest go unwritten, counted)."""
+        self.dropped.append(group)
+        kept = sum(len(g.records) for g in self.dropped)
+        while kept > self.s.max_buffered_rollouts:
+            oldest = self.dropped.popleft()
+            kept -= len(oldest.records)
+            self.counts["dropped_rows_unwritten"] += len(oldest.records)
+
     def take_dropped(self) -> list[Group]:
-        dropped, self.dropped = self.dropped, []
-        return dropped
+        """The groups dropped since the last call (their rows go to rollouts.jsonl, marked dropped)."""
+        out = list(self.dropped)
+        self.dropped.clear()
+        return out
 
     def take_counts(self) -> dict[str, Any]:
         out: dict[str, Any] = {**self.tracker.take_counts(), **self.counts}

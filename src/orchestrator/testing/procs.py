@@ -13,21 +13,24 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 Process = asyncio.subprocess.Process
 
 
 @contextlib.asynccontextmanager
-async def orchestrator_process(*args: str, log_level: str | None = None, log: Path | None = None
-                               ) -> AsyncIterator[Process]:
+async def orchestrator_process(*args: str, log_level: str | None = None, log: Path | None = None,
+                               **popen: Any) -> AsyncIterator[Process]:
     """``python -m orchestrator --log-level LEVEL ARGS...``; killed by pid on exit if still running.
-    ``log_level`` defaults to $ORCHESTRATOR_TEST_LOG_LEVEL, else WARNING. ``log``: its stderr (the log and
-    any error) goes to that file (appended), for a test to read (``logged``)."""
+    ``log_level`` defaults to $ORCHESTRATOR_TEST_LOG_LEVEL, else WARNING; ``popen`` (``stdout``, ``stderr``,
+    ``env``...) goes to ``asyncio.create_subprocess_exec``. ``log``: its stderr (the log and any error) goes
+    to that file (appended), for a test to read (``logged``)."""
     log_level = log_level or os.environ.get("ORCHESTRATOR_TEST_LOG_LEVEL", "WARNING")
     with contextlib.ExitStack() as files:
-        stderr = None if log is None else files.enter_context(open(log, "ab"))  # noqa: ASYNC230 - a local file
+        if log is not None:
+            popen["stderr"] = files.enter_context(open(log, "ab"))  # noqa: ASYNC230 - a local file
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "--log-level", log_level,
-                                                    *args, stderr=stderr)
+                                                    *args, **popen)
     try:
         yield proc
     finally:
@@ -90,6 +93,8 @@ servers = ["{url}"]
 [scheduler]
 batch_size = 8
 max_inflight = 8
+[pipeline]
+gates = []  # every finished group trains: gates are not what this test is about
 [[env]]
 taskset = "orchestrator-arithmetic"
 group_size = 4

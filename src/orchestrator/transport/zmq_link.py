@@ -48,6 +48,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from orchestrator import ipc
 from orchestrator.errors import TransportError
 from orchestrator.security import ServerKeys, curve_server
 from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, marker_announcements
@@ -171,6 +172,7 @@ class BatchSender(Sender[list[Any]]):
         auth = contextlib.ExitStack()
         router = ctx.socket(zmq.ROUTER)
         pull = ctx.socket(zmq.PULL)
+        files: list[str] = []  # endpoints bound: ours to remove
         try:
             if server_keys is not None:
                 server = auth.enter_context(curve_server(ctx, server_keys))
@@ -181,12 +183,13 @@ class BatchSender(Sender[list[Any]]):
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # EHOSTUNREACH), never a silent drop; a reconnect takes over
             router.setsockopt(zmq.LINGER, 2000)
             pull.setsockopt(zmq.LINGER, 0)
-            if address.startswith("ipc://"):
-                Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+            ipc.prepare(address)
             try:
                 router.bind(address)
                 bound = router.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for 0
+                files.append(bound)
                 pull.bind(ckpt_address(bound))
+                files.append(ckpt_address(bound))
             except zmq.ZMQError as e:
                 raise TransportError(f"cannot bind the trainer's address {address}: {e}") from None
             sender = cls(router, pull, bound, hwm, warn_s, require_report, keep, acked_before)
@@ -207,6 +210,8 @@ class BatchSender(Sender[list[Any]]):
             pull.close()
             auth.close()  # the authenticator's sockets close too, or term() would wait for them for ever
             ctx.term()
+            for endpoint in files:  # libzmq leaves ipc:// files behind (orchestrator.ipc)
+                ipc.remove(endpoint)
 
     @property
     def trainer_has(self) -> int | None:

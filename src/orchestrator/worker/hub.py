@@ -47,11 +47,11 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import zmq
 
+from orchestrator import ipc
 from orchestrator.errors import EnvironmentLoadError, Failure, TransportError, WireError, WorkerError
 from orchestrator.procs import child_env, terminate
 from orchestrator.security import LOCAL_KEYS_ENV, ServerKeys, curve_server
@@ -168,11 +168,11 @@ class WorkerHub:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             try:
-                if address.startswith("ipc://"):
-                    Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+                ipc.prepare(address)
                 sock.bind(address)
             except zmq.ZMQError as e:
                 raise TransportError(f"cannot bind the env workers' address {address}: {e}") from None
+            stack.callback(ipc.remove, address)  # libzmq leaves the file (orchestrator.ipc); after sock.close
             hub = cls(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), setup, local, remote, env, nice)
             try:
                 for _ in range(local):

@@ -16,13 +16,15 @@ import math
 import os
 import re
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import zmq
 import zmq.asyncio
 
-from orchestrator.errors import EnvironmentLoadError, Failure, WireError
+from orchestrator.envconfig import resolve_env
+from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, WireError
 from orchestrator.memory import rss_mb
 from orchestrator.samples import SampleError, samples_from_trace
 from orchestrator.security import ClientKeys, RefusalWatch, secure_client
@@ -55,28 +57,31 @@ SCORING = re.compile(r"\bscoring\b")  # verifiers' TaskError boundary names ("ta
 
 
 class LoadedEnv:
-    def __init__(self, name: str, env: Any) -> None:
+    def __init__(self, name: str, env: Any, tasks: Iterable[Any] | None = None) -> None:
         self.name = name
         self.env = env
-        self.tasks = list(env.taskset)
+        self.tasks = list(env.taskset if tasks is None else tasks)
         if not self.tasks:
             raise EnvironmentLoadError(f"environment {name!r}: its taskset yields no task")
 
 
 def load_env(spec: EnvSpec) -> LoadedEnv:
-    """Load one environment (verifiers import happens here, in the worker, once)."""
+    """Load one environment with its verifiers configuration (verifiers is imported here, in the worker, once).
+    A configuration verifiers rejects, or a taskset that fails to load, is an EnvironmentLoadError naming the
+    environment and the key."""
     import verifiers.v1 as vf
 
-    name = spec.name
+    what = f"environment {spec.name!r} (taskset {spec.taskset!r}) failed to load"
     try:
-        cfg = vf.resolve_env_config({"taskset": {"id": spec.taskset, **spec.args},
-                                     "agent": {"runtime": {"type": "subprocess"}}})
-        return LoadedEnv(name, vf.load_environment(cfg))
+        resolved = resolve_env(spec.taskset, spec.args, spec.verifiers, spec.select, spec.key)
+        env = vf.load_environment(resolved.config)
+        return LoadedEnv(spec.name, env, env.taskset.select(resolved.select))
+    except ConfigError as e:  # verifiers rejected the configuration: each problem names its key
+        raise EnvironmentLoadError(f"{what}: {'; '.join(e.problems)}") from None
     except EnvironmentLoadError:
         raise
     except Exception as e:  # any failure inside a user's taskset is a load error naming the env
-        raise EnvironmentLoadError(f"environment {name!r} (taskset {spec.taskset!r}) failed to load: "
-                                   f"{type(e).__name__}: {e}") from e
+        raise EnvironmentLoadError(f"{what}: {type(e).__name__}: {e}") from e
 
 
 def classify(errors: list[Any], is_timeout: bool) -> Failure:
@@ -128,7 +133,8 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = 
                            policy_step=base.policy_step, worker=base.worker, server=base.server, ok=True,
                            reward=reward, metrics=metrics, stop=stop, samples=shapes,
                            routed_dtype="uint16" if routed is not None and routed.dtype == np.uint16 else "uint8",
-                           tokens=sum(s[0] for s in shapes) if train else _trace_tokens(trace), wall_s=wall_s)
+                           tokens=sum(s[0] for s in shapes) if train else _trace_tokens(trace), turns=trace.num_turns,
+                           wall_s=wall_s)
     return header, frames
 
 
