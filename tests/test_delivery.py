@@ -57,3 +57,37 @@ def test_resume_skips_what_the_trainer_holds_and_adopts_durable_deliveries() -> 
     assert w.full
     with pytest.raises(ValueError, match="at least one step"):
         DeliveryWindow(0)
+
+
+def test_a_trainer_behind_gets_the_kept_steps_it_lacks_again() -> None:
+    w: DeliveryWindow[str] = DeliveryWindow(2, keep=3)
+    for step in range(6):
+        w.record(step, f"s{step}")
+        w.acknowledge(step - 1)  # the trainer acknowledges each step as the next goes out
+    assert (w.acked, list(w.unacked), list(w.kept)) == (4, [5], [2, 3, 4])  # only the last 3 kept
+    assert w.rejoin(2) == []  # restarted holding step 2: it lacks 3 and 4, both kept
+    assert list(w.unacked.items()) == [(3, "s3"), (4, "s4"), (5, "s5")]  # in order, ahead of the rest
+    assert w.acked == 2
+    assert w.acknowledge(4) == [3, 4]
+
+
+def test_a_trainer_behind_steps_that_are_gone_is_told_which() -> None:
+    w: DeliveryWindow[str] = DeliveryWindow(2, keep=1)
+    for step in range(5):
+        w.record(step, f"s{step}")
+    w.acknowledge(3)
+    assert list(w.kept) == [3]
+    assert w.rejoin(0) == [1, 2]  # 3 is kept, 1 and 2 are not
+    assert (w.acked, list(w.unacked)) == (3, [4])  # nothing changed: that trainer cannot be fed
+    assert w.rejoin(3) == []  # one restarted from a later checkpoint can
+    assert w.rejoin(5) == []  # at or past what was acknowledged: it can go on
+    assert w.acked == 3  # its report acknowledges, as any other
+
+
+def test_an_earlier_runs_acknowledgements_count_and_are_never_kept() -> None:
+    w: DeliveryWindow[str] = DeliveryWindow(2, keep=8, acked_before=4)  # the state said: step 4 acknowledged
+    assert w.rejoin(2) == [3, 4]  # a trainer restarted from an older checkpoint: those steps died with that run
+    assert w.peer_has is None
+    assert w.rejoin(4) == []
+    with pytest.raises(ValueError, match="keep"):
+        DeliveryWindow(1, keep=-1)

@@ -11,29 +11,30 @@ import pytest
 
 from orchestrator.config import JobConfig, load_config
 from orchestrator.inference.pool import InferencePool
-from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler, SchedulingError
+from orchestrator.scheduling.scheduler import EVAL_PREFIX, CheckpointSource, Scheduler, SchedulingError
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub, Outcome
 
 
 def config(tmp_path: Path, scheduler: str = "batch_size = 8\nmax_inflight = 8", envs: str | None = None,
-           pipeline: str = "gates = []") -> JobConfig:
+           pipeline: str = "gates = []", stall_warn_s: float = 30.0) -> JobConfig:
     """A job config; no gates unless ``pipeline`` names some (the fake worker's rewards are all equal)."""
     envs = envs or '[[env]]\nname = "a"\ntaskset = "x"\ngroup_size = 4\n'
     path = tmp_path / "job.toml"
     path.write_text(f'[inference]\nservers = ["http://127.0.0.1:9/v1"]\n[scheduler]\n{scheduler}\n'
-                    f'[pipeline]\n{pipeline}\n{envs}')
+                    f'[pipeline]\n{pipeline}\n[monitor]\nstall_warn_s = {stall_warn_s}\n{envs}')
     return load_config(path)
 
 
 @contextlib.asynccontextmanager
 async def running(cfg: JobConfig, outcome: Callable[[str, str], Outcome] = lambda e, r: 1.0,
-                  delay_s: float = 0.0, policy: int = 0) -> AsyncIterator[tuple[Scheduler, FakeWorkerHub]]:
+                  delay_s: float = 0.0, policy: int = 0, checkpoints: CheckpointSource | None = None
+                  ) -> AsyncIterator[tuple[Scheduler, FakeWorkerHub]]:
     evals = cfg.eval.env if cfg.eval is not None else ()
     hub = FakeWorkerHub({**{e.label: 50 for e in cfg.env}, **{EVAL_PREFIX + e.label: 50 for e in evals}}, outcome,
                         delay_s)
     async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
-        sched = Scheduler(cfg, pool, hub, policy)  # type: ignore[arg-type]
+        sched = Scheduler(cfg, pool, hub, policy, checkpoints=checkpoints)  # type: ignore[arg-type]
         task = tg.create_task(sched.run())
         try:
             yield sched, hub
@@ -141,6 +142,44 @@ async def test_stale_in_flight_groups_are_cancelled(tmp_path: Path) -> None:
     assert sorted(hub.cancelled) == ["g1", "g2"]
 
 
+class AskedCheckpoints:
+    """A CheckpointSource that records what it was asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def checkpoint_wanted(self, policy: int) -> str:
+        self.asked.append(policy)
+        return "the trainer was asked"
+
+
+async def test_a_step_waiting_for_weights_opens_no_group_asks_for_them_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Step 3 takes policy >= 2 (max_async_level 1) and the servers have 0: every group opened now would be
+    discarded as stale, and the step would wait in silence while the workers spin (issue #21, item 1)."""
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 1", stall_warn_s=0.2)
+    source = AskedCheckpoints()
+
+    def stalls() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 3 has 0 of 8")]
+
+    async with running(cfg, delay_s=0.01, checkpoints=source) as (sched, hub):
+        await asyncio.wait_for(sched.next_step(0), 10)
+        step3 = asyncio.ensure_future(sched.next_step(3))
+        await wait_until(lambda: len(stalls()) >= 1, 10, "a first stall line", poll_s=0.01)
+        opened = len(hub.assigned)
+        await wait_until(lambda: len(stalls()) >= 2, 10, "a second stall line", poll_s=0.01)
+        assert len(hub.assigned) == opened  # nothing opened between the two lines: training groups wait
+        assert not step3.done()
+        await sched.set_policy(2)  # the checkpoint arrives
+        groups = await asyncio.wait_for(step3, 10)
+    assert {g.policy for g in groups} == {2}
+    assert source.asked[0] == 2  # asked at once, then with every line
+    assert len(source.asked) >= 3
+    assert "without progress: waits for a checkpoint of policy >= 2 (the servers have policy 0; no training " \
+           "group opens until then): the trainer was asked" in stalls()[0]
+
+
 async def test_group_timeout_fails_missing_rollouts(tmp_path: Path) -> None:
     cfg = config(tmp_path, "batch_size = 4\nmax_inflight = 4\ngroup_timeout_s = 0.2")
 
@@ -216,10 +255,9 @@ async def test_provider_failures_reach_the_pool(tmp_path: Path) -> None:
     assert pool.metrics["failed:provider_error"] == 4
 
 
-async def test_a_step_that_cannot_fill_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("orchestrator.scheduling.scheduler.STALL_WARN_S", 0.2)
-    async with running(config(tmp_path), lambda e, r: "provider_error: down", delay_s=0.01) as (sched, _):
+async def test_a_step_that_cannot_fill_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with running(config(tmp_path, stall_warn_s=0.2), lambda e, r: "provider_error: down",
+                       delay_s=0.01) as (sched, _):
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(1.0):
                 await sched.next_step(0)

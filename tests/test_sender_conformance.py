@@ -189,13 +189,13 @@ async def trainer_gone(sender: Sender[Any]) -> AsyncIterator[None]:
     comes back (it takes seconds to start); a trainer back within microseconds could say hello before its old
     connection is gone, and ZMQ would spread the resent steps over both."""
     if isinstance(sender, BatchSender):
-        monitor = sender.push.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sender.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             yield
             event = await asyncio.wait_for(recv_monitor_message(monitor), TIMEOUT_S)  # type: ignore[arg-type]
             assert event["event"] == zmq.EVENT_DISCONNECTED
         finally:
-            sender.push.disable_monitor()
+            sender.router.disable_monitor()
             monitor.close()
     else:
         yield
@@ -260,3 +260,27 @@ async def test_a_restarted_sender_skips_what_the_trainer_has(kind: Kind, tmp_pat
     if kind.knows_trainer_steps:
         assert sent == [False, False, True, True, True]
         assert resumed.skipped == [1, 2]
+
+
+async def test_a_wait_for_weights_is_named_by_every_kind(kind: Kind, tmp_path: Path) -> None:
+    """The liveness rule's clause from the link: where checkpoints come from, and (zmq) that it asked."""
+    async with kind.open(tmp_path, False) as sender:
+        announced = sender.announcements(tmp_path / "markers") if kind.name == "filesystem" else None
+        said = sender.checkpoint_wanted(5)
+        async with trainer_end(kind, sender, tmp_path, -1), asyncio.timeout(TIMEOUT_S):
+            if isinstance(sender, BatchSender):
+                await until(lambda: sender.holder is not None, "the trainer heard")
+            elif isinstance(sender, PrimeRLSender) and sender.layout == "zmq":
+                await until(lambda: sender.presence.complete, "every rank present")
+            later = sender.checkpoint_wanted(5)
+        if announced is not None:
+            await announced.aclose()  # type: ignore[attr-defined]
+    expected = {
+        "zmq": ("no trainer is connected to", "has announced no checkpoint; asked it for its newest"),
+        "shm": ("no trainer is connected to", "has announced no checkpoint; asked it for its newest"),
+        "filesystem": (f"marker files step_<N>.ready in {tmp_path / 'markers'}", "none of step >= 5"),
+        "prime-rl": ("has not sent READY from ranks [0, 1]", "broadcasts/step_N/STABLE after training our step N - 1"),
+        "prime-rl-files": ("(there is none yet)", "broadcasts/step_N/STABLE after training our step N - 1"),
+    }[kind.name]
+    assert expected[0] in said, said
+    assert expected[1] in later, later

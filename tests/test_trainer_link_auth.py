@@ -71,7 +71,7 @@ def refused(keys: KeySet, which: str) -> ClientKeys | None:
 @pytest.mark.parametrize("which", ["no-keys", "unlisted-key", "wrong-server-key"])
 async def test_only_the_authorized_trainer_gets_batches_and_is_heard(keys: KeySet, which: str) -> None:
     async with tcp_sender(keys.server()) as sender:
-        with failed_handshakes(sender.push) as to_push, failed_handshakes(sender.pull) as to_pull:
+        with failed_handshakes(sender.router) as to_push, failed_handshakes(sender.pull) as to_pull:
             intruder = BatchReceiver(sender.address, keys=refused(keys, which), auto_ack=False)
             try:
                 await intruder.ack(5)  # a forged "the trainer has steps up to 5": the sender would skip 0-5
@@ -93,7 +93,7 @@ async def test_only_the_authorized_trainer_gets_batches_and_is_heard(keys: KeySe
                     assert isinstance(announced, AsyncGenerator)
                     assert (await asyncio.wait_for(anext(announced), TIMEOUT_S)).step == 3  # not 42
                     await announced.aclose()
-                    assert not await intruder.pull.poll(0)
+                    assert not await intruder.batches.poll(0)
                     assert intruder.last_step is None
                 finally:
                     trainer.close()
@@ -150,7 +150,7 @@ async def test_open_sender_uses_the_configured_keys_on_tcp(keys: KeySet) -> None
     async with open_sender(cfg, "tcp://127.0.0.1:*", resume=False) as opened:
         assert isinstance(opened, BatchSender)
         sender = opened
-        with failed_handshakes(sender.push) as failures:
+        with failed_handshakes(sender.router) as failures:
             plain = BatchReceiver(sender.address)
             try:
                 await failures.next(TIMEOUT_S)

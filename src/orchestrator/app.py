@@ -106,7 +106,7 @@ class Orchestrator:
             sinks = await asyncio.to_thread(open_sinks, cfg, out, resume=resume)  # W&B starts its service here
             stack.push_async_callback(asyncio.to_thread, sinks.close)
             pool, hub = await open_engines(cfg, stack, out)
-            sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume))
+            sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume, state.acked_step))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             orch = cls(cfg, pool, hub, sender, state, sinks)
             orch.held = outdir.held
@@ -136,7 +136,8 @@ class Orchestrator:
             if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
                 await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
             try:
-                sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None)
+                sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None,
+                                  checkpoints=self.sender)
             except (KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign state file
                 raise StateError(f"{self.out / STATE_FILE}: the scheduler's saved state is unusable ({e!r}); fix the "
                                  "file or start fresh (without --resume)") from None
@@ -178,8 +179,10 @@ class Orchestrator:
             ev = sched.evaluator
             if ev is not None and ev.cfg.hold_weights and not ev.idle.is_set():
                 log.info("weights of step %d wait for the evaluation round in progress", ckpt.step)
+                sched.loading = f"weights of step {ckpt.step} wait for the evaluation round in progress"
                 await ev.idle.wait()
             sched.syncing = True  # no evaluation round starts until the new policy is in (set_policy)
+            sched.loading = f"weights of step {ckpt.step} are loading on the inference servers"
             t0 = time.monotonic()
             result = await self.pool.update_weights(ckpt)
             log.info("weights of step %d on %d/%d servers in %.1f s", ckpt.step, len(result.updated),
@@ -274,7 +277,6 @@ class Orchestrator:
         metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
         return metrics
 
-
     def _write_rows(self, step: int, rows: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
         """A step regenerated after a resume that the trainer already had (not sent) keeps the rows written
         when it was trained; one sent again gets the new rows (outdir.py)."""
@@ -292,12 +294,17 @@ class Orchestrator:
             self.outputs.write_rows([{**r, "regenerated": True} for r in rows])
             self.sinks.log({**metrics, "regenerated": True}, step=step)
 
-def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
+
+def open_sender(cfg: JobConfig, address: str, resume: bool, acked_before: int = -1
+                ) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
     """The batch sender ``[transport] kind`` names: ZMQ (default; shm: columns through shared memory), files in
     a shared directory, or prime-rl's own trainer. A ZMQ sender on tcp:// with ``[security]`` keys accepts only
     the authorized trainers; prime-rl's link cannot authenticate (config.py refuses a non-loopback address
-    unless ``security.allow_unauthenticated_trainer``)."""
+    unless ``security.allow_unauthenticated_trainer``). ``acked_before``: the step the state says the trainer
+    acknowledged (a resumed run; a ZMQ trainer reporting less is behind). Every wait warns every
+    ``monitor.stall_warn_s``."""
     t = cfg.transport
+    warn_s = cfg.monitor.stall_warn_s
     if t.kind == "prime-rl":
         assert t.trainer_dir is not None  # config cross-check
         if cfg.security.allow_unauthenticated_trainer and t.prime_rl_layout == "zmq":
@@ -306,13 +313,14 @@ def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.Abstra
         return PrimeRLSender.open(
             t.trainer_dir, data_ranks=t.data_ranks, seq_len=t.seq_len, pad_to_multiple_of=t.pad_to_multiple_of,
             layout=t.prime_rl_layout, address=t.address, window=t.send_hwm, resume=resume,
-            temperature={e.label: e.sampling.temperature for e in cfg.env})
+            temperature={e.label: e.sampling.temperature for e in cfg.env}, warn_s=warn_s)
     if t.kind == "filesystem":
         assert t.directory is not None  # config cross-check
-        return FileBatchSender.open(t.directory, t.send_hwm, resume=resume)
+        return FileBatchSender.open(t.directory, t.send_hwm, resume=resume, warn_s=warn_s)
     shm_bytes = t.shm_pool_mb << 20 if t.kind == "shm" else None  # shm: columns through a same-node pool
-    return BatchSender.open(address, t.send_hwm, require_report=resume, shm_bytes=shm_bytes,
-                            server_keys=cfg.security.server_keys(address))  # tcp:// with keys: CURVE
+    return BatchSender.open(address, t.send_hwm, warn_s, require_report=resume, shm_bytes=shm_bytes,
+                            server_keys=cfg.security.server_keys(address),  # tcp:// with keys: CURVE
+                            keep=t.keep_acked, acked_before=acked_before if resume else -1)
 
 
 async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *,

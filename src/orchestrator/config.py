@@ -126,6 +126,9 @@ class TransportConfig:
     seq_len: int = opt(2048, ge=1, doc="kind = prime-rl: micro-batch length; longer samples are truncated to it")
     pad_to_multiple_of: int = opt(1, ge=1, doc="kind = prime-rl: micro-batches are padded to a multiple of this "
                                   "(the trainer's context parallelism)")
+    keep_acked: int = opt(0, ge=0, doc="kind = zmq: acknowledged steps kept in memory to resend to a trainer that "
+                          "restarts behind them (it acknowledges before it checkpoints); 0: such a trainer is "
+                          "refused, naming the steps it lacks")
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,9 @@ class MonitorConfig:
     lag_window: int = opt(4096, ge=16, doc="lag samples kept per step (oldest dropped first)")
     lag_warn_ms: float = opt(50.0, gt=0, doc="a stall longer than this is logged as a warning")
     lag_error_ms: float = opt(500.0, gt=0, doc="a stall longer than this is logged as an error")
+    stall_warn_s: float = opt(30.0, gt=0, doc="liveness bound: a step that makes no progress for this long gets a "
+                              "line saying what it waits for (a checkpoint, the trainer, workers, servers), again "
+                              "every as long")
     wandb: WandbConfig | None = opt(None, doc="[monitor.wandb]: also log to Weights & Biases; unset: metrics.jsonl "
                                     "only")
 
@@ -664,6 +670,10 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         yield (f"{source('transport.checkpoint_source')}: transport.checkpoint_source: must be 'marker' when "
                "kind = 'filesystem' (there is no message channel back from the trainer)")
     yield from _prime_rl_checks(cfg, source)
+    if t.keep_acked and t.kind != "zmq":
+        yield (f"{source('transport.keep_acked')}: transport.keep_acked: applies only to kind = 'zmq' (kind = "
+               f"{t.kind!r}: shm reuses an acknowledged step's memory; files and prime-rl's trainer report no "
+               "steps to resend); remove it")
     if t.kind == "shm" and t.address is not None and not t.address.startswith("ipc://"):
         yield (f"{source('transport.address')}: transport.address: kind = 'shm' is same-node only and needs an "
                f"ipc://PATH address (or none: ipc:// in output_dir), got {t.address!r}; use kind = 'zmq' for tcp")

@@ -21,9 +21,13 @@ Rules, with every bound from the config:
   and the step keeps filling. A step that sees ``max_rejected_batches`` batches' worth of rejected
   rollouts without filling stops the run with SchedulingError naming the gates.
 - Off-policy (``policy`` = the weight version servers had when the group was assigned): a step ``s`` takes
-  only groups with ``policy >= s - max_async_level``; older finished groups are discarded as stale. When
-  the policy becomes ``p``, in-flight training groups with ``policy < p - max_off_policy_steps`` are
-  cancelled.
+  only groups with ``policy >= s - max_async_level``; older finished groups are discarded as stale. While
+  the servers' policy is older than that, no training group opens (each would be discarded): the step waits
+  for a checkpoint, and asks the trainer link for it (``checkpoints.checkpoint_wanted``). When the policy
+  becomes ``p``, in-flight training groups with ``policy < p - max_off_policy_steps`` are cancelled.
+- Liveness: a step that takes no rollout for ``monitor.stall_warn_s`` (stale discards and gate rejections
+  are not progress) gets one warning saying what it waits for: a checkpoint (and where it comes from), env
+  workers, inference servers, or the rollouts in flight and their failures; again every as long.
 - A step is ``batch_size`` rollouts or ``token_budget`` tokens: whole groups in completion order until the
   count is reached (a step may exceed it by less than one group).
 """
@@ -52,7 +56,6 @@ from orchestrator.worker.protocol import Assign, RolloutRecord
 
 log = logging.getLogger(__name__)
 
-STALL_WARN_S = 60.0  # a step that has not grown for this long gets a warning saying why, and again after as long
 EVAL_PREFIX = "eval/"  # env workers load evaluation environments under this prefix
 
 
@@ -72,16 +75,27 @@ class WorkerLink(Protocol):
     def worker_stats(self) -> dict[str, tuple[int, float | None]]: ...  # name -> (completed, RSS MB)
 
 
+class CheckpointSource(Protocol):
+    """Where checkpoints come from (the batch sender): asked when a step waits for one."""
+
+    def checkpoint_wanted(self, policy: int) -> str: ...  # ask for weights >= policy; a clause for the log line
+
+
 class Scheduler:
     def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerLink, policy: int = 0, *,
                  state: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
-                 train: bool = True) -> None:
-        """``train=False``: evaluation only (``orchestrator eval``); no training group ever opens."""
+                 train: bool = True, checkpoints: CheckpointSource | None = None) -> None:
+        """``train=False``: evaluation only (``orchestrator eval``); no training group ever opens.
+        ``checkpoints``: asked for a checkpoint when a step waits for a newer policy."""
         self.cfg = cfg
         self.s = cfg.scheduler
         self.pool = pool
         self.hub = hub
         self.policy = policy
+        self.checkpoints = checkpoints
+        self.stall_warn_s = cfg.monitor.stall_warn_s
+        self.min_policy: int | None = None  # training groups open only with policy >= this (the step's need)
+        self.loading: str | None = None  # what the weight sync to a newer policy waits for, while it runs
         self.clock = clock
         self.envs = {e.label: e for e in cfg.env}
         state = state or {}
@@ -155,8 +169,8 @@ class Scheduler:
         task = None if ev is None else ev.next_task(self._inflight_eval())
         if ev is not None and task is not None and self._room(ev.size, evaluation=True):
             return EVAL_PREFIX + task[0], task[1], ev.size, True
-        if self.sampler is None:
-            return None
+        if self.sampler is None or (self.min_policy is not None and self.policy < self.min_policy):
+            return None  # no training; or every group opened now would be too old for the step: wait for weights
         draw = self.sampler.peek()
         size = self.envs[draw.env].group_size
         return (draw.env, draw.task, size, False) if self._room(size) else None
@@ -274,6 +288,7 @@ class Scheduler:
         """The servers now sample with weights ``step``: cancel in-flight groups that became too old."""
         self.policy = step
         self.syncing = False
+        self.loading = None
         self._wake.set()
         self._expire()
 
@@ -289,20 +304,27 @@ class Scheduler:
         if self.evaluator is not None and (due := self.evaluator.due(step)) is not None:
             self.start_evaluation(due)
         oldest = step - self.s.max_async_level
+        self.min_policy = oldest
+        self._wake.set()  # admission re-checks: groups may have to wait for newer weights
         taken: list[Group] = []
         count = 0
         target = self.s.batch_size or self.s.token_budget or 0
-        waiting_since = self.clock()
+        progress = warned = self.clock()  # progress: the last rollout taken (stale ones are not progress)
+        asked = False
         self._rejected = 0
         while count < target:
             while not self.done:
                 self._check_rejections(step, count, target)
+                if not asked and self.policy < oldest and self.checkpoints is not None:
+                    asked = True  # at once, then with every warning
+                    self.checkpoints.checkpoint_wanted(oldest)
                 self._group_done.clear()
-                try:
-                    async with asyncio.timeout(STALL_WARN_S):
+                try:  # a wake-up that brings no progress does not restart the count
+                    async with asyncio.timeout(max(warned + self.stall_warn_s - self.clock(), 0.0)):
                         await self._group_done.wait()
                 except TimeoutError:
-                    self._warn_stall(step, count, target, self.clock() - waiting_since)
+                    warned = self.clock()
+                    self._warn_stall(step, count, target, warned - progress, oldest)
             group = self.done.popleft()
             self.buffered -= len(group.survivors)
             self._wake.set()
@@ -311,6 +333,8 @@ class Scheduler:
                 continue
             taken.append(group)
             count += self._size(group)
+            progress = warned = self.clock()
+        self.min_policy = oldest + 1  # groups opened from now on are for the next step
         return taken
 
     def start_evaluation(self, step: int) -> None:
@@ -330,11 +354,24 @@ class Scheduler:
                 "the policy gives these groups no signal (e.g. every reward equal): change pipeline.gates, the "
                 "tasks, or scheduler.max_rejected_batches")
 
-    def _warn_stall(self, step: int, count: int, target: int, waited_s: float) -> None:
-        """Say why a step is not filling: e.g. an environment whose every rollout fails never fills one."""
+    def _warn_stall(self, step: int, count: int, target: int, waited_s: float, oldest: int) -> None:
+        """Say, in one line, what a step that is not filling waits for (see the module docstring)."""
+        if self.policy < oldest:
+            source = self.loading or (self.checkpoints.checkpoint_wanted(oldest) if self.checkpoints is not None
+                                      else "no trainer link to ask")
+            cause = (f"a checkpoint of policy >= {oldest} (the servers have policy {self.policy}; no training group "
+                     f"opens until then): {source}")
+        elif not self.hub.has_ready():
+            cause = "an env worker: none is ready (starting, or restarting after a crash)"
+        elif not any(s.in_rotation for s in self.pool.servers):
+            cause = "an inference server: none is in rotation (" + "; ".join(
+                f"{s.url}: {s.last_error or 'out'}" for s in self.pool.servers) + ")"
+        else:
+            cause = "rollouts"
         failed = {k.removeprefix("failed:"): v for k, v in self.tracker.counts.items() if k.startswith("failed:")}
-        log.warning("step %d has %d of %d after %.0f s: %d rollouts in flight, %d groups dropped, %d rejected by "
-                    "gates (%d of %d allowed), failures %s", step, count, target, waited_s, self.inflight_rollouts,
+        log.warning("step %d has %d of %d after %.0f s without progress: waits for %s; %d rollouts in flight, %d "
+                    "stale discarded, %d groups dropped, %d rejected by gates (%d of %d allowed), failures %s", step,
+                    count, target, waited_s, cause, self.inflight_rollouts, self.counts["stale_rollouts"],
                     self.counts["dropped_groups"], self.counts["rejected_groups"], self._rejected,
                     self.s.max_rejected_batches * target, failed or "none")
 

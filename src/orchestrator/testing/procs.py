@@ -19,13 +19,18 @@ Process = asyncio.subprocess.Process
 
 
 @contextlib.asynccontextmanager
-async def orchestrator_process(*args: str, log_level: str | None = None, **popen: Any) -> AsyncIterator[Process]:
+async def orchestrator_process(*args: str, log_level: str | None = None, log: Path | None = None,
+                               **popen: Any) -> AsyncIterator[Process]:
     """``python -m orchestrator --log-level LEVEL ARGS...``; killed by pid on exit if still running.
     ``log_level`` defaults to $ORCHESTRATOR_TEST_LOG_LEVEL, else WARNING; ``popen`` (``stdout``, ``stderr``,
-    ``env``...) goes to ``asyncio.create_subprocess_exec``."""
+    ``env``...) goes to ``asyncio.create_subprocess_exec``. ``log``: its stderr (the log and any error) goes
+    to that file (appended), for a test to read (``logged``)."""
     log_level = log_level or os.environ.get("ORCHESTRATOR_TEST_LOG_LEVEL", "WARNING")
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "--log-level", log_level, *args,
-                                                **popen)
+    with contextlib.ExitStack() as files:
+        if log is not None:
+            popen["stderr"] = files.enter_context(open(log, "ab"))  # noqa: ASYNC230 - a local file
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "--log-level", log_level,
+                                                    *args, **popen)
     try:
         yield proc
     finally:
@@ -46,6 +51,15 @@ async def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, 
         if time.monotonic() > deadline:
             raise AssertionError(f"waiting for {what}: not within {timeout_s:.0f} s")
         await asyncio.sleep(poll_s)
+
+
+def logged(log: Path, text: str) -> list[str]:
+    """The lines of ``log`` (an ``orchestrator_process(log=...)`` file) that contain ``text``."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    return [line for line in lines if text in line]
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -17,6 +17,12 @@ the same one (see ``sender.Sender``):
 - **Resend.** Until acknowledged, ``unacked`` keeps each step's payload (what the sender needs to send it
   again: frames, encoded messages; None for durable deliveries), in order: what a restarted trainer gets
   again once its report (``acknowledge``) has removed what it holds.
+- **A trainer behind.** A trainer that comes back holding less than it acknowledged (it acknowledged steps
+  before it could keep them: its checkpoint is older) lacks steps the window no longer has. ``keep``
+  acknowledged steps stay in ``kept`` for that case; ``rejoin(have)`` puts the ones it lacks back into
+  ``unacked`` (sent again, in order), or names the steps that are gone. ``acked_before`` is what an earlier
+  run of the orchestrator saw acknowledged (its saved state): a trainer reporting less after a restart of
+  both is behind too, and nothing of that earlier run is kept.
 """
 
 from __future__ import annotations
@@ -31,13 +37,16 @@ P = TypeVar("P")
 class DeliveryWindow(Generic[P]):
     """See the module docstring. ``bound`` >= 1: steps sent and not acknowledged before ``full``."""
 
-    def __init__(self, bound: int) -> None:
+    def __init__(self, bound: int, *, keep: int = 0, acked_before: int = -1) -> None:
         if bound < 1:
             raise ValueError(f"a delivery window holds at least one step, got bound = {bound}")
-        self.bound = bound
+        if keep < 0:
+            raise ValueError(f"keep counts acknowledged steps kept, got {keep}")
+        self.bound, self.keep, self.acked_before = bound, keep, acked_before
         self.next_step: int | None = None  # None: nothing sent yet, any step may come first
         self.peer_has: int | None = None  # the highest step the trainer holds, as far as we know
         self.unacked: dict[int, P | None] = {}  # step -> payload to resend, in send order
+        self.kept: dict[int, P | None] = {}  # the last ``keep`` acknowledged steps, for a trainer that falls behind
         self.skipped: list[int] = []  # steps not sent because the trainer had them (or an earlier run sent them)
 
     @property
@@ -84,5 +93,26 @@ class DeliveryWindow(Generic[P]):
         self.peer_has = have if self.peer_has is None else max(have, self.peer_has)
         done = [s for s in self.unacked if s <= have]
         for s in done:
-            del self.unacked[s]
+            payload = self.unacked.pop(s)
+            if self.keep:
+                self.kept[s] = payload
+        for s in sorted(self.kept)[:max(len(self.kept) - self.keep, 0)]:
+            del self.kept[s]
         return done
+
+    def rejoin(self, have: int) -> list[int]:
+        """A trainer (re)joins holding every step <= ``have``: the steps it lacks that are gone (not kept), or
+        [] when it can go on. A trainer behind what was acknowledged gets the kept steps it lacks back in
+        ``unacked``, ahead of the rest, and ``acked`` drops to ``have``; for one at or past it nothing
+        changes (its ``have`` is an acknowledgement: call ``acknowledge``). When steps are gone nothing
+        changes either: that trainer cannot be fed."""
+        floor = max(self.acked, self.acked_before)
+        if have >= floor:
+            return []
+        gone = [s for s in range(have + 1, floor + 1) if s not in self.kept]  # an earlier run's: never kept
+        if gone:
+            return gone
+        back = {s: self.kept.pop(s) for s in sorted(self.kept) if s > have}
+        self.unacked = {**back, **self.unacked}
+        self.peer_has = have
+        return []

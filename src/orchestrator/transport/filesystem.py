@@ -178,13 +178,14 @@ class FileBatchSender(Sender[None]):
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_pending, self.poll_s = max_pending, poll_s
         self.resume = resume
+        self.marker_dir: Path | None = None  # where checkpoints are announced (set by ``announcements``)
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, directory: str | Path, max_pending: int = 2, *, resume: bool = False
+    async def open(cls, directory: str | Path, max_pending: int = 2, *, resume: bool = False, warn_s: float = 30.0
                    ) -> AsyncIterator[FileBatchSender]:
         """A sender for the orchestrator; TransportError if ``directory`` holds another run's batch files."""
-        sender = cls(directory, max_pending=max_pending, resume=resume)
+        sender = cls(directory, max_pending=max_pending, resume=resume, warn_s=warn_s)
         leftover = await asyncio.to_thread(pending_steps, sender.directory)
         if leftover and not resume:
             raise TransportError(f"{sender.directory} holds batch files of steps {sorted(leftover)[:5]} from an "
@@ -198,7 +199,13 @@ class FileBatchSender(Sender[None]):
         """Checkpoint steps from marker files (the filesystem transport has no message channel)."""
         if marker_dir is None:
             raise TransportError("the filesystem transport needs transport.checkpoint_source = 'marker'")
+        self.marker_dir = marker_dir
         return marker_announcements(marker_dir)
+
+    def checkpoint_wanted(self, policy: int) -> str:
+        """No channel to ask on: says where the marker files are expected."""
+        return (f"the trainer announces checkpoints as marker files step_<N>.ready in {self.marker_dir} "
+                f"(write_marker); none of step >= {policy} has been read")
 
     async def _delivered_before(self, step: int) -> bool:
         return self.resume and await asyncio.to_thread(batch_path(self.directory, step).exists)

@@ -220,6 +220,14 @@ class PrimeRLSender(Sender[list[memoryview]]):
         """The newest complete ``broadcasts/step_N`` each time there is a newer one (``marker_dir`` unused)."""
         return self._broadcasts.updates()
 
+    def checkpoint_wanted(self, policy: int) -> str:
+        """prime-rl's trainer cannot be asked: says where its weights appear and what it is known to lack."""
+        latest = self._broadcasts.latest
+        newest = f"the newest is step_{latest.step}" if latest is not None else "there is none yet"
+        missing = "" if self.layout != "zmq" or self.presence.complete else f"; the trainer {self._missing()}"
+        return (f"prime-rl's trainer publishes {self.trainer_dir}/broadcasts/step_N/STABLE after training our step "
+                f"N - 1 ({newest}){missing}")
+
     def metrics(self) -> dict[str, Any]:
         out = super().metrics()
         if self.last is not None:

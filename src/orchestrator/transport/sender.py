@@ -9,10 +9,15 @@ the end, reads ``acked`` / ``unacked`` into its state, iterates ``announcements(
 2. ``_before_send``: the transport's own precondition (a restarted trainer must report first, ...);
 3. a step the trainer holds is skipped; one an earlier run delivered durably is adopted (``_delivered_before``);
 4. wait while the window is full (``_wait_room``: the bound, with a warning every ``warn_s``; nothing is dropped);
-5. ``_deliver``: encode and send / write; what it returns is kept for a resend until acknowledged.
+5. ``_deliver``: encode and send / write; what it returns is kept for a resend until acknowledged;
+6. ``_handed_over``: a transport that sends from the window (zmq) waits until the step is out.
 
 Sends run one at a time, in call order. Subclasses wake waiters with ``_notify()`` whenever the trainer's state
-changes (an acknowledgement, a rank that connects). Importable without verifiers.
+changes (an acknowledgement, a rank that connects). Every wait logs one line every ``warn_s`` (the liveness
+bound, ``monitor.stall_warn_s``) saying what it waits for, counted from when it began: messages that change
+nothing (a trainer's status every second) do not restart the count. ``checkpoint_wanted(policy)`` is called
+while the orchestrator waits for weights: a link that can asks the trainer for its newest checkpoint, and
+each says where checkpoints come from, for the orchestrator's stall line. Importable without verifiers.
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ class Sender(abc.ABC, Generic[P]):
 
     kind = "?"  # the [transport] kind, in metrics
 
-    def __init__(self, address: str, bound: int, warn_s: float) -> None:
+    def __init__(self, address: str, bound: int, warn_s: float, *, keep: int = 0, acked_before: int = -1) -> None:
         self._address = address
-        self.window: DeliveryWindow[P] = DeliveryWindow(bound)
+        self.window: DeliveryWindow[P] = DeliveryWindow(bound, keep=keep, acked_before=acked_before)
         self.warn_s = warn_s
         self.bytes_sent = 0
         self.waiting = False  # true while a send waits for room (the bound)
@@ -94,6 +99,7 @@ class Sender(abc.ABC, Generic[P]):
             self.window.record(step, payload)
             self.bytes_sent += nbytes
             self._recorded(step)
+            await self._handed_over(step)
             return True
 
     async def wait_acked(self) -> None:
@@ -105,6 +111,11 @@ class Sender(abc.ABC, Generic[P]):
     @abc.abstractmethod
     def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]:
         """Checkpoints the trainer makes ready, for weight syncs (``marker_dir``: from marker files)."""
+
+    def checkpoint_wanted(self, policy: int) -> str:
+        """The orchestrator waits for weights of step >= ``policy``: ask the trainer for its newest checkpoint
+        where the link can, and say where checkpoints come from (a clause for the orchestrator's stall line)."""
+        return f"checkpoints come from the trainer at {self.address}"
 
     def metrics(self) -> dict[str, Any]:
         """Added to each step's metrics: the link's state after the step's send."""
@@ -136,18 +147,23 @@ class Sender(abc.ABC, Generic[P]):
     def _recorded(self, step: int) -> None:
         """``step`` is in the window (sent or adopted): e.g. acknowledge a durable write at once."""
 
+    async def _handed_over(self, step: int) -> None:
+        """``step`` was recorded: wait until it is out (for a transport that sends from the window)."""
+
     def _notify(self) -> None:
         self._changed.set()
 
     async def _wait(self, ready: Callable[[], bool], step: int, why: str | Callable[[], str]) -> None:
-        """Wait until ``ready()``, re-checking on every ``_notify``; warn every ``warn_s`` that ``step`` waits
-        because the trainer ``why`` (a callable: said as it is then)."""
-        t0 = time.monotonic()
+        """Wait until ``ready()``, re-checking on every ``_notify``; warn every ``warn_s`` from the start of the
+        wait (however often it is woken meanwhile) that ``step`` waits because the trainer ``why`` (a callable:
+        said as it is then)."""
+        t0 = warned = time.monotonic()
         while not ready():
             self._changed.clear()
             try:
-                async with asyncio.timeout(self.warn_s):
+                async with asyncio.timeout(max(warned + self.warn_s - time.monotonic(), 0.0)):
                     await self._changed.wait()
             except TimeoutError:
+                warned = time.monotonic()
                 log.warning("step %d waits: the trainer at %s %s (%.0f s so far)", step, self.address,
-                            why() if callable(why) else why, time.monotonic() - t0)
+                            why() if callable(why) else why, warned - t0)

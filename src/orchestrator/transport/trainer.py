@@ -5,8 +5,9 @@ on the wire: it reads every step in order, takes ``train_s`` per step, then anno
 (with ``checkpoint_dir``: in the directory ``checkpoint_dir/step_<N>``, which it creates, as a trainer
 saving its weights would; without it the orchestrator's ``inference.weights_path`` must name them).
 With a ``journal`` file it appends one JSON line per step received and, when started again, tells the
-orchestrator the last step in it (as a real trainer restarting from its checkpoint would), so tests can
-check delivery across crashes of either side: every step once, in order.
+orchestrator the last step in it and the checkpoint after it (as a real trainer restarting from its checkpoint
+would: weights ``last + 1``, the ones it trained on that step), so tests can check delivery across crashes of
+either side: every step once, in order, and no wait for weights that were announced before the crash.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import numpy as np
 import orjson
 
 from orchestrator.security import ClientKeys
+from orchestrator.transport.checkpoints import Checkpoint
+from orchestrator.transport.receiver import BatchReceiver
 from orchestrator.transport.wire import Batch
-from orchestrator.transport.zmq_link import BatchReceiver
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +56,12 @@ class ReferenceTrainer:
         """Consumes batches; produces checkpoint announcements. Ends after ``max_steps`` or when cancelled."""
         done = read_journal(self.journal)
         last = int(done[-1]["step"]) if done else None
+        resumed = None
         if last is not None:
             log.info("trainer: journal %s ends at step %d; asking for the steps after it", self.journal, last)
-        receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys)
+            if self.announce:  # the weights it would have resumed from: trained on step ``last``
+                resumed = Checkpoint(last + 1, await asyncio.to_thread(self._save, last + 1))
+        receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys, checkpoint=resumed)
         # a line per step, on the loop: the reference trainer does nothing else meanwhile
         journal = open(self.journal, "ab") if self.journal else None  # noqa: SIM115, ASYNC230 - closed below
         try:
