@@ -2,19 +2,27 @@
 
 verifiers runs a harness's ``launch()`` per rollout; every model call must go through the rollout's
 interception ``endpoint`` so the trace records token ids, logprobs and routed experts. This harness makes
-those calls with one ``AsyncOpenAI`` client per (endpoint, process): building a client per rollout costs
-~53 ms of TLS setup (measured in VERIFIERS.md). A subclass overrides ``follow_up(data, reply, turn)`` to
-continue the conversation (multi-turn): it returns the next user message, or None to end the episode.
+those calls with one ``AsyncOpenAI`` client per (endpoint, process), and per rollout a copy of it holding that
+rollout's ``secret`` (which differs per rollout) over the same connection pool: building a client per rollout
+costs ~53 ms of TLS setup on the worker's loop (measured in VERIFIERS.md), and keeping one per secret grew
+without bound. A subclass overrides ``follow_up(data, reply, turn)`` to continue the conversation
+(multi-turn): it returns the next user message, or None to end the episode.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import openai.resources  # noqa: F401 - see below
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
 
-_clients: dict[tuple[str, str], AsyncOpenAI] = {}
+# ``AsyncOpenAI.chat`` imports ``openai.resources`` on first use: over a second of CPU (many times that in wall
+# time on a busy host) that would block an env worker's loop, and its heartbeats, during its first rollouts, long
+# enough for the orchestrator to count a niced worker as dead (and its restart to do the same). Imported here it
+# is part of loading the environment, which has its own, longer bound.
+
+_clients: dict[str, AsyncOpenAI] = {}  # by endpoint: one per interception server of this process
 
 
 def assistant_texts(trace: vf.Trace) -> list[str]:
@@ -25,11 +33,10 @@ def assistant_texts(trace: vf.Trace) -> list[str]:
 
 
 def _client(endpoint: str, secret: str) -> AsyncOpenAI:
-    key = (endpoint, secret)
-    client = _clients.get(key)
+    client = _clients.get(endpoint)
     if client is None:
-        client = _clients[key] = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
-    return client
+        client = _clients[endpoint] = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+    return client.with_options(api_key=secret)  # shares the client's connections: no new TLS setup
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
