@@ -58,6 +58,24 @@ log = logging.getLogger(__name__)
 STATUS_S = 1.0  # an idle receiver reports the step it holds this often
 
 
+def _bind_pair(push: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str) -> str:
+    """Bind ``push`` at ``address`` and ``pull`` at its ``ckpt_address``; the address ``push`` got. A tcp:// port
+    of ``*`` or 0 asks for any free pair: when the port after the one ``push`` got is taken, another is tried (as
+    the prime-rl sender does), so a busy host's other sockets do not fail the bind."""
+    tries = 20 if address.startswith("tcp://") and address.rpartition(":")[2] in ("*", "0") else 1
+    while True:
+        push.bind(address)
+        bound = push.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for any
+        try:
+            pull.bind(ckpt_address(bound))
+            return bound
+        except zmq.ZMQError:
+            tries -= 1
+            if tries == 0:
+                raise
+            push.unbind(bound)
+
+
 def ckpt_address(address: str) -> str:
     """The trainer-to-orchestrator channel next to a batch address."""
     if address.startswith("tcp://"):
@@ -133,9 +151,7 @@ class BatchSender(Sender[list[Any]]):
             if address.startswith("ipc://"):
                 Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
             try:
-                push.bind(address)
-                bound = push.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for 0
-                pull.bind(ckpt_address(bound))
+                bound = _bind_pair(push, pull, address)
             except zmq.ZMQError as e:
                 raise TransportError(f"cannot bind the trainer's address {address}: {e}") from None
             sender = cls(push, pull, bound, hwm, warn_s, require_report)
