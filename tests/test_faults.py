@@ -43,16 +43,16 @@ from orchestrator.testing.sim import Faults, SimCluster, sim_cluster
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(500)]
 
 GROUP = 4
 FAILURES_TO_EVICT = 3
 WARN_INTERVAL_S = 0.5
 LATENCY: dict[str, Any] = {"latency_ms": 10.0, "latency_max_ms": 60.0}  # requests stay in flight long enough to be hit
-# Bounds, not expectations: a job takes 5-20 s on a quiet 2-core machine and several times that with both cores
-# busy (scripts/flake.py); these only stop a job that would never end.
-JOB_TIMEOUT_S = 200.0
-TEST_TIMEOUT_S = 250.0  # the job plus starting and stopping the servers
+# Bounds, not expectations: a job takes 5-20 s on a quiet 2-core machine and up to 150 s measured with other test
+# runs on it (load average 12); these only stop a job that would never end.
+JOB_TIMEOUT_S = 400.0
+TEST_TIMEOUT_S = 450.0  # the job plus starting and stopping the servers
 HANG_GUARD_S = 120.0  # a chaos task's wait for something the job does (it ends on that event, not on this)
 # Calls that answer, however slowly on a busy machine, must not fail: a request or weight sync timing out counts
 # against its server (evictions, rejoins), which the tests count exactly. Only the injected hangs need a timeout,
