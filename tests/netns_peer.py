@@ -54,7 +54,7 @@ FORGED_HAVE = 50
 FORGED_REWARD = 7.75
 FORGED_TOKEN = 4242
 FORGED_CHECKPOINT = 99
-WAIT_S = 30.0
+WAIT_S = 120.0  # a hang guard only: the other side is a process that may still be starting on a busy host
 
 
 def say(**fields: Any) -> None:

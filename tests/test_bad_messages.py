@@ -221,8 +221,8 @@ async def test_sender_ignores_malformed_trainer_messages(message: bytes, tmp_pat
             assert decode(await asyncio.wait_for(trainer.recv_multipart(), 5)).step == 0
             await channel.send(message)
             await channel.send(msgpack.packb({"have": 0, "checkpoint": 7, "id": "t1"}))  # a valid report right after
-            try:
-                await asyncio.wait_for(sender.wait_acked(), 2)
+            try:  # a hang guard: a sender that stopped reading never gets the report
+                await asyncio.wait_for(sender.wait_acked(), 60)
             except TimeoutError:
                 pytest.fail("the sender stopped reading the trainer channel after a malformed message")
             announced = sender.announcements()

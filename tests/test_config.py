@@ -196,7 +196,7 @@ def test_bad_override_syntax_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_process_exit_status_is_2(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD + "bogus = 1\n")
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "check", str(path)],
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 2
     assert "env[0].bogus: unknown key" in proc.stderr
     assert proc.stdout == ""

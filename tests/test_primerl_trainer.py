@@ -57,7 +57,7 @@ max_steps = {STEPS}
 [inference]
 servers = {orjson.dumps(urls).decode()}
 backend = "prime-rl"
-request_timeout_s = 10.0
+request_timeout_s = 120.0  # a slow reply on a busy host must not fail: timeouts evict servers, which then skip syncs
 
 [scheduler]
 batch_size = 8

@@ -57,7 +57,7 @@ def test_report_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> Non
     write_metrics(tmp_path, 1)
     code = ("import sys; sys.modules['matplotlib'] = None  # an install without the plots extra\n"
             "from orchestrator.cli import main; sys.exit(main(['report', sys.argv[1]]))")
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=180,
                          check=False)
     assert run.returncode == 1
     assert "pip install 'rollout-orchestrator[plots]'" in run.stderr

@@ -13,8 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import openai.resources  # noqa: F401 - see below
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
+
+# ``AsyncOpenAI.chat`` imports ``openai.resources`` on first use: over a second of CPU (many times that in wall
+# time on a busy host) that would block an env worker's loop, and its heartbeats, during its first rollouts, long
+# enough for the orchestrator to count a niced worker as dead (and its restart to do the same). Imported here it
+# is part of loading the environment, which has its own, longer bound.
 
 _clients: dict[str, AsyncOpenAI] = {}  # one per interception endpoint: one per environment a worker serves
 

@@ -78,6 +78,17 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def unix_connections(path: str | Path) -> int:
+    """Connections to the Unix socket ``path`` (an ``ipc://`` address without its scheme) that the process which
+    bound it still holds open; 0 once it has closed every peer's connection (e.g. after the peer died)."""
+    held = 0
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()  # Num RefCount Protocol Flags Type St Inode [Path]; St 03: connected
+        if len(fields) == 8 and fields[7] == str(path) and fields[5] == "03":
+            held += 1
+    return held
+
+
 def write_job(directory: Path, url: str, steps: int, name: str) -> tuple[Path, Path]:
     """A small job (arithmetic, one env worker, 8 rollouts a step) for runs as real processes: writes
     ``directory/job.toml``; returns it and the run's output directory."""

@@ -80,8 +80,7 @@ class ReferenceTrainer:
                 await receiver.ack(batch.step)  # after the journal line, so a killed trainer loses no step
                 log.info("trainer: step %d: %d samples, %d tokens (%d trained), routed experts %s",
                          info.step, info.samples, info.tokens, info.trained_tokens, info.routed_shape)
-                if self.train_s:
-                    await asyncio.sleep(self.train_s)
+                await self.train(batch)
                 if self.announce:
                     await receiver.announce(batch.step + 1, await asyncio.to_thread(self._save, batch.step + 1))
         finally:
@@ -89,6 +88,11 @@ class ReferenceTrainer:
             if journal:
                 journal.close()
 
+    async def train(self, batch: Batch) -> None:
+        """Training on ``batch``, after it is acknowledged and before its weights are announced: ``train_s`` of
+        waiting. A subclass may wait for something else (a test holding the trainer)."""
+        if self.train_s:
+            await asyncio.sleep(self.train_s)
 
     def _save(self, step: int) -> str | None:
         """The directory of checkpoint ``step`` (created; it would hold the weights), or None."""

@@ -64,6 +64,24 @@ CONTROL = b"ctl"  # frame 0 of a control message (a batch's frame 0 is a msgpack
 SEAT_GRACE_S = 2.0  # a second trainer is refused if the first is still connected this long after it appeared
 
 
+def _bind_pair(out: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str) -> str:
+    """Bind ``out`` (the batch socket) at ``address`` and ``pull`` at its ``ckpt_address``; the address ``out``
+    got. A tcp:// port of ``*`` or 0 asks for any free pair: when the port after the one ``out`` got is taken,
+    another is tried (as the prime-rl sender does), so a busy host's other sockets do not fail the bind."""
+    tries = 20 if address.startswith("tcp://") and address.rpartition(":")[2] in ("*", "0") else 1
+    while True:
+        out.bind(address)
+        bound = out.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for any
+        try:
+            pull.bind(ckpt_address(bound))
+            return bound
+        except zmq.ZMQError:
+            tries -= 1
+            if tries == 0:
+                raise
+            out.unbind(bound)
+
+
 def ckpt_address(address: str) -> str:
     """The trainer-to-orchestrator channel next to a batch address."""
     if address.startswith("tcp://"):
@@ -185,11 +203,8 @@ class BatchSender(Sender[list[Any]]):
             pull.setsockopt(zmq.LINGER, 0)
             ipc.prepare(address)
             try:
-                router.bind(address)
-                bound = router.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for 0
-                files.append(bound)
-                pull.bind(ckpt_address(bound))
-                files.append(ckpt_address(bound))
+                bound = _bind_pair(router, pull, address)
+                files += [bound, ckpt_address(bound)]
             except zmq.ZMQError as e:
                 raise TransportError(f"cannot bind the trainer's address {address}: {e}") from None
             sender = cls(router, pull, bound, hwm, warn_s, require_report, keep, acked_before)
