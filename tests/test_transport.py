@@ -142,8 +142,8 @@ async def test_absent_trainer_back_pressures(tmp_path: Path, caplog: pytest.LogC
     async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=1, warn_s=0.05) as sender:
         # nobody connected: ZMQ queues nothing for a PUSH without peers, so the first send already waits
         pending = asyncio.ensure_future(sender.send(make_batch(0)))
-        with caplog.at_level(logging.WARNING, "orchestrator.transport.zmq_link"):
-            await wait_until(lambda: "no trainer takes step 0" in caplog.text, 60, "the send's warning", poll_s=0.01)
+        with caplog.at_level(logging.WARNING, "orchestrator.transport"):
+            await wait_until(lambda: "step 0 waits" in caplog.text, 60, "the send's warning", poll_s=0.01)
         assert not pending.done()
         receiver = BatchReceiver(sender.address)
         try:
