@@ -36,6 +36,7 @@ import pytest
 
 from orchestrator.app import Orchestrator, load_metrics
 from orchestrator.config import JobConfig, load_config
+from orchestrator.inference.pool import PROBE_CACHE_SALT
 from orchestrator.memory import rss_mb
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import Faults, SimCluster, sim_cluster
@@ -163,12 +164,16 @@ class StepWatch:
 
 
 def injected(cluster: SimCluster) -> Counter[str]:
-    """Faults the running servers injected so far (a killed server's counters are not included)."""
+    """Faults the running servers injected into rollouts' requests so far (a killed server's counters are not
+    included; nor are faults that hit the pool's probes of evicted servers: those fail no rollout)."""
     total: Counter[str] = Counter()
     for i in range(len(cluster)):
         with contextlib.suppress(LookupError):
             c = cluster[i].counters
-            total.update(errors=c.errors, hangs=c.hangs, malformed=c.malformed, down=c.down)
+            probes = Counter((g.fault or "").partition(":")[0] for g in cluster[i].log.generate
+                             if g.cache_salt == PROBE_CACHE_SALT)
+            total.update(errors=c.errors - probes["error"], hangs=c.hangs - probes["hang"],
+                         malformed=c.malformed - probes["malformed"], down=c.down - probes["down"])
     return total
 
 

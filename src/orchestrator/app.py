@@ -286,7 +286,7 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
                   cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env)
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
-    pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
+    pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
     if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
         reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
                                   model=cfg.model.name, tokenizer=tokenizer, resume=True)

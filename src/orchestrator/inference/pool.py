@@ -2,7 +2,7 @@
 
 Use (the orchestrator)::
 
-    async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
+    async with InferencePool.open(cfg.inference, cfg.model.name) as pool, asyncio.TaskGroup() as tg:
         tg.create_task(pool.run())                  # background probes: owned by the caller
         server = await pool.acquire(group_size)     # ... pool.release(server, group_size)
         result = await pool.update_weights(Checkpoint(step, path))  # WeightSyncResult(updated, failed)
@@ -11,16 +11,24 @@ Use (the orchestrator)::
   counts ``n`` more on it until ``release``: a group of ``n`` rollouts acquires once, so the whole group is
   pinned to one server (``server.url`` is what its env worker talks to).
 - **Health.** ``report_failure`` / ``report_success`` come from whoever talked to the server (the scheduler,
-  for env workers' calls). ``failures_to_evict`` consecutive failures take a server out of rotation;
-  ``run()`` probes servers out of rotation every ``probe_interval_s``: one whose ``/health`` answers 200 (any
-  body: real servers send none) is brought to the current weights first, then rejoins. With no server in
-  rotation, ``acquire`` waits (one warning per ``no_server_warn_interval_s`` for the whole pool) and resumes
-  when one returns. Every change is logged and counted in ``metrics`` (``evictions``, ``rejoins``,
-  ``failed:<kind>``, ``weight_sync_failed``).
+  for env workers' calls: an error, a malformed reply or a request timeout alike). ``failures_to_evict``
+  consecutive failures take a server out of rotation; ``run()`` probes servers out of rotation every
+  ``probe_interval_s``: one whose ``/health`` answers 200 (any body: real servers send none) is brought to the
+  current weights first (else only resumed), then (given the ``model``) must answer a 2-token generate
+  request that parses, each call within PROBE_TIMEOUT_S, and only then rejoins. The generate canary keeps
+  out a server whose health route answers while its generate route hangs, errs or returns garbage: without
+  it such a server would rejoin at once, take its share of new groups and hold them until they time out,
+  again and again.
+  With no server in rotation, ``acquire`` waits (one warning per ``no_server_warn_interval_s`` for the whole
+  pool) and resumes when one returns. Every change is logged and counted in ``metrics`` (``evictions``,
+  ``rejoins``, ``failed:<kind>``, ``weight_sync_failed``).
 - **Weight sync.** ``update_weights(ckpt)`` runs the backend's pause / load / resume (weights.py) on every
-  server at once, each call under ``weight_sync_timeout_s``; a server that fails leaves rotation and is
-  synced again before it rejoins, so no server serves old weights unnoticed. No real server reports which
-  weights it serves, so ``server.version`` is what the last successful sync loaded.
+  server at once, each call under ``weight_sync_timeout_s`` and logged every SLOW_CALL_WARN_S while it has
+  no answer; after a failed call the resume waits at most RESUME_AFTER_FAILURE_S. So a hung server holds a
+  sync (and the new policy, which waits for it) for at most ``weight_sync_timeout_s`` + that, then leaves
+  rotation, named in the log; it is synced again before it rejoins, so no server serves old weights
+  unnoticed. No real server reports which weights it serves, so ``server.version`` is what the last
+  successful sync loaded.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import aiohttp
 
 from orchestrator.config import InferenceConfig
 from orchestrator.errors import Failure, InferenceError
+from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
 from orchestrator.inference.weights import weight_sync, weights_dir
 from orchestrator.transport.checkpoints import Checkpoint
@@ -44,6 +53,10 @@ from orchestrator.transport.checkpoints import Checkpoint
 log = logging.getLogger(__name__)
 
 SLOW_CALL_WARN_S = 30.0
+RESUME_AFTER_FAILURE_S = 30.0  # a resume answers at once on a working server; after a failure it is best effort
+PROBE_TIMEOUT_S = 5.0  # each probe call (health, a 2-token generate); at most request_timeout_s
+CANARY_PROMPT = [1, 2, 3]  # token ids of the probe's generate request: any model's vocabulary has them
+PROBE_CACHE_SALT = "probe"  # the probe's generate requests carry it (tests tell them from rollouts' by it)
 
 
 @dataclass(eq=False)
@@ -56,6 +69,7 @@ class Server:
     failures: int = 0  # consecutive
     version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with)
     last_error: str = ""
+    probe_failures: int = 0  # since it last left rotation
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -71,10 +85,12 @@ class WeightSyncResult:
 
 
 class InferencePool:
-    def __init__(self, cfg: InferenceConfig, servers: Sequence[InferenceServer]) -> None:
+    def __init__(self, cfg: InferenceConfig, servers: Sequence[InferenceServer], model: str | None = None) -> None:
+        """``model``: the served model's name, for the probe's generate canary (None: probes check health only)."""
         if not servers:
             raise ValueError("an inference pool needs at least one server (inference.servers)")
         self.cfg = cfg
+        self.model = model
         self.servers = [Server(api) for api in servers]
         self.weights = weight_sync(cfg.backend)
         self._rotation_changed = asyncio.Event()
@@ -84,12 +100,12 @@ class InferencePool:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: InferenceConfig) -> AsyncIterator[InferencePool]:
+    async def open(cls, cfg: InferenceConfig, model: str | None = None) -> AsyncIterator[InferencePool]:
         """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit)."""
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         key = api_key(cfg.api_key_env)
         async with aiohttp.ClientSession(connector=connector) as session:
-            yield cls(cfg, [HttpInferenceServer(url, session, key) for url in cfg.servers])
+            yield cls(cfg, [HttpInferenceServer(url, session, key) for url in cfg.servers], model)
 
     # ------------------------------------------------------------------------------- choice and pinning
 
@@ -138,6 +154,7 @@ class InferencePool:
         if server.in_rotation == on:
             return
         server.in_rotation = on
+        server.probe_failures = 0
         self.metrics["rejoins" if on else "evictions"] += 1
         if on:
             server.failures = 0
@@ -150,7 +167,8 @@ class InferencePool:
         """Probe servers out of rotation every ``probe_interval_s``; consumes nothing, produces rejoins.
 
         Waits on a timer only. A server whose ``/health`` answers 200 is synced to the target weights (unless
-        it holds them already), then rejoins. Runs until cancelled (owned by the caller's TaskGroup)."""
+        it holds them already), passes the generate canary (with a ``model``), then rejoins. Runs until
+        cancelled (owned by the caller's TaskGroup)."""
         while True:
             await asyncio.sleep(self.cfg.probe_interval_s)
             out = [s for s in self.servers if not s.in_rotation]
@@ -158,21 +176,39 @@ class InferencePool:
                 await asyncio.gather(*(self._probe(s) for s in out))
 
     async def _probe(self, server: Server) -> None:
+        """Health, weights, canary (the ``run`` docstring); the first failure ends the probe, logged once per
+        eviction (then at debug level: a server may stay out for hours)."""
+        timeout_s = min(self.cfg.request_timeout_s, PROBE_TIMEOUT_S)
         try:
-            probe_timeout_s = min(self.cfg.request_timeout_s, max(5 * self.cfg.probe_interval_s, 1.0))
-            await self._timed(server.api.request("GET", "/health"), f"/health of {server.url}", probe_timeout_s)
+            await self._timed(server.api.request("GET", "/health"), f"/health of {server.url}", timeout_s)
             target = self.target
             if server.version != target.step:
-                await self._sync_one(server, target)
+                await self._sync_one(server, target)  # ends with a resume
+            else:  # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped)
+                async with server.sync_lock:
+                    await self._timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
+            if self.model is not None:
+                body = {"model": self.model, "token_ids": CANARY_PROMPT, "cache_salt": PROBE_CACHE_SALT,
+                        "sampling_params": {"max_tokens": 2, "logprobs": 1, "temperature": 1.0}}
+                raw = await self._timed(server.api.request("POST", "/inference/v1/generate", body=body),
+                                        f"a 2-token generate request to {server.url}", timeout_s)
+                parse_generate_reply(raw, len(CANARY_PROMPT))
             self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
         except InferenceError as e:
             server.last_error = str(e)
-            log.debug("probe of %s failed: %s", server.url, e)
+            level = logging.DEBUG if server.probe_failures else logging.INFO
+            server.probe_failures += 1
+            log.log(level, "inference server %s stays out of rotation: %s", server.url, e)
 
-    async def _timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None) -> bytes:
-        """``call`` under ``timeout_s`` (default ``weight_sync_timeout_s``), logging every SLOW_CALL_WARN_S
-        while it has no answer: a hung server holds a weight sync, and the job, for at most the timeout."""
-        timeout_s = self.cfg.weight_sync_timeout_s if timeout_s is None else timeout_s
+    async def _timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None, *,
+                     after_failure: bool = False) -> bytes:
+        """``call`` under ``timeout_s`` (default ``weight_sync_timeout_s``; ``after_failure``: at most
+        RESUME_AFTER_FAILURE_S), logging every SLOW_CALL_WARN_S while it has no answer: a hung server holds a
+        weight sync, and the job, for at most the timeout."""
+        if timeout_s is None:
+            timeout_s = self.cfg.weight_sync_timeout_s
+            if after_failure:
+                timeout_s = min(timeout_s, RESUME_AFTER_FAILURE_S)
         task = asyncio.ensure_future(call)
         t0 = time.monotonic()
         try:
