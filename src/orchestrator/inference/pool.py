@@ -23,12 +23,12 @@ Use (the orchestrator)::
   pool) and resumes when one returns. Every change is logged and counted in ``metrics`` (``evictions``,
   ``rejoins``, ``failed:<kind>``, ``weight_sync_failed``).
 - **Weight sync.** ``update_weights(ckpt)`` runs the backend's pause / load / resume (weights.py) on every
-  server at once, each call under ``weight_sync_timeout_s`` and logged every SLOW_CALL_WARN_S while it has
-  no answer; after a failed call the resume waits at most RESUME_AFTER_FAILURE_S. So a hung server holds a
-  sync (and the new policy, which waits for it) for at most ``weight_sync_timeout_s`` + that, then leaves
-  rotation, named in the log; it is synced again before it rejoins, so no server serves old weights
-  unnoticed. No real server reports which weights it serves, so ``server.version`` is what the last
-  successful sync loaded.
+  server in rotation at once, each call under ``weight_sync_timeout_s`` and logged every SLOW_CALL_WARN_S
+  while it has no answer; after a failed call the resume waits at most RESUME_AFTER_FAILURE_S. So a hung
+  server holds one sync (and the new policy, which waits for it) for at most ``weight_sync_timeout_s`` +
+  that, then leaves rotation, named in the log; servers out of rotation are synced by the probe before they
+  rejoin, so no server serves old weights unnoticed and none is waited for while it is out. No real server
+  reports which weights it serves, so ``server.version`` is what the last successful sync loaded.
 """
 
 from __future__ import annotations
@@ -181,12 +181,12 @@ class InferencePool:
         timeout_s = min(self.cfg.request_timeout_s, PROBE_TIMEOUT_S)
         try:
             await self._timed(server.api.request("GET", "/health"), f"/health of {server.url}", timeout_s)
-            target = self.target
-            if server.version != target.step:
-                await self._sync_one(server, target)  # ends with a resume
-            else:  # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped)
+            if server.version == self.target.step:
+                # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped)
                 async with server.sync_lock:
                     await self._timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
+            while server.version != self.target.step:  # newer weights may be announced while it loads
+                await self._sync_one(server, self.target)  # ends with a resume
             if self.model is not None:
                 body = {"model": self.model, "token_ids": CANARY_PROMPT, "cache_salt": PROBE_CACHE_SALT,
                         "sampling_params": {"max_tokens": 2, "logprobs": 1, "temperature": 1.0}}
@@ -229,15 +229,18 @@ class InferencePool:
     # ------------------------------------------------------------------------------------- weight sync
 
     async def update_weights(self, ckpt: Checkpoint) -> WeightSyncResult:
-        """Pause, load ``ckpt``'s weights and resume on every server at once.
+        """Pause, load ``ckpt``'s weights and resume on every server in rotation at once.
 
         A server that fails any call leaves rotation (and is counted in ``failed``); the probe in ``run()``
-        syncs it and brings it back. CheckpointError when there is no path for the weights."""
+        syncs it and brings it back. A server out of rotation is not waited for: the probe syncs it to the
+        newest weights before it rejoins, so a hung server holds one sync, not every sync while it hangs.
+        CheckpointError when there is no path for the weights."""
         weights_dir(ckpt, self.cfg.weights_path)  # no path: an error for the job, before any server is paused
         self.target = ckpt
         result = WeightSyncResult(ckpt.step)
-        outcomes = await asyncio.gather(*(self._sync_one(s, ckpt) for s in self.servers), return_exceptions=True)
-        for server, outcome in zip(self.servers, outcomes, strict=True):
+        live = [s for s in self.servers if s.in_rotation]
+        outcomes = await asyncio.gather(*(self._sync_one(s, ckpt) for s in live), return_exceptions=True)
+        for server, outcome in zip(live, outcomes, strict=True):
             if isinstance(outcome, InferenceError):
                 result.failed[server.url] = str(outcome)
                 self.metrics["weight_sync_failed"] += 1
