@@ -295,7 +295,7 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
     hub = await stack.enter_async_context(WorkerHub.open(
         worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
-        cfg.security.server_keys(worker_address)))
+        cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s))
     return pool, hub
 
 

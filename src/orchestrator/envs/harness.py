@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import openai.resources.chat.completions  # noqa: F401 - the SDK imports it on first use: on the first rollout's loop
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
 
