@@ -284,11 +284,11 @@ async def test_server_killed_mid_step_then_restarted_on_the_same_url(
             await kill(cluster, victim)
             facts["cut"] = doomed.counters.hangs
             facts["step_at_kill"] = len(watch.metrics)
-            # its cut rollouts fail as provider errors; it leaves rotation; the weight sync of a later step fails
+            # its cut rollouts fail as provider errors; it leaves rotation (and later weight syncs leave it out:
+            # the probe syncs it before it rejoins)
             await wait_until(lambda: orch.pool.metrics[PROVIDER] >= facts["cut"], 20, "cut rollouts failed",
                              poll_s=0.01)
-            await wait_until(lambda: not pooled.in_rotation and orch.pool.metrics["weight_sync_failed"] >= 1, 20,
-                             "the victim evicted and a weight sync failed on it", poll_s=0.01)
+            await wait_until(lambda: not pooled.in_rotation, 20, "the victim evicted", poll_s=0.01)
             await watch.reached(facts["step_at_kill"])  # the job went on without it
             facts["target_at_restart"] = orch.pool.target.step
             restarted = await cluster.restart(victim)
