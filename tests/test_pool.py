@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 from collections.abc import AsyncIterator
 
 import orjson
@@ -242,3 +243,29 @@ async def test_after_a_call_with_no_answer_the_resume_is_best_effort_and_bounded
     assert [c[1] for c in fakes[0].calls] == ["/pause", "/resume"]
     assert f"resume on {fakes[0].url} after a failed sync took more than 0.05 s" in caplog.text
     assert not pool.servers[0].in_rotation
+
+
+async def test_a_server_whose_work_never_answers_is_checked_and_evicted(caplog: pytest.LogCaptureFixture) -> None:
+    """Rollouts on a hung server need not time out to tell: cancelled as stale while steps go on with the other
+    servers, they never answer at all. A server given work and silent for request_timeout_s must answer the
+    canary within request_timeout_s; one with long rollouts does, and stays."""
+    cfg = config(2, failures_to_evict=3, request_timeout_s=0.2)
+    fakes = [FakeInferenceServer(url) for url in cfg.servers]
+    pool = InferencePool(cfg, fakes, model="m")
+    fakes[0].hang_paths.add("/inference/v1/generate")
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        async with asyncio.TaskGroup() as tg:
+            prober = tg.create_task(pool.run())
+            hung, slow = await pool.acquire(4), await pool.acquire(4)  # one group each, never answered
+            assert (hung.url, slow.url) == (fakes[0].url, fakes[1].url)
+            await wait_until(lambda: not hung.in_rotation, 20, "the hung server checked and evicted", poll_s=0.01)
+            await wait_until(lambda: pool.metrics["liveness_checks"] >= 3, 20, "more checks", poll_s=0.01)
+            assert slow.in_rotation  # it answered every check: its rollouts are just long
+            pool.report_success(slow)  # a rollout came back: no check until it is waited on again
+            assert slow.waiting_since is None
+            fakes[0].release()
+            prober.cancel()
+    assert pool.metrics["evictions"] == 1
+    assert re.search(rf"inference server {re.escape(fakes[0].url)} leaves rotation: 1 failure\(s\) in a row, last: "
+                     r"timeout: its work waited 0 s with no answer, and a 2-token generate request to \S+ took "
+                     r"more than 0.2 s", caplog.text)

@@ -245,17 +245,25 @@ def probe_hangs(server: SimServer) -> int:
     return sum(g.fault == "hang" and g.cache_salt == PROBE_CACHE_SALT for g in server.log.generate)
 
 
+@pytest.mark.parametrize("off_policy_steps", [
+    pytest.param(100, id="rollouts-time-out"),
+    # the issue's case: steps run on with the other server, so the hung server's groups are cancelled as stale
+    # before their requests time out, and never say the server is hung: the pool's liveness check must
+    pytest.param(2, id="rollouts-go-stale-first"),  # the least the config allows (max_async_level = 2)
+])
 async def test_a_hung_server_times_out_its_rollouts_leaves_rotation_and_the_run_goes_on(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, off_policy_steps: int) -> None:
     """Its generate route stops answering while /health still does (the sim's hang fault): env workers' requests
-    time out after request_timeout_s, the server leaves rotation like one that errs, stays out while the probe's
-    generate canary hangs, and rejoins once it answers again; every step completes meanwhile."""
+    time out after request_timeout_s (or their groups go stale first), the server leaves rotation like one that
+    errs, stays out while the probe's generate canary hangs, and rejoins once it answers again; every step
+    completes meanwhile."""
     facts: dict[str, Any] = {}
     async with sim_cluster(2, faults=Faults(latency_ms=10.0)) as cluster:
         hung_url = cluster.urls[0]
         cfg = job(tmp_path, cluster.urls, steps=100, silence_s=30.0,  # stopped once the server is back
                   inference=f"request_timeout_s = {REQUEST_TIMEOUT_S}\nweight_sync_timeout_s = 30.0",
-                  scheduler="group_timeout_s = 120.0")  # far above the request timeout: that one must fire
+                  # the group timeout far above the request timeout: that one must fire
+                  scheduler=f"group_timeout_s = 120.0\nmax_off_policy_steps = {off_policy_steps}")
 
         async def hang_then_recover(orch: Orchestrator, watch: Steps, _trainer: ReferenceTrainer) -> None:
             await watch.reached(0)
@@ -276,7 +284,7 @@ async def test_a_hung_server_times_out_its_rollouts_leaves_rotation_and_the_run_
                              "rollouts served by it again", poll_s=0.02)
 
         with caplog.at_level(logging.INFO, logger="orchestrator"):
-            orch, rows = await run_job(cfg, hang_then_recover, stop_after_chaos=True)
+            _, rows = await run_job(cfg, hang_then_recover, stop_after_chaos=True)
     assert not facts["rejoined_while_hung"]
     messages = [r.getMessage() for r in caplog.records]
     cleared = messages.index("the hung server answers again")
@@ -285,13 +293,13 @@ async def test_a_hung_server_times_out_its_rollouts_leaves_rotation_and_the_run_
     assert len(left) == 1, left  # out once, until it answered again
     assert left[0] < cleared < back[0], (left, cleared, back)
     assert re.search(r"\d+ failure\(s\) in a row, last: timeout: ", messages[left[0]])
-    # its rollouts failed as request timeouts, each no sooner than the timeout (none as a group timeout)
-    failed = [r for r in rows if not r["ok"]]
-    assert failed
-    assert {r["failure"] for r in failed} == {"timeout"}, {r["failure"] for r in failed}
-    assert all(r["wall_s"] >= REQUEST_TIMEOUT_S for r in failed), [r["wall_s"] for r in failed]
-    assert all(re.search(r"timed out|Timeout", r["error"]) for r in failed), {r["error"] for r in failed}
-    assert orch.pool.metrics["failed:timeout"] >= 3
+    # its rollouts failed as request timeouts, each no sooner than the timeout (none as a group timeout), or
+    # were cancelled as stale before it
+    timeouts = [r for r in rows if r["failure"] == "timeout"]
+    assert {r["failure"] for r in rows if not r["ok"]} <= {"timeout", "stale"}
+    assert timeouts or off_policy_steps < 100
+    assert all(r["wall_s"] >= REQUEST_TIMEOUT_S for r in timeouts), [r["wall_s"] for r in timeouts]
+    assert all(re.search(r"timed out|Timeout", r["error"]) for r in timeouts), {r["error"] for r in timeouts}
 
 
 async def test_weight_sync_on_a_stopped_server_is_bounded_and_named_and_it_rejoins_after(

@@ -18,10 +18,14 @@ Use (the orchestrator)::
   request that parses, each call within PROBE_TIMEOUT_S, and only then rejoins. The generate canary keeps
   out a server whose health route answers while its generate route hangs, errs or returns garbage: without
   it such a server would rejoin at once, take its share of new groups and hold them until they time out,
-  again and again.
+  again and again. A server in rotation that was given work and has not answered (a success or a failure)
+  for ``request_timeout_s`` gets the same canary, under ``request_timeout_s``, and leaves rotation if it
+  does not answer: a hung server's rollouts do not always time out to say so (steps go on with the other
+  servers, and its groups are cancelled as stale first). So a hung server is out within about twice
+  ``request_timeout_s`` of its first unanswered request.
   With no server in rotation, ``acquire`` waits (one warning per ``no_server_warn_interval_s`` for the whole
   pool) and resumes when one returns. Every change is logged and counted in ``metrics`` (``evictions``,
-  ``rejoins``, ``failed:<kind>``, ``weight_sync_failed``).
+  ``rejoins``, ``failed:<kind>``, ``weight_sync_failed``, ``liveness_checks``).
 - **Weight sync.** ``update_weights(ckpt)`` runs the backend's pause / load / resume (weights.py) on every
   server in rotation at once, each call under ``weight_sync_timeout_s`` and logged every SLOW_CALL_WARN_S
   while it has no answer; after a failed call the resume waits at most RESUME_AFTER_FAILURE_S. So a hung
@@ -70,6 +74,9 @@ class Server:
     version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with)
     last_error: str = ""
     probe_failures: int = 0  # since it last left rotation
+    waiting_since: float | None = None  # given work, and no answer (success or failure) from it since
+    answers: int = 0  # successes and failures reported
+    checking: bool = False  # a probe or liveness check of it is under way
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -118,6 +125,8 @@ class InferencePool:
             if live:
                 server = min(live, key=lambda s: s.inflight)
                 server.inflight += n
+                if server.waiting_since is None:
+                    server.waiting_since = time.monotonic()
                 return server
             self._warn_no_server()
             self._rotation_changed.clear()
@@ -141,9 +150,13 @@ class InferencePool:
 
     def report_success(self, server: Server) -> None:
         server.failures = 0
+        server.waiting_since = None
+        server.answers += 1
 
     def report_failure(self, server: Server, kind: Failure, detail: str, *, evict: bool = False) -> None:
         """Count a failed request; evict the server after ``failures_to_evict`` in a row (or now: ``evict``)."""
+        server.waiting_since = None  # an answer, of a kind (a timeout is the pool's own verdict)
+        server.answers += 1
         server.failures += 1
         server.last_error = f"{kind}: {detail}"
         self.metrics[f"failed:{kind}"] += 1
@@ -155,6 +168,7 @@ class InferencePool:
             return
         server.in_rotation = on
         server.probe_failures = 0
+        server.waiting_since = None
         self.metrics["rejoins" if on else "evictions"] += 1
         if on:
             server.failures = 0
@@ -164,16 +178,61 @@ class InferencePool:
         self._rotation_changed.set()
 
     async def run(self) -> None:
-        """Probe servers out of rotation every ``probe_interval_s``; consumes nothing, produces rejoins.
+        """Every ``probe_interval_s``: probe each server out of rotation, and check each one in rotation that
+        has been waited on too long; consumes nothing, produces rejoins and evictions.
 
         Waits on a timer only. A server whose ``/health`` answers 200 is synced to the target weights (unless
-        it holds them already), passes the generate canary (with a ``model``), then rejoins. Runs until
-        cancelled (owned by the caller's TaskGroup)."""
-        while True:
-            await asyncio.sleep(self.cfg.probe_interval_s)
-            out = [s for s in self.servers if not s.in_rotation]
-            if out:
-                await asyncio.gather(*(self._probe(s) for s in out))
+        it holds them already), passes the generate canary (with a ``model``), then rejoins. A server in
+        rotation given work ``request_timeout_s`` ago with no answer since gets a liveness check (with a
+        ``model``). Each server has at most one check running, as a task owned here. Runs until cancelled
+        (owned by the caller's TaskGroup)."""
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                await asyncio.sleep(self.cfg.probe_interval_s)
+                now = time.monotonic()
+                for server in self.servers:
+                    if server.checking:
+                        continue
+                    if not server.in_rotation:
+                        check = self._probe(server)
+                    elif (self.model is not None and server.waiting_since is not None and not server.sync_lock.locked()
+                          and now - server.waiting_since >= self.cfg.request_timeout_s):
+                        check = self._check_live(server)
+                    else:
+                        continue
+                    server.checking = True
+                    tg.create_task(self._checking(server, check))
+
+    async def _checking(self, server: Server, check: Awaitable[None]) -> None:
+        try:
+            await check
+        finally:
+            server.checking = False
+
+    async def _check_live(self, server: Server) -> None:
+        """A server in rotation whose work has waited ``request_timeout_s`` with no answer must answer the
+        canary within ``request_timeout_s`` too, or leave rotation now. Rollouts on a hung server do not always
+        time out to say so: cancelled as stale (steps run on with the other servers) or with their group,
+        they never answer, and the server would keep taking its share of new groups."""
+        assert server.waiting_since is not None
+        waited, answers = time.monotonic() - server.waiting_since, server.answers
+        self.metrics["liveness_checks"] += 1
+        try:
+            await self._canary(server, self.cfg.request_timeout_s)
+        except InferenceError as e:
+            if server.answers == answers and server.in_rotation:  # nothing answered meanwhile
+                self.report_failure(server, e.kind, f"its work waited {waited:.0f} s with no answer, and {e}",
+                                    evict=True)
+            return
+        server.waiting_since = time.monotonic() if server.inflight else None  # alive: long rollouts
+
+    async def _canary(self, server: Server, timeout_s: float) -> None:
+        """A 2-token generate request that must answer and parse within ``timeout_s`` (InferenceError else)."""
+        body = {"model": self.model, "token_ids": CANARY_PROMPT, "cache_salt": PROBE_CACHE_SALT,
+                "sampling_params": {"max_tokens": 2, "logprobs": 1, "temperature": 1.0}}
+        raw = await self._timed(server.api.request("POST", "/inference/v1/generate", body=body),
+                                f"a 2-token generate request to {server.url}", timeout_s)
+        parse_generate_reply(raw, len(CANARY_PROMPT))
 
     async def _probe(self, server: Server) -> None:
         """Health, weights, canary (the ``run`` docstring); the first failure ends the probe, logged once per
@@ -188,11 +247,7 @@ class InferencePool:
             while server.version != self.target.step:  # newer weights may be announced while it loads
                 await self._sync_one(server, self.target)  # ends with a resume
             if self.model is not None:
-                body = {"model": self.model, "token_ids": CANARY_PROMPT, "cache_salt": PROBE_CACHE_SALT,
-                        "sampling_params": {"max_tokens": 2, "logprobs": 1, "temperature": 1.0}}
-                raw = await self._timed(server.api.request("POST", "/inference/v1/generate", body=body),
-                                        f"a 2-token generate request to {server.url}", timeout_s)
-                parse_generate_reply(raw, len(CANARY_PROMPT))
+                await self._canary(server, timeout_s)
             self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
         except InferenceError as e:
             server.last_error = str(e)
@@ -260,6 +315,10 @@ class InferencePool:
         path = weights_dir(ckpt, self.cfg.weights_path)
         async with server.sync_lock:
             t0 = time.monotonic()
-            await self.weights.sync(server.api, ckpt, path, self._timed)
+            try:
+                await self.weights.sync(server.api, ckpt, path, self._timed)
+            finally:
+                if server.waiting_since is not None:  # the pause froze its requests: that time is not waiting
+                    server.waiting_since = min(time.monotonic(), server.waiting_since + time.monotonic() - t0)
             server.version = ckpt.step
             log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, time.monotonic() - t0)
