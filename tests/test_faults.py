@@ -419,8 +419,9 @@ async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: py
     assert facts["steps_left"] >= 2
     pool = run.orch.pool.metrics
     assert (pool["evictions"], pool["rejoins"]) == (3, 3)
-    # each server left after 3 refusals in a row (the sim's admin endpoints ignore `down`: syncs never evict)
-    assert pool[PROVIDER] == facts["refused"] >= 3 * FAILURES_TO_EVICT
+    # each server left after 3 refusals in a row, or at a weight sync that came during the outage (a down server
+    # refuses its admin calls too; which comes first is timing, each sync failure being one eviction)
+    assert pool[PROVIDER] == facts["refused"] >= (3 - pool["weight_sync_failed"]) * FAILURES_TO_EVICT
     # the waiting was logged: one warning per interval for the whole pool, each counted
     warnings = [r for r in caplog.records if "no inference server in rotation" in r.getMessage()]
     assert warnings
