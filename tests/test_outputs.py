@@ -58,6 +58,15 @@ def test_step_line_sorts_phases_by_cost() -> None:
     assert line.index("b=500ms") < line.index("c=10ms") < line.index("a=1ms")
     assert "lag p99=2.0ms max=3.0ms" in line
     assert "1 failed" in line
+    assert "worker max" not in line  # no env worker reported yet
+
+
+def test_step_line_names_the_largest_env_worker_rss() -> None:
+    workers = {"local-0": {"rollouts": 8, "rollouts_per_s": 4.0, "rss_mb": 301.2},
+               "local-1": {"rollouts": 8, "rollouts_per_s": 4.0, "rss_mb": 1534.6},
+               "remote-a": {"rollouts": 0, "rollouts_per_s": 0.0, "rss_mb": None}}  # no heartbeat yet
+    m = step_metrics(1, ROWS, phase_s={}, lag=LAG, rss_mb=250.0, wall_s=1.0, extra={"scheduler": {"workers": workers}})
+    assert format_step_line(m).endswith("rss=250MB worker max=1535MB")
 
 
 def test_outputs_append_jsonl(tmp_path: Path) -> None:

@@ -338,7 +338,7 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
                   cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env)
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
-    pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
+    pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
     if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
         reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
                                   model=cfg.model.name, tokenizer=tokenizer, resume=True)
@@ -347,7 +347,7 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
     hub = await stack.enter_async_context(WorkerHub.open(
         worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
-        cfg.security.server_keys(worker_address)))
+        cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s))
     return pool, hub
 
 

@@ -100,6 +100,9 @@ class SchedulerConfig:
                               "worker_address) that must be ready before the first group")
     max_buffered_rollouts: int = opt(1024, ge=1, doc="finished rollouts not in a step yet; full: no new work")
     worker_nice: int = opt(5, ge=0, le=19, doc="niceness added to local env workers, so the loop gets a busy CPU first")
+    worker_silence_s: float = opt(10.0, ge=2, doc="an env worker that sends nothing (not even its heartbeat, every "
+                                  "second) this long is lost: its rollouts fail; a local one is killed and restarted, "
+                                  "a remote one re-admitted when it speaks again")
     # 50 (groups of 4, steps of 8): with a quarter of groups passing the gates a step stops by chance with
     # probability ~1e-11; with 2% passing, 40% of steps stop, after 50 steps' worth of inference
     max_rejected_batches: int = opt(50, ge=0, doc="a step that has seen this many batches' worth of rollouts "

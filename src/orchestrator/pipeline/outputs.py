@@ -69,15 +69,18 @@ def step_metrics(
 
 
 def format_step_line(m: Mapping[str, Any]) -> str:
-    """One line per step: phases sorted by cost, lag and RSS (and the shared-memory pool, kind = shm)."""
+    """One line per step: phases sorted by cost, lag and RSS, the largest env worker's RSS (each worker's is in
+    ``scheduler.workers``), and the shared-memory pool (kind = shm)."""
     phases = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in sorted(m["phase_s"].items(), key=lambda kv: -kv[1]))
     rewards = " ".join(f"{env}={r:.3f}" for env, r in m["reward_mean"].items())
     lag = m["lag"]
+    worker_rss = [w["rss_mb"] for w in m.get("scheduler", {}).get("workers", {}).values() if w.get("rss_mb")]
+    workers = f" worker max={max(worker_rss):.0f}MB" if worker_rss else ""
     shm = f" | shm={m['shm_live_mb']:.1f}MB in {m['shm_spans']} spans" if "shm_live_mb" in m else ""
     dropped = f", {m['dropped']} in dropped groups" if m.get("dropped") else ""
     return (f"step {m['step']}: {m['rollouts']} rollouts ({m['failed']} failed, {m['filtered']} filtered{dropped}), "
             f"{m['tokens']} tokens, {m['rollouts_per_s']:.1f} rollouts/s | reward {rewards} | {phases} | "
-            f"lag p99={lag['p99']:.1f}ms max={lag['max']:.1f}ms | rss={m['rss_mb']:.0f}MB{shm}")
+            f"lag p99={lag['p99']:.1f}ms max={lag['max']:.1f}ms | rss={m['rss_mb']:.0f}MB{workers}{shm}")
 
 
 def eval_rollout_rows(row: Mapping[str, Any], groups: Sequence[Any]) -> list[dict[str, Any]]:

@@ -407,7 +407,8 @@ class Scheduler:
         self._rates_t = now
         out: dict[str, dict[str, float | None]] = {}
         for name, (completed, rss) in self.hub.worker_stats().items():
-            n = completed - self._worker_seen.get(name, 0)
+            seen = self._worker_seen.get(name, 0)
+            n = completed - seen if completed >= seen else completed  # restarted or re-admitted: counts anew
             self._worker_seen[name] = completed
             out[name] = {"rollouts": n, "rollouts_per_s": round(n / elapsed, 2), "rss_mb": rss}
         return out

@@ -173,6 +173,7 @@ class Worker:
                         await stack.enter_async_context(loaded.env.serving())
                         self.envs[loaded.name] = loaded
                     self.setup, self.model, self.tokenizer = setup, setup.model, setup.tokenizer
+                    await self._warm()
                     gc.freeze()  # everything loaded so far lives for the process: keep it out of GC passes
                     await sock.send(pack(Ready(self.worker_id, {n: len(e.tasks) for n, e in self.envs.items()})))
                     await self._serve(sock)
@@ -237,20 +238,41 @@ class Worker:
             await sock.send(pack(Heartbeat(self.worker_id, len(self.groups), round(rss_mb(), 1))))
             await asyncio.sleep(HEARTBEAT_S)
 
-    def _model_context(self, server: str, sampling: dict[str, Any]) -> Any:
-        """verifiers' model context for ``server`` and ``sampling`` (cache_salt included), reused while the
-        policy lasts: at most CONTEXTS_KEPT are kept, the oldest dropped first."""
+    def _client_config(self, server: str) -> Any:
+        """verifiers' train client config for ``server``: our tokenizer's renderer, and a read timeout of
+        ``request_timeout_s`` on every generate call (a keep pause holds a call open, so not a total one)."""
         import verifiers.v1 as vf
         from renderers.configs import DefaultRendererConfig
         from verifiers.v1.configs.client import ClientTimeoutConfig
 
+        return vf.TrainClientConfig(base_url=server, renderer=DefaultRendererConfig(),
+                                    renderer_model_name=self.tokenizer,
+                                    api_key_var=self.setup.api_key_env or NO_API_KEY_VAR,
+                                    timeout=ClientTimeoutConfig(read=self.setup.request_timeout_s))
+
+    async def _warm(self) -> None:
+        """Build, before ``ready``, the tokenizer renderer verifiers' train client would build on the first
+        rollout (shared by every later one): loading it imports transformers, seconds of CPU mostly holding the
+        GIL, which starved this loop's heartbeats for 2-4 s on a busy machine and got fresh workers declared
+        silent (``scheduler.worker_silence_s``) again and again. Before ``ready`` the hub allows minutes."""
+        from verifiers.v1.clients.train import ElasticRendererPool
+
+        cfg = self._client_config("http://warm-up.invalid/v1")  # the pool is keyed by the renderer, not the URL
+        try:
+            await ElasticRendererPool(cfg.renderer_model_name, cfg.renderer, multiplex=cfg.multiplex).grow()
+        except Exception as e:  # the first rollout builds it again and fails with the reason, as data
+            log.warning("could not build the renderer of tokenizer %s ahead of the first rollout: %s: %s",
+                        self.tokenizer, type(e).__name__, e)
+
+    def _model_context(self, server: str, sampling: dict[str, Any]) -> Any:
+        """verifiers' model context for ``server`` and ``sampling`` (cache_salt included), reused while the
+        policy lasts: at most CONTEXTS_KEPT are kept, the oldest dropped first."""
+        import verifiers.v1 as vf
+
         key = repr((server, sorted(sampling.items())))
         ctx = self._contexts.pop(key, None)
         if ctx is None:
-            client = vf.TrainClientConfig(base_url=server, renderer=DefaultRendererConfig(),
-                                          renderer_model_name=self.tokenizer,
-                                          api_key_var=self.setup.api_key_env or NO_API_KEY_VAR,
-                                          timeout=ClientTimeoutConfig(read=self.setup.request_timeout_s))
+            client = self._client_config(server)
             ctx = vf.ModelContext(model=self.model, client=client, sampling=vf.SamplingConfig(**sampling))
         self._contexts[key] = ctx  # most recently used last
         while len(self._contexts) > CONTEXTS_KEPT:
