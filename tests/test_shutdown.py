@@ -18,7 +18,7 @@ import pytest
 from orchestrator.testing.procs import orchestrator_process, processes_mentioning, wait_until, write_job
 from orchestrator.testing.sim import sim_process
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 HANG_GUARD_S = 120.0
 
 
@@ -30,7 +30,7 @@ async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch
         async with (orchestrator_process("run", str(cfg)) as run,
                     orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--checkpoint-dir",
                                          str(tmp_path / "ckpt"))):
-            await wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, 180,
+            await wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, 300,
                              "one step", alive=run)
             assert processes_mentioning(f"{out}/workers.sock"), "no env worker was running"
             run.send_signal(signal.SIGTERM)
