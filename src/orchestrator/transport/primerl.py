@@ -58,7 +58,7 @@ from orchestrator.errors import TransportError
 from orchestrator.transport.balance import BinCost, token_count
 from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, broadcast_steps, latest_broadcast
 from orchestrator.transport.primerl_wire import EncodedStep, encode_step
-from orchestrator.transport.sender import Sender
+from orchestrator.transport.sender import Sender, stop_tasks
 from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import push_polling
 
@@ -201,11 +201,7 @@ class PrimeRLSender(Sender[list[memoryview]]):
             try:
                 yield sender
             finally:
-                for task in tasks:
-                    task.cancel()
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                await stop_tasks(tasks)
                 if sender.unacked:
                     log.warning("closing with steps %s not trained by the prime-rl trainer (no broadcast yet)",
                                 sorted(sender.unacked))

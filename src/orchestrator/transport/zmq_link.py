@@ -53,7 +53,7 @@ from orchestrator.errors import TransportError
 from orchestrator.security import ServerKeys, curve_server
 from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, marker_announcements
 from orchestrator.transport.seat import Peer, TrainerSeat, Verdict
-from orchestrator.transport.sender import Sender
+from orchestrator.transport.sender import Sender, stop_tasks
 from orchestrator.transport.shm import ShmPool, pool_socket_path, serve_pool
 from orchestrator.transport.wire import Batch, encode
 
@@ -213,11 +213,7 @@ class BatchSender(Sender[list[Any]]):
             try:
                 yield sender
             finally:
-                for task in tasks:
-                    task.cancel()
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                await stop_tasks(tasks)
                 if sender.unacked:
                     log.warning("closing with steps %s not acknowledged by the trainer", sorted(sender.unacked))
         finally:
