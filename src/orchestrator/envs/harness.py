@@ -7,7 +7,7 @@ bearer token) with each call. The endpoint is the interception server's, shared 
 multiplexes; only the secret is per rollout. A client per rollout (or per secret) costs ~53 ms of TLS setup
 (VERIFIERS.md) and ~0.8 MB of native memory (its SSL context: OpenSSL's copy of the CA bundle, invisible to
 tracemalloc) that a cache keeps for the life of the process: 0.8-0.9 MB of worker RSS per rollout, measured
-with scripts/perf/soak_worker.py.
+with scripts/perf/soak_workers.py.
 
 The client has no timeout of its own: its calls go to the interception server on this host, whose call to
 the inference server is the one bounded (``inference.request_timeout_s``, verifiers' client read timeout), so a
