@@ -16,10 +16,12 @@ from orchestrator.errors import EnvironmentLoadError, TransportError
 from orchestrator.pipeline.dump import load_dump
 from orchestrator.sim.server import Faults
 from orchestrator.state import load_state
+from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.checkpoints import write_marker
 from orchestrator.transport.filesystem import FileBatchReceiver
 from orchestrator.transport.trainer import ReferenceTrainer
+from orchestrator.transport.wire import Batch
 
 pytestmark = pytest.mark.slow
 JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many times that with every core busy
@@ -166,11 +168,22 @@ taskset = "orchestrator-arithmetic"
 group_size = 4
 workers = 2
 sampling = { max_tokens = 4 }
-""""", steps=8)  # enough steps for the liveness check (every heartbeat) to see the death
+""""", steps=8)
         killed: list[int] = []
         async with Orchestrator.open(cfg) as orch:
-            trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
-                                       checkpoint_dir=tmp_path / "ckpt")
+
+            class WaitsForTheRestart(ReferenceTrainer):
+                """Trains no step after the kill until the hub has restarted the worker: a job of fast steps
+                could otherwise end first, whatever the machine's speed."""
+
+                async def train(self, batch: Batch) -> None:
+                    await super().train(batch)
+                    if killed:
+                        await wait_until(lambda: orch.hub.metrics["restarts"] >= 1, 120, "the worker restarted",
+                                         poll_s=0.05)
+
+            trainer = WaitsForTheRestart(orch.sender.address, max_steps=cfg.run.max_steps,
+                                         checkpoint_dir=tmp_path / "ckpt")
 
             def kill_after_first_step(metrics: dict[str, object]) -> None:
                 if not killed:
