@@ -10,8 +10,9 @@ where the columns are. A batch larger than the whole pool cannot ever fit: it is
 frames instead, with a warning, and counted in ``inline_steps``. The bound: at most ``capacity_bytes``
 of column data are in the pool, and at most ``send_hwm`` steps (the sender's window).
 
-``serve_pool(pool, path)`` hands the memfd to whoever connects to the Unix socket ``path`` (the batch
-address plus ``.shm``): one message ``{"id", "size"}`` (msgpack) with the fd attached (``SCM_RIGHTS``).
+``serve_pool(pool, path)`` (memfd.py) hands the memfd, read-only, to whoever connects to the Unix socket
+``path`` (the batch address plus ``.shm``): one message ``{"id", "size"}`` (msgpack) with the fd attached
+(``SCM_RIGHTS``).
 
 Receiver side, ``ShmAttachment(address)``: a header naming a pool it does not map (first batch, or an
 orchestrator restarted with a new pool) raises ``PoolNotMapped`` from ``region``; the receiver then calls
@@ -27,30 +28,25 @@ sender dies, until the receiver drops it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import logging
 import mmap
 import os
 import secrets
-import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from orchestrator.errors import TransportError, WireError
+from orchestrator.transport.memfd import FETCH_TIMEOUT_S, SealedMemfd, map_served_pool, serve_pool
 from orchestrator.transport.wire import Batch, encode, encode_shm_header, shm_layout
 
-log = logging.getLogger(__name__)
+__all__ = ["FETCH_TIMEOUT_S", "PoolNotMapped", "ShmAttachment", "ShmPool", "SpanRing", "pool_socket_path",
+           "serve_pool"]
 
-FETCH_TIMEOUT_S = 5.0  # a receiver's wait for the pool's fd (a local socket; the sender just sent a header)
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+log = logging.getLogger(__name__)
 
 
 def pool_socket_path(address: str) -> str:
@@ -127,20 +123,13 @@ class ShmPool:
     batch; ``release_through(step)`` when the trainer acknowledges; ``close()`` at the end."""
 
     def __init__(self, capacity_bytes: int, warn_s: float = 30.0) -> None:
-        if capacity_bytes < 1:
-            raise TransportError(f"a shared-memory pool needs at least one byte, got {capacity_bytes}")
         self.capacity = capacity_bytes
         self.warn_s = warn_s
         self.id = f"{os.getpid()}-{secrets.token_hex(8)}"  # a new pool (restart) gets a new id
         self.inline_steps = 0  # batches too large for the pool, sent as frames
-        self.fd = os.memfd_create("orchestrator-batches", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, capacity_bytes)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)  # receivers may rely on the size: no SIGBUS
-            self._map = mmap.mmap(self.fd, capacity_bytes)
-        except OSError as e:
-            os.close(self.fd)
-            raise TransportError(f"cannot create a {capacity_bytes}-byte shared-memory pool: {e}") from None
+        self._memfd = SealedMemfd("orchestrator-batches", capacity_bytes)  # receivers rely on the size: no SIGBUS
+        self.fd = self._memfd.fd
+        self._map = self._memfd.map
         self._bytes = np.frombuffer(self._map, np.uint8)
         self._ring = SpanRing(capacity_bytes)
         self._released = asyncio.Event()
@@ -212,63 +201,7 @@ class ShmPool:
 
     def close(self) -> None:
         del self._bytes
-        try:
-            self._map.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with it
-            log.warning("shared-memory pool still viewed at close; it is unmapped when the view goes")
-        os.close(self.fd)
-
-
-@contextlib.asynccontextmanager
-async def serve_pool(pool: ShmPool, path: str) -> AsyncIterator[str]:
-    """Hand ``pool``'s fd to every process that connects to the Unix socket ``path`` (replacing a stale socket
-    file), from a task this context owns; the socket file is removed on exit."""
-    listener = _listen(path)
-    server = asyncio.create_task(_serve(pool, listener, path), name="shm-pool-server")
-    try:
-        yield path
-    finally:
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
-        listener.close()
-        _unlink(path)
-
-
-def _listen(path: str) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        _unlink(path)  # a SIGKILLed sender's socket file (ZMQ, binding the batch address, does the same)
-        listener.bind(path)
-        listener.listen(16)
-        listener.setblocking(False)
-    except OSError as e:
-        listener.close()
-        raise TransportError(f"cannot serve the shared-memory pool at {path}: {e}") from None
-    return listener
-
-
-def _unlink(path: str) -> None:
-    Path(path).unlink(missing_ok=True)
-
-
-async def _serve(pool: ShmPool, listener: socket.socket, path: str) -> None:
-    """Consumes connections on ``path``; produces one message with the pool's fd on each. Runs until cancelled."""
-    loop = asyncio.get_running_loop()
-    message = msgpack.packb({"id": pool.id, "size": pool.capacity})
-    while True:
-        try:
-            conn, _ = await loop.sock_accept(listener)
-        except OSError as e:  # e.g. out of fds: a receiver retries on its next batch
-            log.warning("shared-memory pool socket %s: accept failed: %s", path, e)
-            await asyncio.sleep(0.1)
-            continue
-        with conn:
-            try:  # a few bytes into a fresh local socket's empty buffer: never blocks
-                socket.send_fds(conn, [message], [pool.fd])
-            except OSError as e:
-                log.warning("could not hand the shared-memory pool to a receiver on %s: %s", path, e)
+        self._memfd.close()
 
 
 class ShmAttachment:
@@ -301,30 +234,7 @@ class ShmAttachment:
             path = pool_socket_path(self.address)
         except TransportError as e:
             raise WireError(str(e)) from None
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(FETCH_TIMEOUT_S)
-                s.connect(path)
-                raw, fds, _flags, _addr = socket.recv_fds(s, 1024, 1)
-        except OSError as e:
-            raise WireError(f"cannot fetch shared-memory pool {pool_id} from {path}: {e}") from None
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise WireError(f"{path} sent {len(fds)} file descriptors, expected the pool's one")
-        fd = fds[0]
-        try:
-            meta = msgpack.unpackb(raw, raw=False)
-            if meta.get("id") != pool_id or meta.get("size") != size:
-                raise WireError(f"{path} serves pool {meta.get('id')} ({meta.get('size')} bytes), the header "
-                                f"names {pool_id} ({size} bytes): a sender restarted in between?")
-            if os.fstat(fd).st_size != size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-                raise WireError(f"pool {pool_id} from {path} is not a sealed {size}-byte memfd")
-            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        except (ValueError, AttributeError, TypeError, OSError, msgpack.UnpackException) as e:
-            raise WireError(f"bad shared-memory pool from {path}: {e}") from None
-        finally:
-            os.close(fd)  # the mapping keeps the memory alive
+        mapping = map_served_pool(path, pool_id, size)
         self._drop()
         self._map, self._view, self.pool_id = mapping, memoryview(mapping), pool_id
         self.fetches += 1
