@@ -16,6 +16,7 @@ import gc
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -335,7 +336,9 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
                      for i, e in enumerate(train)),
                    *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args, e.verifiers, e.select, f"eval.env[{i}]")
                      for i, e in enumerate(evals))],
-                  cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env)
+                  cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env,
+                  data_plane=cfg.transport.data_plane, worker_pool_bytes=cfg.transport.worker_pool_mb << 20,
+                  pool_dir=str(out / "pools"), session=uuid.uuid4().hex)  # session: this process
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
     pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))

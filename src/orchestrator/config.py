@@ -132,6 +132,12 @@ class TransportConfig:
     keep_acked: int = opt(0, ge=0, doc="kind = zmq: acknowledged steps kept in memory to resend to a trainer that "
                           "restarts behind them (it acknowledges before it checkpoints); 0: such a trainer is "
                           "refused, naming the steps it lacks")
+    data_plane: Literal["through", "direct"] = opt(
+        "through", doc="how rollout columns reach the trainer: through this process (as frames), or direct: "
+        "written once into each env worker's column pool, the trainer reading them from there (docs/data-plane.md; "
+        "in progress, not available to run yet)")
+    worker_pool_mb: int = opt(1024, ge=1, le=1 << 20, doc="data_plane = direct: each env worker's column pool; "
+                              "holds its rollouts until they are dropped or their step is acknowledged")
 
 
 @dataclass(frozen=True)
@@ -677,6 +683,9 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         yield (f"{source('transport.keep_acked')}: transport.keep_acked: applies only to kind = 'zmq' (kind = "
                f"{t.kind!r}: shm reuses an acknowledged step's memory; files and prime-rl's trainer report no "
                "steps to resend); remove it")
+    if t.data_plane == "direct":
+        yield (f"{source('transport.data_plane')}: transport.data_plane: 'direct' is not available yet (issue #20: "
+               "env workers can keep columns in their pools, but no step manifest reaches a trainer); use 'through'")
     if t.kind == "shm" and t.address is not None and not t.address.startswith("ipc://"):
         yield (f"{source('transport.address')}: transport.address: kind = 'shm' is same-node only and needs an "
                f"ipc://PATH address (or none: ipc:// in output_dir), got {t.address!r}; use kind = 'zmq' for tcp")

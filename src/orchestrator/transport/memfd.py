@@ -120,10 +120,9 @@ def _unlink(path: str) -> None:
 
 
 async def _serve(pool: ServedPool, listener: socket.socket, path: str) -> None:
-    """Consumes connections on ``path``; produces one message with a read-only fd of the pool on each. Waits for
-    the next connection; runs until cancelled."""
+    """Consumes connections on ``path``; produces one message with a read-only fd of the pool (as it is at that
+    moment) on each. Waits for the next connection; runs until cancelled."""
     loop = asyncio.get_running_loop()
-    message = msgpack.packb({"id": pool.id, "size": pool.capacity})
     while True:
         try:
             conn, _ = await loop.sock_accept(listener)
@@ -132,6 +131,7 @@ async def _serve(pool: ServedPool, listener: socket.socket, path: str) -> None:
             await asyncio.sleep(0.1)
             continue
         with conn:
+            message = msgpack.packb({"id": pool.id, "size": pool.capacity})  # the pool now: its owner may renew it
             try:  # a few bytes into a fresh local socket's empty buffer: never blocks
                 readonly = os.open(f"/proc/self/fd/{pool.fd}", os.O_RDONLY | os.O_CLOEXEC)
                 try:

@@ -2,8 +2,15 @@
 
 Runs as its own process (``orchestrator env-worker --connect ADDRESS``), so environment code, trace
 handling and sample building never touch the orchestrator's event loop. Its loop consumes ``setup``,
-``assign``, ``cancel`` and ``stop`` messages from the orchestrator; it produces ``records`` messages (one per
-group: each finished episode's scalars + column frames, see protocol.py) and a heartbeat every HEARTBEAT_S.
+``assign``, ``cancel``, ``release`` and ``stop`` messages from the orchestrator; it produces ``records``
+messages (one per group: each finished episode's scalars + column frames, see protocol.py) and a heartbeat
+every HEARTBEAT_S.
+
+With ``data_plane = "direct"`` in its setup (docs/data-plane.md) a rollout's columns are written once into
+this worker's own column pool (``dataplane.store.ColumnStore``, served read-only to trainers on this host at
+``<pool_dir>/<worker id>.pool``) and its record carries the span instead of frames; ``release`` frees spans.
+Spans of records never sent (a cancelled group) are freed here. A setup from another orchestrator process
+(a new ``session``) renews the pool: the old one's spans belonged to records that orchestrator held.
 """
 
 from __future__ import annotations
@@ -15,19 +22,22 @@ import logging
 import math
 import os
 import re
+import socket
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
+from orchestrator.dataplane.store import ColumnStore, PoolTooSmall, rollout_layout
 from orchestrator.envconfig import resolve_env
-from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, WireError
+from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, TransportError, WireError
 from orchestrator.memory import rss_mb
-from orchestrator.samples import SampleError, samples_from_trace
+from orchestrator.samples import Sample, SampleError, samples_from_trace
 from orchestrator.security import ClientKeys, RefusalWatch, secure_client
+from orchestrator.transport.memfd import check_socket_path, serve_pool
 from orchestrator.worker.protocol import (
     FLUSH_S,
     HEARTBEAT_S,
@@ -38,7 +48,9 @@ from orchestrator.worker.protocol import (
     Fatal,
     Heartbeat,
     Hello,
+    PoolInfo,
     Ready,
+    Release,
     RolloutHeader,
     Setup,
     Stop,
@@ -105,9 +117,10 @@ def classify(errors: list[Any], is_timeout: bool) -> Failure:
 
 
 def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = True
-                   ) -> tuple[RolloutHeader, list[Any]]:
-    """Turn a verifiers Episode into a record header and its column frames (none for an evaluation rollout:
-    ``train`` False)."""
+                   ) -> tuple[RolloutHeader, list[Sample]]:
+    """Turn a verifiers Episode into a record header and its training samples (none for an evaluation
+    rollout: ``train`` False, or a failed one). The header has the samples' shapes; where their columns go
+    (frames or a span of the worker's pool) is the caller's choice."""
     trace = ep.traces[0] if ep.traces else None
     errors = list(ep.errors or [])
     if trace is not None:
@@ -123,19 +136,18 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = 
         return RolloutHeader.failed(base, Failure.INVALID_REWARD, f"the environment returned a reward of {reward}",
                                     wall_s=wall_s, stop=stop), []
     try:
-        shapes, frames = sample_frames(samples_from_trace(trace)) if train else ([], [])
+        samples = samples_from_trace(trace) if train else []
+        shapes, routed_dtype, _ = rollout_layout(samples)
     except SampleError as e:
         return RolloutHeader.failed(base, Failure.BAD_SAMPLE, str(e), wall_s=wall_s, stop=stop), []
     metrics = {k: float(v) for k, v in (trace.metrics or {}).items()
                if isinstance(v, int | float) and math.isfinite(v)}
-    routed = frames[3] if frames and isinstance(frames[3], np.ndarray) else None
     header = RolloutHeader(rid=base.rid, group=base.group, env=base.env, task=base.task,
                            policy_step=base.policy_step, worker=base.worker, server=base.server, ok=True,
-                           reward=reward, metrics=metrics, stop=stop, samples=shapes,
-                           routed_dtype="uint16" if routed is not None and routed.dtype == np.uint16 else "uint8",
+                           reward=reward, metrics=metrics, stop=stop, samples=shapes, routed_dtype=routed_dtype,
                            tokens=sum(s[0] for s in shapes) if train else _trace_tokens(trace), turns=trace.num_turns,
                            wall_s=wall_s)
-    return header, frames
+    return header, samples
 
 
 def _trace_tokens(trace: Any) -> int:
@@ -150,6 +162,8 @@ class Worker:
         self.keys = keys
         self.envs: dict[str, LoadedEnv] = {}
         self.groups: dict[str, asyncio.Task[None]] = {}
+        self.store: ColumnStore | None = None  # data_plane = direct: this worker's column pool
+        self.pool_path: str | None = None  # where trainers on this host get the pool's fd
         self._contexts: dict[str, Any] = {}
 
     async def run(self) -> int:
@@ -173,11 +187,12 @@ class Worker:
                         await stack.enter_async_context(loaded.env.serving())
                         self.envs[loaded.name] = loaded
                     self.setup, self.model, self.tokenizer = setup, setup.model, setup.tokenizer
+                    await self.open_store(stack, setup)
                     await self._warm()
                     gc.freeze()  # everything loaded so far lives for the process: keep it out of GC passes
-                    await sock.send(pack(Ready(self.worker_id, {n: len(e.tasks) for n, e in self.envs.items()})))
+                    await sock.send(pack(self._ready()))
                     await self._serve(sock)
-            except EnvironmentLoadError as e:
+            except (EnvironmentLoadError, TransportError) as e:  # environments, or the column pool
                 log.error("%s", e)
                 await sock.send(pack(Fatal(self.worker_id, str(e))))
                 return 3
@@ -186,6 +201,29 @@ class Worker:
             refusals.close()
             sock.close()
             ctx.term()
+
+    async def open_store(self, stack: contextlib.AsyncExitStack, setup: Setup) -> None:
+        """data_plane = direct: this worker's column pool, closed by ``stack``, served read-only on
+        ``<pool_dir>/<worker id>.pool`` when the setup names a directory. TransportError if it cannot be."""
+        if setup.data_plane != "direct":
+            return
+        try:
+            store = ColumnStore(setup.worker_pool_bytes)
+        except ValueError as e:
+            raise TransportError(f"column pool: {e}") from None
+        stack.callback(store.close)
+        if setup.pool_dir is not None:
+            path = str(Path(setup.pool_dir) / f"{self.worker_id}.pool")
+            check_socket_path(path)
+            self.pool_path = await stack.enter_async_context(serve_pool(store, path))
+        self.store = store
+        log.info("column pool %s: %d MB%s", store.id, store.capacity >> 20,
+                 f", served at {self.pool_path}" if self.pool_path else "")
+
+    def _ready(self) -> Ready:
+        pool = None if self.store is None else PoolInfo(id=self.store.id, size=self.store.capacity,
+                                                         host=socket.gethostname(), path=self.pool_path)
+        return Ready(self.worker_id, {n: len(e.tasks) for n, e in self.envs.items()}, pool)
 
     async def _setup(self, sock: zmq.asyncio.Socket, refusals: RefusalWatch) -> Setup | None:
         """The orchestrator's ``setup``, or None if it says ``stop`` first (other messages before it are
@@ -219,14 +257,20 @@ class Worker:
                 elif isinstance(msg, Setup):  # the orchestrator lost us (or restarted): start over
                     for running in self.groups.values():
                         running.cancel()
-                    if msg != self.setup:
+                    if not self.setup.same_job(msg):
                         log.error("the orchestrator sent another setup; exiting so a new worker loads it")
                         break
-                    await sock.send(pack(Ready(self.worker_id, {n: len(e.tasks) for n, e in self.envs.items()})))
+                    if msg.session != self.setup.session and self.store is not None:
+                        self.store.renew()  # another orchestrator: the spans of the last one's records are gone
+                    self.setup = msg
+                    await sock.send(pack(self._ready()))
                 elif isinstance(msg, Cancel):
                     task = self.groups.pop(msg.group, None)
                     if task is not None:
                         task.cancel()
+                elif isinstance(msg, Release):
+                    if self.store is not None:
+                        self.store.release(msg.rids)
                 elif isinstance(msg, Stop):
                     break
             for task in self.groups.values():
@@ -298,31 +342,57 @@ class Worker:
             self.groups.pop(msg.group, None)
             return
         done: asyncio.Queue[tuple[RolloutHeader, list[Any]]] = asyncio.Queue()
+        pending: list[tuple[RolloutHeader, list[Any]]] = []
         try:
             async with asyncio.TaskGroup() as tg:
                 for rid, slot in zip(msg.rids, slots, strict=True):
                     tg.create_task(self._run_one(done, loaded, slot, ctx, self._assigned(msg, rid), msg.train))
-                pending: list[tuple[RolloutHeader, list[Any]]] = []
                 for _ in msg.rids:
                     try:
                         async with asyncio.timeout(FLUSH_S if pending else None):
                             item = await done.get()
                     except TimeoutError:
-                        await sock.send_multipart(records_message(msg.group, pending), copy=False)
-                        pending = []
+                        sent, pending = pending, []  # from here on the orchestrator owns their spans
+                        await sock.send_multipart(records_message(msg.group, sent), copy=False)
                         item = await done.get()
                     pending.append(item)
-            await sock.send_multipart(records_message(msg.group, pending), copy=False)
+            sent, pending = pending, []
+            await sock.send_multipart(records_message(msg.group, sent), copy=False)
         finally:
             self.groups.pop(msg.group, None)
+            while not done.empty():
+                pending.append(done.get_nowait())
+            self._free_unsent(pending)
+
+    def _free_unsent(self, records: list[tuple[RolloutHeader, list[Any]]]) -> None:
+        """The spans of records that were never sent (a cancelled group): nobody else will release them."""
+        if self.store is not None:
+            self.store.release(h.rid for h, _ in records if h.span is not None)
 
     async def _run_one(self, done: asyncio.Queue[tuple[RolloutHeader, list[Any]]], loaded: LoadedEnv, slot: Any,
                        ctx: Any, base: AssignedRollout, train: bool) -> None:
+        """Run one rollout; put its record (header and frames, or a span of the pool) on ``done``. Waits for the
+        episode, then (direct) for room in the pool."""
         start = time.monotonic()
         try:
             ep = await loaded.env.run_slot(slot, ctx)
-            item = episode_record(ep, base, round(time.monotonic() - start, 4), train)
+            header, samples = episode_record(ep, base, round(time.monotonic() - start, 4), train)
+            item = await self._columns(header, samples)
         except Exception as e:  # an env that raises fails this rollout, not the worker
             item = (RolloutHeader.failed(base, Failure.ENV, f"{type(e).__name__}: {e}",
                                          wall_s=round(time.monotonic() - start, 4)), [])
-        done.put_nowait(item)
+        done.put_nowait(item)  # no await between a span's write and here: a cancel cannot lose it
+
+    async def _columns(self, header: RolloutHeader, samples: list[Sample]) -> tuple[RolloutHeader, list[Any]]:
+        """Where a rollout's columns go: frames after its header (through), or one span of this worker's pool,
+        named in the header (direct)."""
+        if not samples:
+            return header, []
+        if self.store is None:
+            return header, sample_frames(samples)[1]
+        try:
+            header.span = await self.store.write(header.rid, samples)
+        except PoolTooSmall as e:
+            return RolloutHeader.failed(header, Failure.POOL_TOO_SMALL, str(e), wall_s=header.wall_s,
+                                        stop=header.stop), []
+        return header, []

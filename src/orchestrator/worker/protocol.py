@@ -17,14 +17,18 @@ orchestrator -> worker (``OrchestratorMessage``)
   ``setup``      Setup       environments to load, model, tokenizer
   ``assign``     Assign      run len(rids) rollouts of one task on one inference server
   ``cancel``     Cancel      drop a group (stale or timed out)
+  ``release``    Release     data_plane = direct: these rollouts' spans of the worker's column pool are free
   ``stop``       Stop        exit cleanly
 
 A rollout is a ``RolloutHeader`` (scalars, and per sample ``[tokens, layers, top_k]``), followed by exactly
 four frames when it has samples: token ids (int32), loss mask (uint8), logprobs (float32), routed experts
 (``routed_dtype``: uint8, or uint16 for models with more than 256 experts; possibly empty), each the
-concatenation of all its samples. Frames are sent and received without
-copies. A failed rollout carries a ``Failure`` kind (one small vocabulary, shared by worker, hub,
-scheduler, pool and metrics) and a message; ``RolloutHeader.failed`` is the one way to make one.
+concatenation of all its samples. Frames are sent and received without copies. With ``data_plane = "direct"``
+(docs/data-plane.md) no frames follow: the header's ``span`` says where the worker wrote the same bytes in its
+own column pool (``Ready.pool``), in the layout of dataplane/layout.py.
+
+A failed rollout carries a ``Failure`` kind (one small vocabulary, shared by worker, hub, scheduler, pool and
+metrics) and a message; ``RolloutHeader.failed`` is the one way to make one.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
+from orchestrator.dataplane.layout import ALIGN, MAX_POOL_BYTES, PoolId, SpanLoc, shapes_layout
 from orchestrator.errors import Failure, WireError
 from orchestrator.samples import Sample
 
@@ -71,6 +76,7 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     turns: Count = 0  # model turns (verifiers' trace.num_turns)
     wall_s: float = 0.0
     frames: Count = 0  # column frames that follow this header in its message: 0 or 4
+    span: SpanLoc | None = None  # data_plane = direct: where its columns are in the worker's pool (frames 0)
 
     @classmethod
     def failed(cls, base: RolloutHeader | AssignedRollout, failure: Failure, error: str, *, wall_s: float = 0.0,
@@ -102,9 +108,20 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type"):
     pid: int | None = None
 
 
+class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's column pool (data_plane = direct): which one, how large, and where a trainer on ``host``
+    gets its fd (a Unix socket: memfd.serve_pool)."""
+
+    id: PoolId
+    size: Annotated[int, msgspec.Meta(ge=ALIGN, le=MAX_POOL_BYTES)]
+    host: Name
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=107)] | None = None
+
+
 class Ready(msgspec.Struct, tag="ready", tag_field="type"):
     worker: Name
     envs: dict[str, Count]  # env name -> tasks
+    pool: PoolInfo | None = None  # data_plane = direct: the pool its records' spans are in
 
 
 class Records(msgspec.Struct, tag="records", tag_field="type"):
@@ -145,6 +162,14 @@ class Setup(msgspec.Struct, tag="setup", tag_field="type"):
     tokenizer: str
     request_timeout_s: float | None = None  # of each generate call (read timeout: a pause holds a call open)
     api_key_env: str | None = None  # environment variable holding the servers' API key
+    data_plane: Literal["through", "direct"] = "through"  # direct: columns go to the worker's own pool
+    worker_pool_bytes: Count = 0  # data_plane = direct: the pool's size (transport.worker_pool_mb)
+    pool_dir: str | None = None  # data_plane = direct: where the pool's socket goes (<pool_dir>/<worker>.pool)
+    session: str = ""  # the orchestrator process: a worker set up again by another one renews its pool
+
+    def same_job(self, other: Setup) -> bool:
+        """Whether ``other`` loads the same environments the same way (only ``session`` may differ)."""
+        return msgspec.structs.replace(other, session=self.session) == self
 
 
 class Assign(msgspec.Struct, tag="assign", tag_field="type"):
@@ -162,11 +187,15 @@ class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
     group: str
 
 
+class Release(msgspec.Struct, tag="release", tag_field="type"):
+    rids: list[str]
+
+
 class Stop(msgspec.Struct, tag="stop", tag_field="type"):
     pass
 
 
-OrchestratorMessage = Setup | Assign | Cancel | Stop
+OrchestratorMessage = Setup | Assign | Cancel | Release | Stop
 
 _encoder = msgspec.msgpack.Encoder()
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
@@ -274,7 +303,11 @@ class RolloutRecord:
         return np.dtype(self.header.routed_dtype if name == "routed_experts" else DTYPES[name])
 
     def column(self, name: str) -> np.ndarray:
-        """A column of all this rollout's samples, concatenated (a view of the received frame)."""
+        """A column of all this rollout's samples, concatenated (a view of the received frame). WireError for a
+        record whose columns stayed in its worker's pool (data_plane = direct): the orchestrator never reads them."""
+        if self.header.span is not None:
+            raise WireError(f"rollout {self.rid}: its columns are in env worker {self.header.worker}'s pool "
+                            "(data_plane = direct), not in this process")
         if not self.frames:
             return np.zeros(0, self.dtype(name))
         return np.frombuffer(self.frames[COLUMNS.index(name)], dtype=self.dtype(name))
@@ -288,14 +321,17 @@ class RolloutRecord:
         """Raise WireError when the frames do not match the header's shapes, or a failed rollout has data."""
         h = self.header
         if not h.ok:
-            if h.failure is None or h.samples or self.frames:
+            if h.failure is None or h.samples or self.frames or h.span is not None:
                 raise WireError(f"rollout {h.rid}: a failed rollout must name its failure and carry no samples")
             return
         if h.failure is not None or h.reward is None or not math.isfinite(h.reward):
             raise WireError(f"rollout {h.rid}: a successful rollout with failure {h.failure} / reward {h.reward}")
         if not h.samples:
-            if self.frames:
-                raise WireError(f"rollout {h.rid}: {len(self.frames)} column frames and no samples")
+            if self.frames or h.span is not None:
+                raise WireError(f"rollout {h.rid}: columns and no samples")
+            return
+        if h.span is not None:
+            self._check_span(h, h.span)
             return
         if len(self.frames) != len(COLUMNS):
             raise WireError(f"rollout {h.rid}: {len(self.frames)} column frames, expected 4")
@@ -310,3 +346,19 @@ class RolloutRecord:
             nbytes = len(self.frames[COLUMNS.index(name)])
             if nbytes != expect * self.dtype(name).itemsize:
                 raise WireError(f"rollout {h.rid}: column {name} has {nbytes} bytes for {expect} values")
+
+    def _check_span(self, h: RolloutHeader, span: SpanLoc) -> None:
+        """A direct-mode record: no frames, and a span exactly as large as its samples' layout. (Whether the
+        span lies in the worker's current pool is the hub's check: it knows the pool.)"""
+        if self.frames:
+            raise WireError(f"rollout {h.rid}: {len(self.frames)} column frames and a span in the worker's pool")
+        tokens = sum(s[0] for s in h.samples)
+        if tokens != h.tokens:
+            raise WireError(f"rollout {h.rid}: header says {h.tokens} tokens, its samples {tokens}")
+        try:
+            layout = shapes_layout(h.samples, h.routed_dtype)
+        except ValueError as e:
+            raise WireError(f"rollout {h.rid}: {e}") from None
+        if span.offset % ALIGN or span.nbytes != layout.nbytes:
+            raise WireError(f"rollout {h.rid}: span of {span.nbytes} bytes at {span.offset}; its samples take "
+                            f"{layout.nbytes} bytes at a multiple of {ALIGN}")

@@ -1,0 +1,248 @@
+"""An env worker with ``data_plane = "direct"``, on a real ZMQ pair: records carry spans of its column pool."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from orchestrator.dataplane.layout import ALIGN
+from orchestrator.errors import Failure
+from orchestrator.samples import PlainNode, build_sample
+from orchestrator.transport.memfd import map_served_pool
+from orchestrator.worker.process import LoadedEnv, Worker
+from orchestrator.worker.protocol import (
+    Assign,
+    Cancel,
+    Heartbeat,
+    Ready,
+    Records,
+    Release,
+    RolloutRecord,
+    Setup,
+    Stop,
+    decode_worker_message,
+    pack,
+    sample_frames,
+    split_records,
+)
+
+HANG_S = 30.0  # a hang guard only
+
+
+def nodes_for(slot: int) -> list[PlainNode]:
+    """Two turns whose every value depends on ``slot``; routed experts [tokens, 3, 2]."""
+    rng = np.random.default_rng(slot)
+    out = []
+    for n in (7 + slot, 5):
+        mask = [i >= 2 for i in range(n)]
+        out.append(PlainNode(token_ids=rng.integers(0, 1000, n).tolist(), mask=mask,
+                             logprobs=[-0.5 - slot] * sum(mask), routed_experts=rng.integers(0, 64, (n, 3, 2))))
+    return out
+
+
+@dataclass
+class Branch:
+    nodes: list[PlainNode]
+    trainable: bool = True
+
+
+@dataclass
+class Trace:
+    branches: list[Branch]
+    reward: float = 1.0
+    ok: bool = True
+    errors: list[Any] = field(default_factory=list)
+    stop_condition: str = "stop"
+    metrics: dict[str, float] = field(default_factory=dict)
+    num_turns: int = 2
+
+
+@dataclass
+class Episode:
+    traces: list[Trace]
+    ok: bool = True
+    errors: list[Any] = field(default_factory=list)
+    is_timeout: bool = False
+
+
+class TraceEnv:
+    """An environment whose slot ``i`` returns a deterministic two-turn trace; slots in ``hold`` wait for
+    ``release`` first (a rollout still running); ``returned`` is set when a slot returns (the worker then writes
+    its columns before it next yields to the loop)."""
+
+    def __init__(self) -> None:
+        self.taskset = [{"prompt": "x"}]
+        self.hold: set[int] = set()
+        self.release = asyncio.Event()
+        self.returned = asyncio.Event()
+
+    def slots(self, task: Any, n: int) -> list[int]:
+        return list(range(n))
+
+    async def run_slot(self, slot: int, ctx: Any) -> Episode:
+        if slot in self.hold:
+            await self.release.wait()
+        self.returned.set()
+        return Episode([Trace([Branch(nodes_for(slot))])])
+
+
+def setup(tmp_path: Path, session: str = "s1", pool_bytes: int = 1 << 20) -> Setup:
+    return Setup([], "m", "tok", data_plane="direct", worker_pool_bytes=pool_bytes, pool_dir=str(tmp_path),
+                 session=session)
+
+
+@contextlib.asynccontextmanager
+async def direct_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_bytes: int = 1 << 20
+                        ) -> AsyncIterator[tuple[Worker, TraceEnv, zmq.asyncio.Socket, zmq.asyncio.Socket]]:
+    """A worker with a TraceEnv and its column pool (served in ``tmp_path``); (worker, env, its socket, ours)."""
+    ctx = zmq.asyncio.Context()
+    ours, theirs = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    ours.bind("inproc://direct-worker")
+    theirs.connect("inproc://direct-worker")
+    worker = Worker("inproc://unused", "w0")
+    env = TraceEnv()
+    worker.envs["e"] = LoadedEnv("e", env)
+    monkeypatch.setattr(worker, "_model_context", lambda server, sampling: None)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            worker.setup = setup(tmp_path, pool_bytes=pool_bytes)
+            await worker.open_store(stack, worker.setup)
+            yield worker, env, theirs, ours
+    finally:
+        ours.close()
+        theirs.close()
+        ctx.term()
+
+
+async def next_message(sock: zmq.asyncio.Socket) -> tuple[Any, list[memoryview]]:
+    """The next message that is not a heartbeat, decoded, with its frames."""
+    async with asyncio.timeout(HANG_S):
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            msg = decode_worker_message(frames[0].buffer)
+            if not isinstance(msg, Heartbeat):
+                return msg, [f.buffer for f in frames[1:]]
+
+
+def assign(group: str, n: int) -> Assign:
+    return Assign(group, "e", 0, [f"{group}-{i}" for i in range(n)], "http://127.0.0.1:9/v1", {}, 0)
+
+
+async def test_records_carry_spans_and_the_served_pool_holds_exactly_the_column_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with direct_worker(tmp_path, monkeypatch) as (worker, _env, theirs, ours):
+        assert worker.store is not None
+        assert worker.pool_path == str(tmp_path / "w0.pool")
+        await worker._run_group(theirs, assign("g1", 3))
+        msg, frames = await next_message(ours)
+        assert isinstance(msg, Records)
+        assert frames == []  # no column bytes travel with the records
+        records = split_records(msg, frames)
+        # as a trainer would, from another thread (the pool is served from this loop)
+        mapping = await asyncio.to_thread(map_served_pool, worker.pool_path, worker.store.id, worker.store.capacity)
+        view = memoryview(mapping)
+        try:
+            for slot, rec in enumerate(records):
+                rec.check()  # what the hub checks
+                span = rec.header.span
+                assert span is not None
+                assert span.pool == worker.store.id
+                assert span.offset % ALIGN == 0
+                shapes, expect = sample_frames([build_sample(nodes_for(slot))])
+                assert rec.header.samples == shapes
+                at = span.offset
+                for frame in expect:  # the same bytes the through path sends, in the layout's order
+                    raw = frame if isinstance(frame, bytes) else frame.tobytes()
+                    assert bytes(view[at:at + len(raw)]) == raw
+                    at += -(-len(raw) // ALIGN) * ALIGN
+            with pytest.raises(TypeError):
+                view[0:1] = b"x"  # the trainer's mapping is read-only
+        finally:
+            view.release()
+            mapping.close()
+        assert worker.store.live_bytes == sum(r.header.span.nbytes for r in records if r.header.span)
+
+
+async def test_a_record_without_frames_names_where_its_columns_are_instead_of_being_read_empty(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with direct_worker(tmp_path, monkeypatch) as (worker, _env, theirs, ours):
+        await worker._run_group(theirs, assign("g1", 1))
+        msg, frames = await next_message(ours)
+        assert isinstance(msg, Records)
+        rec = RolloutRecord(msg.records[0], frames)
+        with pytest.raises(Exception, match="pool"):
+            rec.column("token_ids")
+
+
+async def test_a_cancelled_group_frees_the_spans_of_records_it_never_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with direct_worker(tmp_path, monkeypatch) as (worker, env, theirs, _ours):
+        assert worker.store is not None
+        env.hold = {1}  # slot 0 finishes and is written; slot 1 runs on
+        group = asyncio.create_task(worker._run_group(theirs, assign("g1", 2)))
+        await asyncio.wait_for(env.returned.wait(), HANG_S)
+        assert worker.store.span("g1-0") is not None  # written, not sent: its group still runs
+        group.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await group
+        assert worker.store.live_bytes == 0
+        assert worker.store.span("g1-0") is None
+
+
+async def test_a_rollout_larger_than_the_pool_fails_and_the_group_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with direct_worker(tmp_path, monkeypatch, pool_bytes=4 * ALIGN) as (worker, _env, theirs, ours):
+        await worker._run_group(theirs, assign("g1", 2))
+        msg, _ = await next_message(ours)
+        assert isinstance(msg, Records)
+        assert [h.failure for h in msg.records] == [Failure.POOL_TOO_SMALL] * 2
+        assert all("worker_pool_mb" in (h.error or "") for h in msg.records)
+
+
+async def test_release_frees_spans_and_a_new_orchestrator_session_renews_the_pool(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with direct_worker(tmp_path, monkeypatch) as (worker, _env, theirs, ours):
+        store = worker.store
+        assert store is not None
+        serve = asyncio.create_task(worker._serve(theirs))
+        try:
+            await ours.send(pack(assign("g1", 2)))
+            msg, _ = await next_message(ours)
+            assert isinstance(msg, Records)
+            assert store.live_bytes > 0
+            first_pool = store.id
+            await ours.send(pack(Release(["g1-0", "g1-1", "never-stored"])))
+            await ours.send(pack(setup(tmp_path)))  # the same orchestrator sets the worker up again
+            ready, _ = await next_message(ours)
+            assert isinstance(ready, Ready)
+            assert ready.pool is not None
+            assert ready.pool.id == first_pool  # same session: the same pool (and its spans) stay
+            assert store.live_bytes == 0  # the release came first
+
+            await ours.send(pack(assign("g2", 1)))
+            msg, _ = await next_message(ours)
+            assert isinstance(msg, Records)
+            assert store.live_bytes > 0
+            await ours.send(pack(setup(tmp_path, session="s2")))  # a restarted orchestrator
+            ready, _ = await next_message(ours)
+            assert isinstance(ready, Ready)
+            assert ready.pool is not None
+            assert ready.pool.id != first_pool
+            assert ready.pool.id == store.id
+            assert store.live_bytes == 0
+            mapping = await asyncio.to_thread(map_served_pool, str(tmp_path / "w0.pool"), store.id, store.capacity)
+            mapping.close()
+            await ours.send(pack(Cancel("none")))
+            await ours.send(pack(Stop()))
+            await asyncio.wait_for(serve, HANG_S)
+        finally:
+            serve.cancel()
