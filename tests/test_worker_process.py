@@ -9,9 +9,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.errors import Failure
+from orchestrator.errors import Failure, WireError
 from orchestrator.worker.process import LoadedEnv, Worker, classify
-from orchestrator.worker.protocol import Assign, Records, decode_worker_message, split_records
+from orchestrator.worker.protocol import (
+    Assign,
+    Records,
+    decode_orchestrator_message,
+    decode_worker_message,
+    split_records,
+)
 
 
 class SlotsRaise:
@@ -90,3 +96,14 @@ def test_verifiers_errors_map_to_our_failure_kinds(error: Recorded, kind: Failur
 
 def test_an_episode_failed_without_a_recorded_error_is_the_environments() -> None:
     assert classify([], is_timeout=False) is Failure.ENV
+
+
+def test_a_message_with_a_string_that_is_not_utf8_is_a_wire_error() -> None:
+    """msgspec 0.22 raises UnicodeDecodeError, not DecodeError, for such a string: at the edge it is a WireError
+    like any other invalid message (the hub counts it; a worker ignores it instead of exiting)."""
+    hello = b"\x82\xa4type\xa5hello\xa6worker\xa2\xff\xfe"
+    cancel = b"\x82\xa4type\xa6cancel\xa5group\xa2\xff\xfe"
+    with pytest.raises(WireError, match="invalid worker message"):
+        decode_worker_message(hello)
+    with pytest.raises(WireError, match="invalid orchestrator message"):
+        decode_orchestrator_message(cancel)

@@ -210,15 +210,15 @@ def decode_worker_message(frame: bytes | memoryview) -> WorkerMessage:
     """A worker's message header, validated; WireError naming what is wrong otherwise."""
     try:
         msg: WorkerMessage = _worker_decoder.decode(frame)
-    except msgspec.DecodeError as e:  # ValidationError included
-        raise WireError(f"invalid worker message: {e}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # ValidationError included; msgspec 0.22 raises
+        raise WireError(f"invalid worker message: {e}") from None  # UnicodeDecodeError for a string not in UTF-8
     return msg
 
 
 def decode_orchestrator_message(frame: bytes | memoryview) -> OrchestratorMessage:
     try:
         msg: OrchestratorMessage = _orchestrator_decoder.decode(frame)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise WireError(f"invalid orchestrator message: {e}") from None
     return msg
 
