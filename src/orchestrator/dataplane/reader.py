@@ -1,0 +1,156 @@
+"""The trainer library's side of the data plane, same node: a step manifest in, numpy views of the workers' pools out.
+
+``PoolMaps`` holds this process's read-only mappings of env workers' column pools, by pool id. ``adopt(id,
+size, fd)`` maps a pool from an fd the caller has (checked: sealed, of that size); ``fetch(ref)`` gets the fd
+from the Unix socket the manifest names (memfd.map_served_pool: blocking, briefly; call it off an event loop
+that may serve the pool). ``view(manifest)`` fetches what is missing, and returns a ``StepView``: every sample's
+columns as read-only numpy views of the mappings, no byte copied. A manifest naming a newer pool of a worker
+(it renewed its pool: an orchestrator restarted) drops the older mapping; the kernel unmaps it once no view
+of it is left, and frees the memory once the worker has let go of it too.
+
+Views stay valid as long as they live (the mapping does), even after the worker dies; but the worker reuses
+a span once the orchestrator releases it, which it does when the trainer acknowledges the step: read (or
+copy) a step's arrays before acknowledging it. ``StepView.gather()`` makes the through path's contiguous
+``Batch`` with one copy per column, for trainers that want it; ``transport.packing.pack`` works on it.
+
+Pools on another host (``PoolRef.host``) are fetched over ZMQ from their worker in the design
+(docs/data-plane.md); that is not built yet: such a manifest is a WireError naming the pool.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from orchestrator.dataplane.layout import span_layout
+from orchestrator.dataplane.manifest import PoolRef, StepManifest
+from orchestrator.errors import WireError
+from orchestrator.transport.memfd import SEALS, map_served_pool
+from orchestrator.transport.wire import Batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Mapped:
+    map: mmap.mmap
+    view: memoryview
+
+
+class PoolMaps:
+    """See the module docstring. ``host``: this node's name, as workers report theirs (default: hostname)."""
+
+    def __init__(self, host: str | None = None) -> None:
+        self.host = host or socket.gethostname()
+        self.fetches = 0
+        self._pools: dict[str, _Mapped] = {}  # pool id -> its mapping
+        self._by_worker: dict[str, str] = {}  # worker -> the pool id it has now
+
+    def __contains__(self, pool_id: str) -> bool:
+        return pool_id in self._pools
+
+    def adopt(self, pool_id: str, size: int, fd: int) -> None:
+        """Map the pool behind ``fd`` (the caller keeps the fd); WireError unless it is a sealed ``size``-byte
+        memfd."""
+        try:
+            if os.fstat(fd).st_size != size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                raise WireError(f"pool {pool_id}: fd {fd} is not a sealed {size}-byte memfd")
+            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except OSError as e:
+            raise WireError(f"pool {pool_id}: cannot map fd {fd}: {e}") from None
+        self._pools[pool_id] = _Mapped(mapping, memoryview(mapping))
+
+    def fetch(self, ref: PoolRef) -> None:
+        """Blocking, briefly: map ``ref``'s pool from the socket it names. WireError if it is on another host,
+        names no socket, or cannot be had."""
+        if ref.host != self.host or ref.path is None:
+            raise WireError(f"pool {ref.id} of env worker {ref.worker} is on host {ref.host} (this is {self.host}) "
+                            "or names no socket: fetching spans across nodes is not built yet")
+        mapping = map_served_pool(ref.path, ref.id, ref.size)
+        self._pools[ref.id] = _Mapped(mapping, memoryview(mapping))
+        self.fetches += 1
+        log.info("mapped column pool %s of env worker %s (%d MB)", ref.id, ref.worker, ref.size >> 20)
+
+    def view(self, manifest: StepManifest) -> StepView:
+        """Views of every sample of ``manifest`` (fetching the pools not mapped yet: blocking, briefly)."""
+        for ref in manifest.pools:
+            old = self._by_worker.get(ref.worker)
+            if old is not None and old != ref.id:
+                self._drop(old)  # the worker renewed its pool: the old one is never named again
+            self._by_worker[ref.worker] = ref.id
+            if ref.id not in self._pools:
+                self.fetch(ref)
+            elif len(self._pools[ref.id].view) != ref.size:
+                raise WireError(f"pool {ref.id}: the manifest says {ref.size} bytes, the mapping has "
+                                f"{len(self._pools[ref.id].view)}")
+        spans = [self._span_columns(manifest, i) for i in range(len(manifest.spans))]
+        return StepView(manifest, spans)
+
+    def _span_columns(self, m: StepManifest, i: int) -> dict[str, np.ndarray]:
+        """The columns of span ``i`` the step carries, as read-only views (``check_manifest`` has checked the
+        span lies inside its pool)."""
+        s = m.spans[i]
+        region = self._pools[m.pools[s.pool].id].view
+        layout = span_layout(s.tokens, s.layers, s.top_k, s.routed_dtype)
+        out: dict[str, np.ndarray] = {}
+        for c in m.columns:
+            offset, nbytes = layout.columns[c.name]
+            dtype = np.dtype(c.dtype)
+            at = s.offset + offset
+            out[c.name] = np.frombuffer(region[at:at + nbytes], dtype).reshape(s.tokens, *c.tail)
+        return out
+
+    def _drop(self, pool_id: str) -> None:
+        mapped = self._pools.pop(pool_id, None)
+        if mapped is None:
+            return
+        mapped.view.release()
+        try:
+            mapped.map.close()
+        except BufferError:  # views of it are still alive: it is unmapped when they go
+            pass
+
+    def close(self) -> None:
+        for pool_id in list(self._pools):
+            self._drop(pool_id)
+
+
+class StepView:
+    """One step's samples as views of the workers' pools: ``sample(i)`` -> columns and scalars, no copies."""
+
+    def __init__(self, manifest: StepManifest, spans: list[dict[str, np.ndarray]]) -> None:
+        self.manifest = manifest
+        self._spans = spans
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.manifest.samples)
+
+    def sample(self, i: int) -> dict[str, Any]:
+        """Sample ``i``: each column's tokens ``start:start + tokens`` of its span (views), and its scalars."""
+        ref = self.manifest.samples[i]
+        span = self._spans[ref.span]
+        out: dict[str, Any] = {name: col[ref.start:ref.start + ref.tokens] for name, col in span.items()}
+        out.update({k: v[i] for k, v in self.manifest.scalars.items()})
+        return out
+
+    def gather(self) -> Batch:
+        """The step as the through path's contiguous ``Batch``: one copy per column (the trainer's, not the
+        orchestrator's)."""
+        m = self.manifest
+        names = [c.name for c in m.columns]
+        chunks = {name: [self._spans[ref.span][name][ref.start:ref.start + ref.tokens] for ref in m.samples]
+                  for name in names}
+        return Batch.from_columns(m.run, m.step, chunks, [ref.tokens for ref in m.samples],
+                                  {k: list(v) for k, v in m.scalars.items()})
