@@ -28,6 +28,11 @@ failing before ready (then backing off, RESTART_BACKOFF_S). A remote one is not 
 again (e.g. after SIGCONT) it is sent ``setup`` and re-admitted when it answers ``ready``; the records it had
 in flight when it was lost count as ``late``, not as invalid messages.
 
+Data plane (``data_plane = "direct"``, docs/data-plane.md): a worker's ``ready`` names its column pool, and a
+record's ``span`` must lie in that pool (the one it announced last), else the record is corrupt (a strike; its
+rollout fails). The spans of records the hub does not pass on (corrupt, late) are released to their worker at
+once, so its pool does not fill with bytes nobody will read.
+
 ``events`` is bounded by construction: a record is admitted only for a rollout in flight on its worker (at
 most ``scheduler.max_inflight`` at once), and a worker is lost once.
 
@@ -65,12 +70,15 @@ from orchestrator.worker.protocol import (
     Fatal,
     Heartbeat,
     Hello,
+    PoolInfo,
     Ready,
     Records,
+    Release,
     RolloutHeader,
     RolloutRecord,
     Setup,
     Stop,
+    check_span,
     decode_worker_message,
     pack,
     split_records,
@@ -119,6 +127,7 @@ class WorkerState:
     strikes: int = 0
     completed: int = 0
     rss_mb: float | None = None
+    pool: PoolInfo | None = None  # data_plane = direct: the column pool it announced last
 
 
 class WorkerHub:
@@ -278,6 +287,7 @@ class WorkerHub:
                 late = self._lost[ident]
                 n = sum(h.rid in late for h in msg.records)
                 self.metrics["late"] += n
+                self._release(ident, [h for h in msg.records if h.rid in late])
                 if n < len(msg.records):
                     self._reject(None, ident, "unassigned", f"{len(msg.records) - n} records of a lost worker "
                                  "for rollouts that were not in flight on it")
@@ -313,6 +323,7 @@ class WorkerHub:
             self._strike(worker, "ready_mismatch", f"reports tasks {msg.envs}, others {self.tasks_per_env}")
             return
         worker.ready = True
+        worker.pool = msg.pool
         if worker.name in self._procs:
             self._became_ready.add(worker.name)
         self.tasks_per_env = dict(msg.envs)
@@ -341,12 +352,14 @@ class WorkerHub:
             self._strike(worker, "bad_frames", str(e))
             return
         accepted: list[RolloutRecord] = []
+        unused: list[RolloutHeader] = []  # records not passed on whose spans the worker may free
         for record in records:
             h = record.header
             group = worker.rids.get(h.rid)
             if group is None:
                 if h.rid in worker.late:
                     self.metrics["late"] += 1
+                    unused.append(h)
                 else:
                     self._reject(worker, worker.ident, "unassigned", f"a record for rollout {h.rid!r}, "
                                  "which is not in flight on it")
@@ -356,15 +369,24 @@ class WorkerHub:
                 continue
             try:
                 record.check()
+                check_span(h, worker.pool)
             except WireError as e:
                 self._strike(worker, "corrupt_record", str(e))
+                unused.append(h)
                 record = RolloutRecord(RolloutHeader.failed(h, Failure.CORRUPT, str(e), wall_s=h.wall_s), [])
             del worker.rids[h.rid]
             record.header.worker = worker.name
             worker.completed += 1
             accepted.append(record)
+        self._release(worker.ident, unused)
         if accepted:
             self.events.put_nowait(RecordsIn(worker.name, accepted))
+
+    def _release(self, ident: bytes, headers: list[RolloutHeader]) -> None:
+        """Tell a worker that the spans of these records (those that have one) will never be read."""
+        rids = [h.rid for h in headers if h.span is not None]
+        if rids:
+            self._send(ident, Release(rids))
 
     def _reject(self, worker: WorkerState | None, ident: bytes, why: str, detail: str) -> None:
         if worker is not None and why != "unassigned":
@@ -488,3 +510,4 @@ class WorkerHub:
     def local_pids(self) -> dict[str, int]:
         """The pid of each local worker process by name (the current one, after restarts)."""
         return {name: proc.pid for name, proc in self._procs.items()}
+

@@ -362,3 +362,17 @@ class RolloutRecord:
         if span.offset % ALIGN or span.nbytes != layout.nbytes:
             raise WireError(f"rollout {h.rid}: span of {span.nbytes} bytes at {span.offset}; its samples take "
                             f"{layout.nbytes} bytes at a multiple of {ALIGN}")
+
+
+def check_span(h: RolloutHeader, pool: PoolInfo | None) -> None:
+    """WireError unless a record's span (if any) lies in ``pool``, the one its worker announced last (the
+    hub's check, after ``RolloutRecord.check``)."""
+    span = h.span
+    if span is None:
+        return
+    if pool is None or span.pool != pool.id:
+        raise WireError(f"rollout {h.rid}: its span is in pool {span.pool}, the worker's pool is "
+                        f"{pool.id if pool else 'none'}")
+    if span.offset + span.nbytes > pool.size:
+        raise WireError(f"rollout {h.rid}: span {span.offset}..{span.offset + span.nbytes} lies outside the "
+                        f"{pool.size}-byte pool {pool.id}")
