@@ -246,3 +246,31 @@ async def test_release_frees_spans_and_a_new_orchestrator_session_renews_the_poo
             await asyncio.wait_for(serve, HANG_S)
         finally:
             serve.cancel()
+
+
+async def test_a_resync_keeps_only_what_the_orchestrator_holds_and_heartbeats_report_the_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with direct_worker(tmp_path, monkeypatch) as (worker, _env, theirs, ours):
+        store = worker.store
+        assert store is not None
+        serve = asyncio.create_task(worker._serve(theirs))
+        try:
+            await ours.send(pack(assign("g1", 2)))
+            msg, _ = await next_message(ours)
+            assert isinstance(msg, Records)
+            kept = store.span("g1-1")
+            await ours.send(pack(Release([], keep=["g1-1"])))  # re-admitted: the orchestrator holds g1-1 only
+            async with asyncio.timeout(HANG_S):
+                while True:  # heartbeats come every HEARTBEAT_S; one after the release shows its effect
+                    beat = decode_worker_message(await ours.recv())
+                    if isinstance(beat, Heartbeat) and store.span("g1-0") is None:
+                        break
+            assert store.span("g1-1") == kept
+            assert kept is not None
+            assert store.live_bytes == kept.nbytes
+            assert beat.pool_free is not None
+            assert 0 < beat.pool_free <= store.capacity - kept.nbytes
+            await ours.send(pack(Stop()))
+            await asyncio.wait_for(serve, HANG_S)
+        finally:
+            serve.cancel()

@@ -90,6 +90,11 @@ class ColumnStore:
     def live_bytes(self) -> int:
         return self._alloc.taken_bytes
 
+    @property
+    def largest_free(self) -> int:
+        """The largest rollout (bytes) that fits now: what the worker's heartbeat reports as its room."""
+        return self._alloc.largest_free
+
     def span(self, rid: str) -> SpanLoc | None:
         return self._spans.get(rid)
 
@@ -162,6 +167,11 @@ class ColumnStore:
         if freed:
             self._released.set()
         return freed
+
+    def keep_only(self, keep: Iterable[str]) -> int:
+        """Release every span but those of ``keep`` (the orchestrator's resync); the number released."""
+        kept = set(keep)
+        return self.release([rid for rid in self._spans if rid not in kept])
 
     def renew(self) -> None:
         """A fresh pool with a new id (see the module docstring); writers waiting for room re-check."""

@@ -271,6 +271,8 @@ class Worker:
                 elif isinstance(msg, Release):
                     if self.store is not None:
                         self.store.release(msg.rids)
+                        if msg.keep is not None:  # re-admitted: the orchestrator holds exactly these
+                            self.store.keep_only(msg.keep)
                 elif isinstance(msg, Stop):
                     break
             for task in self.groups.values():
@@ -279,7 +281,8 @@ class Worker:
 
     async def _heartbeat(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            await sock.send(pack(Heartbeat(self.worker_id, len(self.groups), round(rss_mb(), 1))))
+            free = None if self.store is None else self.store.largest_free
+            await sock.send(pack(Heartbeat(self.worker_id, len(self.groups), round(rss_mb(), 1), free)))
             await asyncio.sleep(HEARTBEAT_S)
 
     def _client_config(self, server: str) -> Any:

@@ -18,6 +18,7 @@ orchestrator -> worker (``OrchestratorMessage``)
   ``assign``     Assign      run len(rids) rollouts of one task on one inference server
   ``cancel``     Cancel      drop a group (stale or timed out)
   ``release``    Release     data_plane = direct: these rollouts' spans of the worker's column pool are free
+                             (with ``keep``: every span but those is free)
   ``stop``       Stop        exit cleanly
 
 A rollout is a ``RolloutHeader`` (scalars, and per sample ``[tokens, layers, top_k]``), followed by exactly
@@ -133,6 +134,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
     worker: Name
     inflight: Count = 0
     rss_mb: float | None = None
+    pool_free: Count | None = None  # data_plane = direct: the largest free range of its column pool, in bytes
 
 
 class Fatal(msgspec.Struct, tag="fatal", tag_field="type"):
@@ -188,7 +190,11 @@ class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
 
 
 class Release(msgspec.Struct, tag="release", tag_field="type"):
+    """Free the spans of ``rids``; with ``keep`` (a resync when the worker is re-admitted), also every span
+    whose rollout is not in ``keep``: the orchestrator holds exactly those."""
+
     rids: list[str]
+    keep: list[str] | None = None
 
 
 class Stop(msgspec.Struct, tag="stop", tag_field="type"):
