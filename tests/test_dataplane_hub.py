@@ -1,11 +1,13 @@
 """The hub's edge for direct-mode records, on a real ZMQ socket: a span must lie in the pool its worker announced;
-spans of records the hub does not pass on are released to their worker."""
+spans of records the hub does not pass on are released to their worker, those it passed on when the scheduler
+says so (once); a re-admitted worker is told what to keep, a replaced pool is reported gone, and a worker whose
+pool has no room gets no group."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import zmq
@@ -13,11 +15,14 @@ import zmq.asyncio
 
 from orchestrator.dataplane.layout import SpanLoc, span_layout
 from orchestrator.errors import Failure
-from orchestrator.worker.hub import RecordsIn, WorkerHub
+from orchestrator.testing.procs import wait_until
+from orchestrator.worker.events import PoolGone, RecordsIn
+from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.protocol import (
     Assign,
     Cancel,
     EnvSpec,
+    Heartbeat,
     Hello,
     PoolInfo,
     Ready,
@@ -104,3 +109,68 @@ async def test_the_span_of_a_late_record_is_released(tmp_path: Path) -> None:
         assert decode_orchestrator_message(await asyncio.wait_for(worker.recv(), WAIT_S)) == Release(["g1-0"])
         assert hub.metrics["late"] == 1
         assert hub.events.empty()
+
+
+async def next_message(worker: zmq.asyncio.Socket, kind: type) -> object:
+    """The next message of ``kind`` the fake worker gets (the hub may send others first)."""
+    while True:
+        msg = decode_orchestrator_message(await asyncio.wait_for(worker.recv(), WAIT_S))
+        if isinstance(msg, kind):
+            return msg
+
+
+async def test_records_passed_on_are_released_once_when_the_scheduler_drops_them(tmp_path: Path) -> None:
+    async with direct_hub(tmp_path, POOL) as (hub, worker):
+        spans = [header(f"g1-{i}", SpanLoc("pool-1", i * 64 * 4, NBYTES)) for i in range(2)]
+        await worker.send(pack(Records("g1", spans)))
+        event = await records_in(hub)
+        hub.release(event.records)
+        assert await next_message(worker, Release) == Release(["g1-0", "g1-1"])
+        hub.release(event.records)  # again: nothing to send
+        hub.assign(Assign("g2", "e", 0, ["g2-0"], "http://127.0.0.1:9/v1", {}, 0))
+        assert isinstance(decode_orchestrator_message(await asyncio.wait_for(worker.recv(), WAIT_S)), Assign)
+        assert hub.metrics["released"] == 2
+
+
+async def test_a_worker_readmitted_with_its_pool_keeps_what_is_held_and_frees_the_rest(tmp_path: Path) -> None:
+    async with direct_hub(tmp_path, POOL) as (hub, worker):
+        spans = [header(f"g1-{i}", SpanLoc("pool-1", i * 64 * 4, NBYTES)) for i in range(2)]
+        await worker.send(pack(Records("g1", spans)))
+        event = await records_in(hub)
+        hub.release(event.records[:1])  # sent while the worker may be away: the resync covers a lost one
+        assert await next_message(worker, Release) == Release(["g1-0"])
+        await worker.send(pack(Hello("w0", None)))  # it lost us (or we lost it) and says hello again
+        assert await next_message(worker, Setup) == SETUP
+        await worker.send(pack(Ready("w0", {"e": 1}, POOL)))
+        assert await next_message(worker, Release) == Release([], keep=["g1-1"])
+        assert hub.events.empty()  # the same pool: nothing is lost
+
+
+async def test_a_worker_that_comes_back_with_a_new_pool_reports_the_old_one_gone(tmp_path: Path) -> None:
+    async with direct_hub(tmp_path, POOL) as (hub, worker):
+        await worker.send(pack(Records("g1", [header("g1-0", SpanLoc("pool-1", 0, NBYTES))])))
+        await records_in(hub)
+        await worker.send(pack(Hello("w0", None)))
+        assert await next_message(worker, Setup) == SETUP
+        await worker.send(pack(Ready("w0", {"e": 1}, PoolInfo(id="pool-2", size=1 << 16, host="h"))))
+        events = [await asyncio.wait_for(hub.events.get(), WAIT_S) for _ in range(2)]
+        assert PoolGone("w0", "pool-1", "replaced by pool pool-2") in events  # and WorkerLost for g1-1
+        assert hub.spans.pool("w0") == PoolInfo(id="pool-2", size=1 << 16, host="h")
+
+
+async def test_a_worker_whose_pool_has_no_room_gets_no_group_until_it_has(tmp_path: Path) -> None:
+    async with direct_hub(tmp_path, POOL) as (hub, worker):
+        await worker.send(pack(Records("g1", [header("g1-0", SpanLoc("pool-1", 0, NBYTES))])))
+        await records_in(hub)
+        assert hub.has_ready()
+        await worker.send(pack(Heartbeat("w0", pool_free=NBYTES - 64)))  # its largest rollout does not fit
+        await wait_for(lambda: not hub.has_ready())
+        assert hub.metrics["pool_full"] == 1
+        await worker.send(pack(Heartbeat("w0", pool_free=NBYTES)))
+        await wait_for(hub.has_ready)
+        hub.assign(Assign("g2", "e", 0, ["g2-0"], "http://127.0.0.1:9/v1", {}, 0))
+        assert isinstance(await next_message(worker, Assign), Assign)
+
+
+async def wait_for(ready: Callable[[], bool]) -> None:
+    await wait_until(ready, WAIT_S, "the hub to take the heartbeat", poll_s=0.01)

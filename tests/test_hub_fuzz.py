@@ -34,7 +34,8 @@ from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
-from orchestrator.worker.hub import RecordsIn, WorkerHub
+from orchestrator.worker.events import RecordsIn
+from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.protocol import (
     Assign,
     EnvSpec,

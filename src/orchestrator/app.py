@@ -229,6 +229,7 @@ class Orchestrator:
         groups = await sched.next_step(step)
         wait_s = time.perf_counter() - t0
         result = await self._off_loop(self.builder.build, step, groups, sched.take_dropped())
+        self.hub.release(result.untrained)  # direct mode: filtered rollouts' columns are never read
         t = time.perf_counter()
         sent = await self.sender.send(result.batch)  # False: a restarted trainer already had this step
         send_s = time.perf_counter() - t

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ class StepResult:
     rows: list[dict[str, Any]]
     phase_s: dict[str, float]
     filter_counts: dict[str, dict[str, int]]
+    untrained: list[RolloutRecord] = field(default_factory=list)  # survivors filtered out: never read
 
 
 class StepBuilder:
@@ -55,7 +56,9 @@ class StepBuilder:
         t = time.perf_counter()
         batch = self.assemble(step, trained)
         phase["assemble"] = time.perf_counter() - t
-        return StepResult(batch, rows, phase, self.filters.take_counts())
+        kept = {id(rec) for rec, _ in trained}
+        untrained = [r for g in groups for r in g.survivors if id(r) not in kept]
+        return StepResult(batch, rows, phase, self.filters.take_counts(), untrained)
 
     # The phases of ``build``, public so replay (scripts/perf) can run and time them one at a time.
 

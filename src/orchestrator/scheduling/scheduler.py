@@ -30,6 +30,11 @@ Rules, with every bound from the config:
   workers, inference servers, or the rollouts in flight and their failures; again every as long.
 - A step is ``batch_size`` rollouts or ``token_budget`` tokens: whole groups in completion order until the
   count is reached (a step may exceed it by less than one group).
+- Data plane (``data_plane = "direct"``): every rollout the scheduler drops while its columns are in a
+  worker's pool (its group dropped, rejected by a gate, stale, a straggler) is released to that worker at once
+  (``hub.release``); those of taken groups are the step's to release. When a worker's pool is gone
+  (``PoolGone``), its buffered rollouts fail with ``worker_died`` (counted ``columns_lost``); a buffered group
+  left without survivors is dropped.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,7 +56,7 @@ from orchestrator.scheduling.evaluation import Evaluator
 from orchestrator.scheduling.gates import Gates, GroupView
 from orchestrator.scheduling.groups import Group, GroupTracker
 from orchestrator.scheduling.sampler import EnvDraws, TaskSampler
-from orchestrator.worker.hub import HubEvent, RecordsIn
+from orchestrator.worker.events import HubEvent, PoolGone, RecordsIn
 from orchestrator.worker.protocol import Assign, RolloutRecord
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,7 @@ class WorkerLink(Protocol):
     def has_ready(self) -> bool: ...
     def assign(self, msg: Assign) -> str: ...  # returns the worker's name
     def cancel(self, group: str, rids: list[str]) -> None: ...
+    def release(self, records: Sequence[RolloutRecord]) -> None: ...  # their columns will never be read
     def worker_stats(self) -> dict[str, tuple[int, float | None]]: ...  # name -> (completed, RSS MB)
 
 
@@ -152,6 +158,8 @@ class Scheduler:
             if isinstance(event, RecordsIn):
                 for record in event.records:
                     self.on_record(record)
+            elif isinstance(event, PoolGone):
+                self.on_pool_gone(event.worker, event.pool, event.why)
             else:
                 self.on_lost(event.worker, event.rids, event.why)
 
@@ -218,7 +226,8 @@ class Scheduler:
 
     def on_record(self, record: RolloutRecord) -> None:
         group, complete = self.tracker.record(record)
-        if group is None:
+        if group is None:  # a straggler of a group that ended
+            self._release([record])
             return
         h = record.header
         if record.ok:
@@ -237,6 +246,34 @@ class Scheduler:
             if group is not None:
                 self._settle(self.tracker.fail(group, rid, Failure.WORKER_DIED, f"env worker {worker}: {why}"))
 
+    def on_pool_gone(self, worker: str, pool: str, why: str) -> None:
+        """``worker``'s column pool is gone: its rollouts buffered here, or in groups still in flight, fail."""
+        lost = 0
+        for group in self.tracker.inflight.values():
+            lost += group.lose_columns(worker, pool, why)
+        for group in list(self.done):
+            n = group.lose_columns(worker, pool, why)
+            if not n:
+                continue
+            lost += n
+            self.buffered -= n
+            if not group.survivors or self.envs[group.env].group_scoring:
+                self.done.remove(group)
+                self.buffered -= len(group.survivors)
+                self._release(group.records)
+                self.counts["dropped_groups"] += 1
+                self._keep_dropped(group)
+        if lost:
+            self.counts["columns_lost"] += lost
+            log.warning("%d buffered rollouts lost their columns with env worker %s's pool (%s)", lost, worker, why)
+            self._wake.set()  # room in the buffer
+
+    def _release(self, records: Sequence[RolloutRecord]) -> None:
+        """Records that will never train: their columns (direct mode) may be reused by their workers."""
+        spans = [r for r in records if r.header.span is not None]
+        if spans:
+            self.hub.release(spans)
+
     def _settle(self, outcome: tuple[Group | None, bool]) -> None:
         group, complete = outcome
         if group is not None and complete:
@@ -247,6 +284,7 @@ class Scheduler:
         self._wake.set()
         if group.eval_round is not None:
             assert self.evaluator is not None
+            self._release(group.records)  # evaluation rollouts build no samples: nothing to release, normally
             done = self.evaluator.completed(group)
             if done is not None:
                 self.eval_rows.put_nowait(done)
@@ -259,6 +297,7 @@ class Scheduler:
                                 / group.size)
         if not survivors or (env.group_scoring and len(survivors) < group.size):
             self.counts["dropped_groups"] += 1
+            self._release(group.records)
             self._keep_dropped(group)
             log.warning("group %s (%s) dropped: %d of %d rollouts failed", group.gid, group.env,
                         group.size - len(survivors), group.size)
@@ -268,6 +307,7 @@ class Scheduler:
                                           group.advantages.tolist()))
         if group.gate is not None:
             self.counts["rejected_groups"] += 1
+            self._release(group.records)
             self._rejected += self._size(group)
             self._group_done.set()  # a waiting step checks its rejection bound now
             return
@@ -330,6 +370,7 @@ class Scheduler:
             self._wake.set()
             if group.policy < oldest:
                 self.counts["stale_rollouts"] += len(group.survivors)
+                self._release(group.records)
                 continue
             taken.append(group)
             count += self._size(group)

@@ -3,19 +3,22 @@
 Each assigned rollout finishes after ``delay_s`` with the outcome ``outcome(env, rid)`` returns: a reward
 (float, success), a ``Failure`` kind or a ``"kind: message"`` string (failure), or None (never returns: a
 hang). Records carry one sample of ``tokens`` tokens so the step pipeline can build batches from them, and
-arrive on ``events`` as the real hub's do.
+arrive on ``events`` as the real hub's do. With ``pool`` (data_plane = direct) a successful record carries a
+span of that pool instead of column frames; ``released`` lists the rollout ids the scheduler released, and
+``pool_gone`` reports the pool gone as the real hub does.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from orchestrator.dataplane.layout import SpanLoc, span_layout
 from orchestrator.errors import Failure
-from orchestrator.worker.hub import HubEvent, RecordsIn, WorkerLost
+from orchestrator.worker.events import HubEvent, PoolGone, RecordsIn, WorkerLost
 from orchestrator.worker.protocol import Assign, AssignedRollout, RolloutHeader, RolloutRecord
 
 Outcome = float | str | Failure | None
@@ -28,11 +31,14 @@ class FakeWorkerHub:
     delay_s: float = 0.0
     tokens: int = 4
     stop: str | None = None  # stop condition stamped on failed rollouts (e.g. "provider_error")
+    pool: str | None = None  # direct mode: successful records carry a span of this pool, no frames
     events: asyncio.Queue[HubEvent] = field(default_factory=asyncio.Queue)
     completed: int = 0
     assigned: list[Assign] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # rollout ids, in release order
     _timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    _offset: int = 0
 
     def has_ready(self) -> bool:
         return True
@@ -49,8 +55,16 @@ class FakeWorkerHub:
     def cancel(self, group: str, rids: list[str]) -> None:
         self.cancelled.append(group)
 
+    def release(self, records: Sequence[RolloutRecord]) -> None:
+        self.released.extend(r.rid for r in records)
+
     def worker_stats(self) -> dict[str, tuple[int, float | None]]:
         return {"fake": (self.completed, None)}
+
+    def pool_gone(self, why: str = "killed") -> None:
+        """Report the fake worker's pool gone (what the hub does when a worker's process dies)."""
+        assert self.pool is not None
+        self.events.put_nowait(PoolGone("fake", self.pool, why))
 
     def lose(self, rids: list[str], why: str = "killed") -> None:
         """Report the fake worker lost while running ``rids`` (what the hub does for a dead worker)."""
@@ -67,8 +81,14 @@ class FakeWorkerHub:
             header = RolloutHeader(rid=rid, group=msg.group, env=msg.env, task=msg.task,
                                    policy_step=msg.policy_step, worker="fake", server=msg.server, ok=True,
                                    reward=float(result), samples=[(n, 0, 0)], tokens=n)
-            frames = [memoryview(np.arange(n, dtype=np.int32).tobytes()), memoryview(np.ones(n, np.uint8).tobytes()),
-                      memoryview(np.full(n, -1.0, np.float32).tobytes()), memoryview(b"")]
+            if self.pool is not None:
+                nbytes = span_layout(n, 0, 0, "uint8").nbytes
+                header.span = SpanLoc(self.pool, self._offset, nbytes)
+                self._offset += nbytes
+            else:
+                frames = [memoryview(np.arange(n, dtype=np.int32).tobytes()),
+                          memoryview(np.ones(n, np.uint8).tobytes()),
+                          memoryview(np.full(n, -1.0, np.float32).tobytes()), memoryview(b"")]
         self.completed += 1
         self.events.put_nowait(RecordsIn("fake", [RolloutRecord(header, frames)]))
 

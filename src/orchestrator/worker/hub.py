@@ -23,18 +23,22 @@ an authorized CURVE key, over ipc:// whoever may open the socket file).
 
 Supervision: a ready worker silent for ``scheduler.worker_silence_s`` (one still loading its environments:
 LOAD_TIMEOUT_S) is lost: its rollouts fail with ``worker_died`` at once, and the log names it. A local one is
-killed (SIGKILL, which also ends a stopped process) and restarted under its name, at once unless restarts keep
-failing before ready (then backing off, RESTART_BACKOFF_S). A remote one is not ours to kill: when it speaks
-again (e.g. after SIGCONT) it is sent ``setup`` and re-admitted when it answers ``ready``; the records it had
-in flight when it was lost count as ``late``, not as invalid messages.
+killed (SIGKILL, which also ends a stopped process) and restarted under its name (local.py: at once, or
+backing off while restarts fail before ready). A remote one is not ours to kill: when it speaks again (e.g.
+after SIGCONT) it is sent ``setup`` and re-admitted when it answers ``ready``; the records it had in flight
+when it was lost count as ``late``, not as invalid messages. Records are sorted by intake.py.
 
-Data plane (``data_plane = "direct"``, docs/data-plane.md): a worker's ``ready`` names its column pool, and a
-record's ``span`` must lie in that pool (the one it announced last), else the record is corrupt (a strike; its
-rollout fails). The spans of records the hub does not pass on (corrupt, late) are released to their worker at
-once, so its pool does not fill with bytes nobody will read.
+Data plane (``data_plane = "direct"``, docs/data-plane.md; the bookkeeping is spans.py's ``SpanLedger``): a
+worker's ``ready`` names its column pool, and a record's ``span`` must lie in that pool (the one it announced
+last), else the record is corrupt (a strike; its rollout fails). The spans of records the hub does not pass on
+(corrupt, late) are released at once; those it passes on are released when the scheduler or the step drops
+them, or the trainer acknowledges their step (``release``). A worker re-admitted with the same pool is told
+what to keep (``Release(keep=...)``); a pool that is replaced, or whose worker process is gone, is reported as
+``PoolGone`` (its buffered rollouts cannot train). A worker whose heartbeat says its pool has no room for its
+largest rollout gets no new group until it has.
 
 ``events`` is bounded by construction: a record is admitted only for a rollout in flight on its worker (at
-most ``scheduler.max_inflight`` at once), and a worker is lost once.
+most ``scheduler.max_inflight`` at once), and a worker is lost (and its pool gone) once per admission.
 
 Per-rollout cost on the loop is what limits how many workers one orchestrator feeds, so the socket is a
 plain (sync) ZMQ socket read from a loop reader callback that drains up to DRAIN_MAX messages per
@@ -48,21 +52,20 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-import signal
-import sys
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import zmq
 
 from orchestrator import ipc
-from orchestrator.errors import EnvironmentLoadError, Failure, TransportError, WireError, WorkerError
-from orchestrator.procs import child_env, terminate
+from orchestrator.errors import EnvironmentLoadError, TransportError, WireError, WorkerError
 from orchestrator.security import LOCAL_KEYS_ENV, ServerKeys, curve_server
+from orchestrator.worker.events import HubEvent, PoolGone, RecordsIn, WorkerLost
+from orchestrator.worker.intake import sort_records
+from orchestrator.worker.local import LocalWorkers
 from orchestrator.worker.protocol import (
     HEARTBEAT_S,
     Assign,
@@ -78,11 +81,11 @@ from orchestrator.worker.protocol import (
     RolloutRecord,
     Setup,
     Stop,
-    check_span,
     decode_worker_message,
     pack,
     split_records,
 )
+from orchestrator.worker.spans import SpanLedger
 
 log = logging.getLogger(__name__)
 
@@ -90,29 +93,8 @@ LOAD_TIMEOUT_S = 300.0  # a worker that said hello loads its environments (impor
 DRAIN_MAX = 16  # messages handled per reader wake-up before other callbacks get the loop
 MAX_STRIKES = 20  # invalid messages after which a worker is dropped
 LATE_KEPT = 4096  # cancelled rollout ids remembered per worker, so their stragglers count as late, not forged
-RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # local restarts after consecutive failures
 LOST_KEPT = 64  # lost workers whose in-flight rollout ids are remembered, so their stragglers count as late
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum cost
-
-
-@dataclass(frozen=True, slots=True)
-class RecordsIn:
-    """Finished rollouts from ``worker``, each for a rollout that was in flight there."""
-
-    worker: str
-    records: list[RolloutRecord]
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLost:
-    """``worker`` is gone (``why``); ``rids``, in flight on it, will never come back."""
-
-    worker: str
-    rids: list[str]
-    why: str
-
-
-HubEvent = RecordsIn | WorkerLost
 
 
 @dataclass
@@ -141,21 +123,18 @@ class WorkerHub:
         self.local = local
         self.remote = remote
         self.expected = max(local + remote, 1)
-        self.env_vars = dict(env_vars or {})
-        self.nice = nice
+        self.procs = LocalWorkers(address, dict(env_vars or {}), nice)
+        self.spans = SpanLedger()  # data_plane = direct: the spans passed on and not released, per worker
         self.workers: dict[bytes, WorkerState] = {}
         self.tasks_per_env: dict[str, int] = {}
         self.events: asyncio.Queue[HubEvent] = asyncio.Queue()  # bounded by construction (module docstring)
-        self.metrics: Counter[str] = Counter()  # rejected:<why>, late, dropped, lost, fatal, restarts
-        self._procs: dict[str, asyncio.subprocess.Process] = {}  # local workers by name
-        self._restart_at: dict[str, float] = {}  # local worker slots waiting to be restarted -> when
-        self._became_ready: set[str] = set()  # local workers whose current process reached ready
+        # rejected:<why>, late, dropped, lost, fatal, restarts; direct: released, pools_gone, pool_full
+        self.metrics: Counter[str] = Counter()
         self._lost: dict[bytes, deque[str]] = {}  # lost workers -> their rollout ids that will come back late
-        self._failures_in_a_row = 0  # local workers that exited before becoming ready
         self._load_failures = 0  # fatal reports while no worker was ready
         self._banned: set[bytes] = set()
         self._ready = asyncio.Event()
-        self._spawned = 0
+        self._full: set[str] = set()  # workers whose pool has no room (logged once per episode)
         self._failed: asyncio.Future[None] | None = None
 
     @classmethod
@@ -193,30 +172,16 @@ class WorkerHub:
             hub = cls(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), setup, local, remote, env, nice, silence_s)
             try:
                 for _ in range(local):
-                    await hub._spawn()
+                    await hub.procs.spawn()
                 yield hub
             finally:
                 await hub._stop_all()
-
-    async def _spawn(self, name: str | None = None) -> None:
-        if name is None:
-            name = f"local-{self._spawned}"
-            self._spawned += 1
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect", self.address,
-            "--id", name, "--nice", str(self.nice), env=child_env(self.env_vars),
-        )
-        self._procs[name] = proc
-        self._became_ready.discard(name)
-        self._banned.discard(name.encode())  # a fresh process under the name of one that was dropped
-        log.info("started env worker %s (pid %d)", name, proc.pid)
 
     async def _stop_all(self) -> None:
         for ident, w in self.workers.items():
             self._send(ident, Stop())
             w.ready = False
-        for proc in self._procs.values():  # asked to stop above; killed if still there after 5 s
-            await terminate(proc, 5.0, signal_first=False)
+        await self.procs.stop()  # asked to stop above; killed if still there after a grace period
 
     async def wait_ready(self, n: int, timeout_s: float) -> None:
         """Wait until ``n`` workers are ready; WorkerError naming what is missing after ``timeout_s``."""
@@ -299,14 +264,15 @@ class WorkerHub:
             self._records(worker, msg, [f.buffer for f in frames[1:]])
         elif isinstance(msg, Heartbeat):
             worker.rss_mb = msg.rss_mb
+            self._room(worker, msg.pool_free)
         elif isinstance(msg, Ready):
             self._on_ready(worker, msg)
         elif isinstance(msg, Fatal):
             self._fatal(worker, msg)
 
     def _hello(self, ident: bytes, msg: Hello) -> None:
-        proc = self._procs.get(msg.worker)
-        if self.expected <= self.local and (proc is None or proc.pid != msg.pid or ident != msg.worker.encode()):
+        if self.expected <= self.local and (not self.procs.is_ours(msg.worker, msg.pid)
+                                            or ident != msg.worker.encode()):
             # no remote worker is expected: only the processes this hub started are workers
             self._reject(None, ident, "unknown_worker", f"hello from {msg.worker!r} (pid {msg.pid}), which this "
                          "orchestrator did not start (scheduler.remote_workers = 0)")
@@ -324,18 +290,23 @@ class WorkerHub:
             return
         worker.ready = True
         worker.pool = msg.pool
-        if worker.name in self._procs:
-            self._became_ready.add(worker.name)
+        known = self.spans.pool(worker.name)
+        gone = self.spans.announce(worker.name, msg.pool)
+        if gone is not None:
+            self._pool_gone(worker.name, gone.id, f"replaced by pool {msg.pool.id if msg.pool else 'none'}")
+        elif known is not None:  # re-admitted with the same pool: it frees all but what we hold
+            self._send(worker.ident, Release([], keep=self.spans.keep(worker.name)))
+        self.procs.became_ready(worker.name)
         self.tasks_per_env = dict(msg.envs)
-        self._failures_in_a_row = self._load_failures = 0
+        self._load_failures = 0
         log.info("env worker %s ready (%s)", worker.name, ", ".join(f"{k}: {v} tasks" for k, v in msg.envs.items()))
         self._ready.set()
 
     def _fatal(self, worker: WorkerState, msg: Fatal) -> None:
         self.metrics["fatal"] += 1
         log.error("env worker %s cannot go on: %s", worker.name, msg.error)
-        self._lose(worker, f"fatal: {msg.error}")
-        ours = worker.pid is not None and worker.pid in {p.pid for p in self._procs.values()}
+        self._lose(worker, f"fatal: {msg.error}", pool_gone=True)
+        ours = worker.pid is not None and worker.pid in self.procs.pids().values()
         if any(w.ready for w in self.workers.values()) or not (ours or self.expected > self.local):
             return  # only a worker we started (or, when remote ones are expected, any) can end the job
         self._load_failures += 1
@@ -351,42 +322,60 @@ class WorkerHub:
         except WireError as e:  # the group's rollouts stay in flight; the group timeout fails them
             self._strike(worker, "bad_frames", str(e))
             return
-        accepted: list[RolloutRecord] = []
-        unused: list[RolloutHeader] = []  # records not passed on whose spans the worker may free
-        for record in records:
-            h = record.header
-            group = worker.rids.get(h.rid)
-            if group is None:
-                if h.rid in worker.late:
-                    self.metrics["late"] += 1
-                    unused.append(h)
-                else:
-                    self._reject(worker, worker.ident, "unassigned", f"a record for rollout {h.rid!r}, "
-                                 "which is not in flight on it")
-                continue
-            if h.group != msg.group or group != msg.group:
-                self._strike(worker, "wrong_group", f"rollout {h.rid} of group {group} sent as group {msg.group}")
-                continue
-            try:
-                record.check()
-                check_span(h, worker.pool)
-            except WireError as e:
-                self._strike(worker, "corrupt_record", str(e))
-                unused.append(h)
-                record = RolloutRecord(RolloutHeader.failed(h, Failure.CORRUPT, str(e), wall_s=h.wall_s), [])
-            del worker.rids[h.rid]
+        got = sort_records(worker.rids, worker.late, msg.group, records, worker.pool)
+        self.metrics["late"] += got.late
+        for why, detail in got.problems:
+            self._reject(worker, worker.ident, why, detail)
+        self._release(worker.ident, got.unused)
+        for record in got.accepted:
             record.header.worker = worker.name
-            worker.completed += 1
-            accepted.append(record)
-        self._release(worker.ident, unused)
-        if accepted:
-            self.events.put_nowait(RecordsIn(worker.name, accepted))
+            self.spans.hold(record.header)
+        worker.completed += len(got.accepted)
+        if got.accepted:
+            self.events.put_nowait(RecordsIn(worker.name, got.accepted))
 
     def _release(self, ident: bytes, headers: list[RolloutHeader]) -> None:
-        """Tell a worker that the spans of these records (those that have one) will never be read."""
+        """Tell a worker that the spans of these records (not passed on; those that have one) will never be read."""
         rids = [h.rid for h in headers if h.span is not None]
         if rids:
+            self.metrics["released"] += len(rids)
             self._send(ident, Release(rids))
+
+    def release(self, records: Sequence[RolloutRecord]) -> None:
+        """The spans of these records (passed on earlier) will never be read: dropped by the scheduler or the
+        step, or their step was acknowledged. One ``Release`` per worker; each span is released once; a span
+        of a pool that is gone, or a record without one, is skipped. A worker away now gets the same result
+        from the resync when it is re-admitted."""
+        by_worker = self.spans.release(r.header for r in records)
+        if not by_worker:
+            return
+        idents = {w.name: w.ident for w in self.workers.values()}
+        for name, rids in by_worker.items():
+            self.metrics["released"] += len(rids)
+            ident = idents.get(name)
+            if ident is not None:
+                self._send(ident, Release(rids))
+
+    def _room(self, worker: WorkerState, free: int | None) -> None:
+        """A heartbeat's report of the room in ``worker``'s pool: say when it fills, and when it has room again."""
+        self.spans.report(worker.name, free)
+        if not self.spans.has_room(worker.name):
+            if worker.name not in self._full:
+                self._full.add(worker.name)
+                self.metrics["pool_full"] += 1
+                log.warning("env worker %s: its column pool has no room for another rollout (%d held); no new "
+                            "groups go to it until releases (acknowledged steps) make room", worker.name,
+                            self.spans.held(worker.name))
+        elif worker.name in self._full:
+            self._full.discard(worker.name)
+            log.info("env worker %s: room in its column pool again", worker.name)
+
+    def _pool_gone(self, name: str, pool: str, why: str) -> None:
+        self.metrics["pools_gone"] += 1
+        self._full.discard(name)
+        log.warning("column pool %s of env worker %s is gone (%s): its rollouts not yet trained cannot train",
+                    pool, name, why)
+        self.events.put_nowait(PoolGone(name, pool, why))
 
     def _reject(self, worker: WorkerState | None, ident: bytes, why: str, detail: str) -> None:
         if worker is not None and why != "unassigned":
@@ -407,8 +396,8 @@ class WorkerHub:
             self.metrics["dropped"] += 1
             self._banned.add(worker.ident)
             self._send(worker.ident, Stop())
-            self._lose(worker, "dropped for invalid messages")
-            self._kill_local(worker.name)
+            self._lose(worker, "dropped for invalid messages", pool_gone=True)
+            self.procs.kill(worker.name)
 
     def _send(self, ident: bytes, msg: Any) -> bool:
         """Send without waiting; False (and a warning) when the worker is gone or not keeping up."""
@@ -433,35 +422,30 @@ class WorkerHub:
                 # a worker heartbeats once it is ready; before, it is importing and loading (blocking calls)
                 silent, limit = now - w.last_seen, self.silence_s if w.ready else LOAD_TIMEOUT_S
                 if silent > limit:
-                    proc = self._procs.get(w.name)
-                    then = (f"killed (pid {proc.pid}) to be restarted" if proc is not None and proc.returncode is None
+                    pid = self.procs.alive(w.name)
+                    then = (f"killed (pid {pid}) to be restarted" if pid is not None
                             else "re-admitted if it speaks again")
                     log.error("env worker %s silent for %.0f s%s: lost, %d rollouts in flight fail; %s", w.name,
                               silent, "" if w.ready else " while loading its environments", len(w.rids), then)
-                    self._lose(w, f"silent for {silent:.0f} s")
-                    self._kill_local(w.name)
-            for name, proc in list(self._procs.items()):
-                if proc.returncode is not None and name not in self._restart_at:
-                    self._exited(name, proc, now)
-            for name, when in list(self._restart_at.items()):
-                if now >= when:
-                    del self._restart_at[name]
-                    self.metrics["restarts"] += 1
-                    await self._spawn(name)
+                    self._lose(w, f"silent for {silent:.0f} s", pool_gone=pid is not None)
+                    self.procs.kill(w.name)
+            for name, status in self.procs.exited(now):
+                worker = next((w for w in self.workers.values() if w.name == name), None)
+                if worker is not None:
+                    self._lose(worker, f"exited with status {status}", pool_gone=True)
+                elif (gone := self.spans.forget(name)) is not None:  # lost before (silent), now dead too
+                    self._pool_gone(name, gone.id, f"its process exited with status {status}")
+            restarted = await self.procs.restart_due(now)
+            self.metrics["restarts"] += len(restarted)
+            for name in restarted:
+                self._banned.discard(name.encode())  # a fresh process under the name of one that was dropped
 
-    def _exited(self, name: str, proc: asyncio.subprocess.Process, now: float) -> None:
-        worker = next((w for w in self.workers.values() if w.name == name), None)
-        if worker is not None:
-            self._lose(worker, f"exited with status {proc.returncode}")
-        if name not in self._became_ready:  # a process that was serving (then froze or died) restarts at once
-            self._failures_in_a_row += 1
-        delay = RESTART_BACKOFF_S[min(self._failures_in_a_row, len(RESTART_BACKOFF_S) - 1)]
-        log.error("local env worker %s (pid %d) exited with status %s; restarting it in %.0f s", name, proc.pid,
-                  proc.returncode, delay)
-        self._restart_at[name] = now + delay
-
-    def _lose(self, worker: WorkerState, why: str) -> None:
-        """Forget ``worker``; its in-flight rollouts go to the scheduler as lost."""
+    def _lose(self, worker: WorkerState, why: str, *, pool_gone: bool = False) -> None:
+        """Forget ``worker``; its in-flight rollouts go to the scheduler as lost. ``pool_gone``: its process is
+        gone too (killed, exited, dropped), and so is its column pool (a silent remote worker may come back
+        with it)."""
+        if pool_gone and (gone := self.spans.forget(worker.name)) is not None:
+            self._pool_gone(worker.name, gone.id, why)
         if self.workers.get(worker.ident) is worker:
             del self.workers[worker.ident]
         self.metrics["lost"] += 1
@@ -473,20 +457,19 @@ class WorkerHub:
             self.events.put_nowait(WorkerLost(worker.name, sorted(worker.rids), why))
             worker.rids.clear()
 
-    def _kill_local(self, name: str) -> None:
-        proc = self._procs.get(name)
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-
     # ------------------------------------------------------------------------------------- assignment
 
+    def _assignable(self) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.ready and self.spans.has_room(w.name)]
+
     def has_ready(self) -> bool:
-        return any(w.ready for w in self.workers.values())
+        """Whether a worker can take a group now: ready, and (direct) room in its column pool."""
+        return any(w.ready and self.spans.has_room(w.name) for w in self.workers.values())
 
     def assign(self, msg: Assign) -> str:
-        """Send a group to the ready worker with the fewest rollouts in flight; returns its name."""
-        ready = [w for w in self.workers.values() if w.ready]
+        """Send a group to the ready worker (with room in its pool) with the fewest rollouts in flight; returns
+        its name."""
+        ready = self._assignable()
         if not ready:
             raise RuntimeError("assign() with no ready worker: check has_ready() first")
         worker = min(ready, key=lambda w: len(w.rids))
@@ -509,5 +492,5 @@ class WorkerHub:
 
     def local_pids(self) -> dict[str, int]:
         """The pid of each local worker process by name (the current one, after restarts)."""
-        return {name: proc.pid for name, proc in self._procs.items()}
+        return self.procs.pids()
 

@@ -1,0 +1,106 @@
+"""The env worker processes a hub starts on this host: spawn, restart with back-off, kill, stop, by pid.
+
+``LocalWorkers`` owns the ``asyncio.subprocess.Process`` of every local worker slot (named ``local-<n>``), and
+nothing else: which worker is ready, lost or holding rollouts is the hub's (hub.py). The hub calls
+``exited()`` and ``restart_due()`` from its supervision loop every HEARTBEAT_S: a slot whose process exited
+is restarted under the same name, at once when that process had become ready (it was serving, then died or
+froze), else after RESTART_BACKOFF_S[failures in a row] (a worker that keeps failing to start does not spin).
+``kill`` is SIGKILL by pid (it also ends a stopped process); ``stop`` waits up to 5 s for each process to exit
+after the hub sent it ``stop``, then kills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from orchestrator.procs import child_env, terminate
+
+log = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # local restarts after consecutive failures
+STOP_GRACE_S = 5.0  # a local worker asked to stop exits within this, or is killed
+
+
+class LocalWorkers:
+    def __init__(self, address: str, env_vars: dict[str, str], nice: int) -> None:
+        self.address = address
+        self.env_vars = env_vars
+        self.nice = nice
+        self.procs: dict[str, asyncio.subprocess.Process] = {}  # by name: the current process of each slot
+        self.restarts = 0
+        self._restart_at: dict[str, float] = {}  # slots waiting to be restarted -> when (monotonic)
+        self._became_ready: set[str] = set()  # slots whose current process reached ready
+        self._failures_in_a_row = 0  # processes that exited before becoming ready
+        self._spawned = 0
+
+    async def spawn(self, name: str | None = None) -> str:
+        """Start a worker process (a new slot, or ``name``'s again); its name."""
+        if name is None:
+            name = f"local-{self._spawned}"
+            self._spawned += 1
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect", self.address,
+            "--id", name, "--nice", str(self.nice), env=child_env(self.env_vars),
+        )
+        self.procs[name] = proc
+        self._became_ready.discard(name)
+        log.info("started env worker %s (pid %d)", name, proc.pid)
+        return name
+
+    def is_ours(self, name: str, pid: int | None) -> bool:
+        """Whether ``name`` / ``pid`` is the current process of one of our slots."""
+        proc = self.procs.get(name)
+        return proc is not None and pid is not None and proc.pid == pid
+
+    def alive(self, name: str) -> int | None:
+        """The pid of ``name``'s process if it is ours and still running."""
+        proc = self.procs.get(name)
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    def became_ready(self, name: str) -> None:
+        if name in self.procs:
+            self._became_ready.add(name)
+            self._failures_in_a_row = 0
+
+    def exited(self, now: float) -> list[tuple[str, int | None]]:
+        """Slots whose process exited since the last call, with its status; each is scheduled for a restart."""
+        out: list[tuple[str, int | None]] = []
+        for name, proc in self.procs.items():
+            if proc.returncode is None or name in self._restart_at:
+                continue
+            if name not in self._became_ready:  # a process that was serving (then froze or died) restarts at once
+                self._failures_in_a_row += 1
+            delay = RESTART_BACKOFF_S[min(self._failures_in_a_row, len(RESTART_BACKOFF_S) - 1)]
+            log.error("local env worker %s (pid %d) exited with status %s; restarting it in %.0f s", name, proc.pid,
+                      proc.returncode, delay)
+            self._restart_at[name] = now + delay
+            out.append((name, proc.returncode))
+        return out
+
+    async def restart_due(self, now: float) -> list[str]:
+        """Restart the slots whose back-off has passed; their names."""
+        due = [name for name, when in self._restart_at.items() if now >= when]
+        for name in due:
+            del self._restart_at[name]
+            self.restarts += 1
+            await self.spawn(name)
+        return due
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+
+    async def stop(self) -> None:
+        """Wait for every process (asked to stop by the hub) to exit; kill those still there after STOP_GRACE_S."""
+        for proc in self.procs.values():
+            await terminate(proc, STOP_GRACE_S, signal_first=False)
+
+    def pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self.procs.items()}
