@@ -117,6 +117,15 @@ def encode_manifest(m: StepManifest) -> bytes:
     return _encoder.encode(m)
 
 
+def is_manifest(buf: bytes | memoryview) -> bool:
+    """Whether a one-frame message claims to be a step manifest (its ``kind``), to tell it from a batch header
+    before decoding either; anything undecodable is not (the batch decoder then names the problem)."""
+    try:
+        return _version_decoder.decode(buf).kind == "step-manifest"
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return False
+
+
 def decode_manifest(buf: bytes | memoryview) -> StepManifest:
     """A valid manifest of this version, or WireError naming the first problem (see the module docstring)."""
     if len(buf) > MAX_MANIFEST_BYTES:

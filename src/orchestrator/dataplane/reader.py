@@ -78,18 +78,28 @@ class PoolMaps:
         self.fetches += 1
         log.info("mapped column pool %s of env worker %s (%d MB)", ref.id, ref.worker, ref.size >> 20)
 
+    def announce(self, ref: PoolRef) -> None:
+        """``ref`` is its worker's pool now: map it (blocking, briefly, unless mapped already); an older pool of
+        the same worker is dropped (it renewed its pool: the old one is never named again). WireError as
+        ``fetch``."""
+        old = self._by_worker.get(ref.worker)
+        if old is not None and old != ref.id:
+            self._drop(old)
+        self._by_worker[ref.worker] = ref.id
+        if ref.id not in self._pools:
+            self.fetch(ref)
+        elif len(self._pools[ref.id].view) != ref.size:
+            raise WireError(f"pool {ref.id}: announced as {ref.size} bytes, the mapping has "
+                            f"{len(self._pools[ref.id].view)}")
+
+    def missing(self, manifest: StepManifest) -> list[PoolRef]:
+        """The pools ``manifest`` names that are not mapped yet (``view`` fetches them: blocking)."""
+        return [ref for ref in manifest.pools if ref.id not in self._pools]
+
     def view(self, manifest: StepManifest) -> StepView:
         """Views of every sample of ``manifest`` (fetching the pools not mapped yet: blocking, briefly)."""
         for ref in manifest.pools:
-            old = self._by_worker.get(ref.worker)
-            if old is not None and old != ref.id:
-                self._drop(old)  # the worker renewed its pool: the old one is never named again
-            self._by_worker[ref.worker] = ref.id
-            if ref.id not in self._pools:
-                self.fetch(ref)
-            elif len(self._pools[ref.id].view) != ref.size:
-                raise WireError(f"pool {ref.id}: the manifest says {ref.size} bytes, the mapping has "
-                                f"{len(self._pools[ref.id].view)}")
+            self.announce(ref)
         spans = [self._span_columns(manifest, i) for i in range(len(manifest.spans))]
         return StepView(manifest, spans)
 

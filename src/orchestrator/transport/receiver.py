@@ -17,6 +17,15 @@ message, and logged once when this trainer has announced nothing that new (``che
 trainer that wants to react); ``ping`` is ignored. Shared-memory batches are mapped on arrival (see the
 receivers' docstrings for when they are released). ``keys`` (``ClientKeys``) makes both sockets CURVE clients,
 for an orchestrator that binds tcp:// with keys. Importable without verifiers.
+
+Step manifests (the orchestrator runs ``data_plane = "direct"``, docs/data-plane.md): the columns are in the
+env workers' pools on this node, which the receiver maps (``dataplane.reader.PoolMaps``: when a ``pool``
+control message announces one, or when a manifest names one not mapped yet; blocking briefly, off the loop for
+the asyncio receiver). ``recv()`` returns the step as a ``Batch`` gathered from the pools (one copy per column,
+the trainer's), so every trainer works unchanged and may acknowledge at once; ``recv_view()`` returns a
+``StepView`` instead (no copy): its arrays are views of the pools, whose spans the workers reuse once the step
+is acknowledged, so it is acknowledged like a shared-memory batch (by the next call with ``auto_ack``). A
+manifest whose pools cannot be mapped is rejected (counted) and its step not accepted.
 """
 
 from __future__ import annotations
@@ -31,9 +40,12 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgpack
+import msgspec
 import zmq
 import zmq.asyncio
 
+from orchestrator.dataplane.manifest import PoolRef, StepManifest, decode_manifest, is_manifest
+from orchestrator.dataplane.reader import PoolMaps, StepView
 from orchestrator.errors import DuplicateStep, TrainerRefused, WireError
 from orchestrator.security import ClientKeys, RefusalWatch, secure_client
 from orchestrator.transport.checkpoints import Checkpoint
@@ -42,6 +54,8 @@ from orchestrator.transport.wire import Batch, decode
 from orchestrator.transport.zmq_link import CONTROL, STATUS_S, ckpt_address
 
 log = logging.getLogger(__name__)
+
+Received = Batch | StepView  # what recv_view() returns
 
 _S = TypeVar("_S", bound=zmq.Socket[Any])
 
@@ -79,6 +93,8 @@ class _ReceiverCore:
         self.refused: str | None = None  # why the orchestrator refused this trainer, once it did
         self.checkpoint_wanted: int | None = None  # the orchestrator waits for weights of step >= this
         self.shm = ShmAttachment(address)  # maps the sender's pool when a shared-memory batch arrives
+        self.pools = PoolMaps()  # direct: the env workers' column pools, mapped when announced or first named
+        self.announced_pools: list[PoolRef] = []  # pool announcements not mapped yet
         self._unreleased: int | None = None  # auto_ack: a shared-memory step released by the next recv
         self._told_wanted: int | None = None
 
@@ -87,10 +103,10 @@ class _ReceiverCore:
         step, self._unreleased = self._unreleased, None
         return step
 
-    def _acks_now(self, batch: Batch) -> bool:
-        """Whether ``recv`` acknowledges ``batch`` before returning it: auto_ack and not shared memory (a
-        shared-memory batch is acknowledged, i.e. released, by the next ``recv``)."""
-        if self.auto_ack and batch.shm_pool is not None:
+    def _acks_now(self, batch: Received) -> bool:
+        """Whether ``recv`` acknowledges ``batch`` before returning it: auto_ack and not views of shared memory
+        (a shared-memory batch or a step view is acknowledged, i.e. released, by the next ``recv``)."""
+        if self.auto_ack and (isinstance(batch, StepView) or batch.shm_pool is not None):
             self._unreleased = batch.step
             return False
         return self.auto_ack
@@ -122,6 +138,11 @@ class _ReceiverCore:
         if what == "checkpoint" and isinstance(msg.get("min"), int):
             self._wanted(msg["min"])
             return True
+        if what == "pool":
+            try:
+                self.announced_pools.append(msgspec.convert({k: v for k, v in msg.items() if k != "ctl"}, PoolRef))
+            except msgspec.ValidationError as e:
+                log.warning("ignored a malformed pool announcement from the orchestrator: %s", e)
         return False  # "ping", or a kind this receiver does not know
 
     def _wanted(self, step: int) -> None:
@@ -133,18 +154,43 @@ class _ReceiverCore:
                         "announce the weights it trains from (announce(step, path), or checkpoint= when it resumes "
                         "from a checkpoint)", self.address, step, have)
 
-    def _accept(self, frames: Sequence[Any]) -> Batch | None:
-        """The batch in ``frames``, or None (rejected and counted); PoolNotMapped: call ``_fetch``, then again."""
+    def _accept(self, frames: Sequence[Any]) -> Batch | StepManifest | None:
+        """The batch or step manifest in ``frames``, or None (rejected and counted); PoolNotMapped: call
+        ``_fetch``, then again. A manifest's step counts as received only once ``_view`` has its columns."""
         try:
-            batch = decode(frames, self.shm.region)
-            if self.last_step is not None and batch.step != self.last_step + 1:
-                kind = "duplicate" if batch.step <= self.last_step else "out of order"
-                raise DuplicateStep(f"step {batch.step} is {kind}: the last step received was {self.last_step}")
+            if len(frames) == 1 and is_manifest(buf := getattr(frames[0], "buffer", frames[0])):
+                item: Batch | StepManifest = decode_manifest(buf)
+            else:
+                item = decode(frames, self.shm.region)
+            if self.last_step is not None and item.step != self.last_step + 1:
+                kind = "duplicate" if item.step <= self.last_step else "out of order"
+                raise DuplicateStep(f"step {item.step} is {kind}: the last step received was {self.last_step}")
         except WireError as e:
             self._reject(e)
             return None
-        self.last_step = batch.step
-        return batch
+        if isinstance(item, Batch):
+            self.last_step = item.step
+        return item
+
+    def _view(self, manifest: StepManifest) -> StepView | None:
+        """Blocking, briefly, when a pool must be fetched: the step's views, or None (rejected and counted)."""
+        try:
+            view = self.pools.view(manifest)
+        except WireError as e:
+            self._reject(e)
+            return None
+        self.last_step = manifest.step
+        return view
+
+    def _map_announced(self) -> None:
+        """Blocking, briefly: map the pools announced since the last call (a failure is only logged: the
+        manifest that names the pool tries again)."""
+        while self.announced_pools:
+            ref = self.announced_pools.pop(0)
+            try:
+                self.pools.announce(ref)
+            except WireError as e:
+                log.warning("could not map the announced column pool %s of env worker %s: %s", ref.id, ref.worker, e)
 
     def _fetch(self, need: PoolNotMapped) -> bool:
         """Blocking, briefly: map the pool a header named; False (counted) if it cannot be had."""
@@ -203,11 +249,26 @@ class BatchReceiver(_ReceiverCore):
         zmq.Socket.shadow(self.push.underlying).send(self._status(hello=True), flags=zmq.NOBLOCK)
 
     async def recv(self) -> Batch:
-        """The next valid batch; TrainerRefused if the orchestrator refused this trainer."""
+        """The next valid batch (a step manifest's columns gathered from the workers' pools); TrainerRefused if
+        the orchestrator refused this trainer."""
+        got = await self.recv_view()
+        if isinstance(got, StepView):
+            batch = got.gather()  # the trainer's copy: the views may go now
+            self._unreleased = None
+            if self.auto_ack:
+                await self.ack(batch.step)
+            return batch
+        return got
+
+    async def recv_view(self) -> Received:
+        """The next valid step: a ``Batch``, or a ``StepView`` of the workers' pools (no copy; see the module
+        docstring for when it is released); TrainerRefused if the orchestrator refused this trainer."""
         self._check_refused()
         if (done := self._due_release()) is not None:
             await self.ack(done)
         while True:
+            if self.announced_pools:  # off the loop: the fd comes from another process's socket
+                await asyncio.to_thread(self._map_announced)
             if not await self.batches.poll(int(STATUS_S * 1000)):
                 self.refusals.check()
                 await self.push.send(self._status())
@@ -219,13 +280,15 @@ class BatchReceiver(_ReceiverCore):
                     await self.push.send(self._status())
                 continue
             try:
-                batch = self._accept(frames)
+                item = self._accept(frames)
             except PoolNotMapped as need:  # off the loop: the sender may be on this very loop
-                batch = self._accept(frames) if await asyncio.to_thread(self._fetch, need) else None
-            if batch is not None:
-                if self._acks_now(batch):
-                    await self.ack(batch.step)
-                return batch
+                item = self._accept(frames) if await asyncio.to_thread(self._fetch, need) else None
+            got: Received | None = item if not isinstance(item, StepManifest) else (
+                await asyncio.to_thread(self._view, item) if self.pools.missing(item) else self._view(item))
+            if got is not None:
+                if self._acks_now(got):
+                    await self.ack(got.step)
+                return got
 
     async def ack(self, step: int) -> None:
         """Tell the orchestrator that every step up to ``step`` is in hand (sent by ``recv`` with auto_ack;
@@ -248,6 +311,7 @@ class BatchReceiver(_ReceiverCore):
         self.batches.close()
         self.push.close()
         self.shm.close()
+        self.pools.close()
 
 
 class SyncBatchReceiver(_ReceiverCore):
@@ -265,13 +329,25 @@ class SyncBatchReceiver(_ReceiverCore):
         self.push.send(self._status(hello=True), flags=zmq.NOBLOCK)
 
     def recv(self, timeout_s: float | None = None) -> Batch:
-        """The next valid batch; TimeoutError after ``timeout_s`` (None: wait for ever); TrainerRefused if the
-        orchestrator refused this trainer."""
+        """The next valid batch (a step manifest's columns gathered from the workers' pools); TimeoutError after
+        ``timeout_s`` (None: wait for ever); TrainerRefused if the orchestrator refused this trainer."""
+        got = self.recv_view(timeout_s)
+        if isinstance(got, StepView):
+            batch = got.gather()
+            self._unreleased = None
+            if self.auto_ack:
+                self.ack(batch.step)
+            return batch
+        return got
+
+    def recv_view(self, timeout_s: float | None = None) -> Received:
+        """``recv`` without the copy: a ``Batch`` or a ``StepView`` (see the module docstring)."""
         self._check_refused()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if (done := self._due_release()) is not None:
             self.ack(done)
         while True:
+            self._map_announced()
             wait = STATUS_S if deadline is None else min(STATUS_S, deadline - time.monotonic())
             if wait <= 0:
                 raise TimeoutError(f"no batch within {timeout_s} s")
@@ -286,13 +362,14 @@ class SyncBatchReceiver(_ReceiverCore):
                     self.push.send(self._status())
                 continue
             try:
-                batch = self._accept(frames)
+                item = self._accept(frames)
             except PoolNotMapped as need:
-                batch = self._accept(frames) if self._fetch(need) else None
-            if batch is not None:
-                if self._acks_now(batch):
-                    self.ack(batch.step)
-                return batch
+                item = self._accept(frames) if self._fetch(need) else None
+            got = self._view(item) if isinstance(item, StepManifest) else item
+            if got is not None:
+                if self._acks_now(got):
+                    self.ack(got.step)
+                return got
 
     def ack(self, step: int) -> None:
         self._set_acked(step)
@@ -309,3 +386,4 @@ class SyncBatchReceiver(_ReceiverCore):
         self.batches.close()
         self.push.close()
         self.shm.close()
+        self.pools.close()

@@ -29,15 +29,21 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.delivery import DeliveryWindow
-from orchestrator.transport.wire import Batch
 
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
+
+
+class Step(Protocol):
+    """What a sender sends once per step: a ``Batch`` (columns), or a step manifest (data_plane = direct)."""
+
+    @property
+    def step(self) -> int: ...
 
 
 class Sender(abc.ABC, Generic[P]):
@@ -78,7 +84,7 @@ class Sender(abc.ABC, Generic[P]):
     def next_step(self) -> int | None:
         return self.window.next_step
 
-    async def send(self, batch: Batch) -> bool:
+    async def send(self, batch: Step) -> bool:
         """Send one step (True), or skip it (False) when the trainer already has it; waits, never drops, while
         the window is full (see the module docstring)."""
         async with self._sending:
@@ -142,8 +148,9 @@ class Sender(abc.ABC, Generic[P]):
             self.waiting = False
 
     @abc.abstractmethod
-    async def _deliver(self, batch: Batch) -> tuple[P | None, int]:
-        """Send ``batch``; what to keep for a resend, and the bytes sent."""
+    async def _deliver(self, batch: Any) -> tuple[P | None, int]:
+        """Send ``batch`` (a ``Batch``; a transport that carries step manifests takes those too); what to keep
+        for a resend, and the bytes sent."""
 
     def _recorded(self, step: int) -> None:
         """``step`` is in the window (sent or adopted): e.g. acknowledge a durable write at once."""

@@ -25,11 +25,20 @@ alone; a step's span is freed when the trainer acknowledges (releases) it. With 
 are CURVE servers (``orchestrator.security``): only trainers whose public keys are authorized connect, and the
 traffic is encrypted; an unauthorized peer receives nothing and its messages never arrive.
 
+Data plane (``data_plane = "direct"``, docs/data-plane.md): ``send`` takes a step manifest
+(``dataplane.manifest.StepManifest``) instead of a batch: one frame, the same window, order, resend and
+acknowledgement rules; the columns stay in the env workers' pools, which the trainer maps. ``announce_pool``
+tells the trainer about a worker's pool as soon as the worker announces it (``{"ctl": "pool", ...}``; again to
+every trainer that takes the seat), so the trainer maps it before a step needs it: a worker that dies later
+loses nothing the trainer mapped. An announcement a full queue cannot take now is not retried: the manifest
+names every pool it needs anyway.
+
 Trainer -> orchestrator messages (msgpack maps): ``{"have": N, "id": ID, "name": NAME}`` (acknowledges every
 step <= N; -1 for none), with ``"hello": true`` when a receiver starts, and ``"checkpoint": K, "path": P``
 (the newest weights it announced or resumed from) when it has one. Orchestrator -> trainer: batches
 (``wire.encode``), and control messages ``[b"ctl", msgpack map]``: ``{"ctl": "refused", "why": ...}``,
-``{"ctl": "checkpoint", "min": N}``, ``{"ctl": "ping"}``. See docs/wire-format.md.
+``{"ctl": "checkpoint", "min": N}``, ``{"ctl": "ping"}``, ``{"ctl": "pool", "worker", "id", "size", "host",
+"path"}``. See docs/wire-format.md.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +58,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator import ipc
+from orchestrator.dataplane.manifest import StepManifest, encode_manifest
 from orchestrator.errors import TransportError
 from orchestrator.security import ServerKeys, curve_server
 from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, marker_announcements
@@ -156,6 +166,7 @@ class BatchSender(Sender[list[Any]]):
         self._unreachable = ""  # why the holder does not take the next step, while that lasts
         self._checkpoints = CheckpointFeed()
         self._told_anonymous = False
+        self.pools: dict[str, dict[str, Any]] = {}  # direct: the pool announcement of each worker, by name
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -256,11 +267,24 @@ class BatchSender(Sender[list[Any]]):
         finally:
             self.waiting = False
 
-    async def _deliver(self, batch: Batch) -> tuple[list[Any], int]:
-        """The step's frames (the header alone when the columns went into shared memory; waits while the pool
-        has no room); ``_send_to_holder`` sends them once the step is in the window."""
-        frames = encode(batch) if self.pool is None else await self.pool.frames(batch)
+    async def _deliver(self, batch: Batch | StepManifest) -> tuple[list[Any], int]:
+        """The step's frames (the header alone when the columns went into shared memory, waiting while the pool
+        has no room; the manifest alone in direct mode); ``_send_to_holder`` sends them once the step is in the
+        window."""
+        if isinstance(batch, StepManifest):
+            frames: list[Any] = [encode_manifest(batch)]
+        else:
+            frames = encode(batch) if self.pool is None else await self.pool.frames(batch)
         return frames, sum(len(f) for f in frames)
+
+    def announce_pool(self, worker: str, pool: Mapping[str, Any]) -> None:
+        """Direct mode: ``worker``'s column pool is ``pool`` (id, size, host, path): tell the trainer now, and
+        every trainer that takes the seat later."""
+        msg = {"ctl": "pool", "worker": worker, **pool}
+        self.pools[worker] = msg
+        holder = self.seat.holder
+        if holder is not None:
+            self._tell(holder.id, msg)
 
     async def _handed_over(self, step: int) -> None:
         self._notify()
@@ -401,6 +425,8 @@ class BatchSender(Sender[list[Any]]):
             self._notify()
             return False
         self._sent_to_holder = have
+        for msg in self.pools.values():  # before any step: it maps the pools they will name
+            self._tell(r.peer or b"", msg)
         resend = [s for s in self.window.unacked if s > have]
         log.info("trainer %s at %s holds steps up to %d%s", r.name, self.address, have,
                  f"; sending it steps {_span(resend)}" if resend else "")

@@ -1,0 +1,118 @@
+"""Step manifests on the trainer link: the same delivery window as batches (order, acknowledgement), the trainer
+library maps the workers' pools (announced ahead, or named by a manifest) and returns views or a gathered batch,
+and an acknowledgement is what frees the columns. Real sockets; the pool is served in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from orchestrator.dataplane.manifest import StepManifest, build_manifest
+from orchestrator.dataplane.reader import StepView
+from orchestrator.dataplane.store import ColumnStore
+from orchestrator.testing.procs import wait_until
+from orchestrator.transport.memfd import serve_pool
+from orchestrator.transport.receiver import BatchReceiver
+from orchestrator.transport.zmq_link import BatchSender
+from orchestrator.worker.protocol import PoolInfo, RolloutRecord
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dataplane_peer import WORKER, peer_samples, record
+
+WAIT_S = 60.0  # a hang guard: every wait below ends on a message
+
+
+@contextlib.asynccontextmanager
+async def link(tmp_path: Path) -> AsyncIterator[tuple[ColumnStore, PoolInfo, BatchSender]]:
+    """A worker's pool served at its socket, and a trainer link (no trainer yet)."""
+    store = ColumnStore(1 << 20)
+    path = str(tmp_path / "w.pool")
+    try:
+        async with serve_pool(store, path), BatchSender.open(f"ipc://{tmp_path}/trainer.sock", 2, 30.0) as sender:
+            yield store, PoolInfo(id=store.id, size=store.capacity, host=socket.gethostname(), path=path), sender
+    finally:
+        store.close()
+
+
+def manifest(step: int, records: list[RolloutRecord], pool: PoolInfo) -> StepManifest:
+    return build_manifest("run", step, [(r, 0.5 - i) for i, r in enumerate(records)], {WORKER: pool})
+
+
+def check_columns(columns: dict[str, np.ndarray], rollout: int) -> None:
+    want = peer_samples(rollout)
+    for name in ("token_ids", "loss_mask", "logprobs", "routed_experts"):
+        np.testing.assert_array_equal(columns[name], np.concatenate([getattr(s, name) for s in want]))
+
+
+async def test_manifests_arrive_in_order_as_views_or_batches_and_acknowledgements_free_the_columns(
+        tmp_path: Path) -> None:
+    async with link(tmp_path) as (store, pool, sender):
+        held: dict[int, list[str]] = {}
+        sender.on_ack = lambda step: [store.release(held.pop(s)) for s in sorted(held) if s <= step]
+        receiver = BatchReceiver(sender.address)
+        try:
+            first = [record(store, 0), record(store, 1)]
+            held[0] = [r.rid for r in first]
+            sent, view = await asyncio.wait_for(asyncio.gather(sender.send(manifest(0, first, pool)),
+                                                               receiver.recv_view()), WAIT_S)
+            assert sent
+            assert isinstance(view, StepView)
+            assert view.step == 0
+            assert view.num_samples == 4  # two samples per rollout
+            rows = view.sample(0)["token_ids"].size + view.sample(1)["token_ids"].size
+            check_columns({k: np.concatenate([view.sample(i)[k] for i in (0, 1)]) for k in ("token_ids", "loss_mask",
+                           "logprobs", "routed_experts")}, 0)
+            assert rows == sum(s.num_tokens for s in peer_samples(0))
+            assert sender.acked == -1  # a view is acknowledged by the next recv: the columns are still held
+            assert store.live_bytes > 0
+
+            second = [record(store, 2)]
+            held[1] = [r.rid for r in second]
+            _, batch = await asyncio.wait_for(asyncio.gather(sender.send(manifest(1, second, pool)),
+                                                             receiver.recv()), WAIT_S)
+            assert batch.step == 1
+            check_columns(batch.columns, 2)  # gathered: the trainer's own copy, acknowledged at once
+            await wait_until(lambda: sender.acked == 1, WAIT_S, "the acknowledgement of step 1", poll_s=0.01)
+            assert store.live_bytes == 0  # every rollout of both steps released, on acknowledgement only
+            assert receiver.pools.fetches == 1  # the pool was mapped once, for both steps
+            assert not receiver.rejected
+        finally:
+            receiver.close()
+
+
+async def test_a_pool_announced_before_the_trainer_came_is_mapped_before_a_step_names_it(tmp_path: Path) -> None:
+    async with link(tmp_path) as (store, pool, sender):
+        sender.announce_pool(WORKER, msgspec.structs.asdict(pool))
+        receiver = BatchReceiver(sender.address)
+        try:
+            empty = manifest(0, [], pool)  # names no pool
+            _, got = await asyncio.wait_for(asyncio.gather(sender.send(empty), receiver.recv_view()), WAIT_S)
+            assert got.step == 0
+            assert store.id in receiver.pools  # mapped from the announcement alone
+        finally:
+            receiver.close()
+
+
+async def test_a_manifest_whose_pool_cannot_be_mapped_is_rejected_and_not_accepted(tmp_path: Path) -> None:
+    async with link(tmp_path) as (store, pool, sender):
+        gone = msgspec.structs.replace(pool, path=str(tmp_path / "gone.pool"))  # its worker (and socket) died
+        receiver = BatchReceiver(sender.address)
+        waiting = asyncio.create_task(receiver.recv_view())
+        try:
+            await asyncio.wait_for(sender.send(manifest(0, [record(store, 0)], gone)), WAIT_S)
+            await wait_until(lambda: bool(receiver.rejected), WAIT_S, "the rejection", poll_s=0.01)
+            assert receiver.rejected == {"WireError": 1}
+            assert receiver.last_step is None  # no partial step: step 0 was not received
+            assert not waiting.done()  # and the receiver keeps running
+        finally:
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            receiver.close()
