@@ -122,6 +122,8 @@ CASES = [
          "required when kind = 'filesystem'", key="transport.directory"),
     Case("direct-data-plane-not-yet", BASE + '\n[transport]\ndata_plane = "direct"\n',
          "'direct' is not available yet", key="transport.data_plane"),
+    Case("direct-data-plane-on-shm", BASE + '\n[transport]\ndata_plane = "direct"\nkind = "shm"\n',
+         "'direct' needs kind = 'zmq' and keep_acked = 0", key="transport.data_plane"),
     Case("worker-pool-of-zero-mb", BASE + '\n[transport]\nworker_pool_mb = 0\n', ">= 1",
          key="transport.worker_pool_mb"),
     Case("layers-without-top-k", BASE + "\n[sim]\nlayers = 2\n", "set both (routed experts) or neither",

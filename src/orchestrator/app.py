@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import orjson
 
 from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.config import JobConfig, to_toml
+from orchestrator.dataplane.manifest import StepManifest
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
@@ -40,7 +42,7 @@ from orchestrator.pipeline.outputs import (
     format_step_line,
     step_metrics,
 )
-from orchestrator.pipeline.step import StepBuilder
+from orchestrator.pipeline.step import StepBuilder, StepResult
 from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
 from orchestrator.sinks import Sinks, open_sinks
 from orchestrator.sinks.samples import SampleTable
@@ -49,10 +51,11 @@ from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
 from orchestrator.transport.primerl import PrimeRLSender
 from orchestrator.transport.sender import Sender
+from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.process import Worker
-from orchestrator.worker.protocol import EnvSpec, Setup
+from orchestrator.worker.protocol import EnvSpec, RolloutRecord, Setup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,6 +97,9 @@ class Orchestrator:
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
         self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
         self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
+        self.direct = cfg.transport.data_plane == "direct"
+        # direct: the rollouts (with spans) of each step sent and not yet acknowledged; bounded by send_hwm
+        self.unacked_spans: dict[int, list[RolloutRecord]] = {}
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -111,6 +117,10 @@ class Orchestrator:
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             orch = cls(cfg, pool, hub, sender, state, sinks)
             orch.held = outdir.held
+            if orch.direct:  # config.py allows direct mode only with kind = "zmq"
+                assert isinstance(sender, BatchSender)
+                assert sender.pool is None
+                sender.on_ack = orch._release_acked
             try:
                 yield orch
             finally:
@@ -144,6 +154,8 @@ class Orchestrator:
                                  "file or start fresh (without --resume)") from None
             background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched)),
                            tg.create_task(self._evaluations(sched))]
+            if self.direct:
+                background.append(tg.create_task(self._announce_pools()))
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
             # first: it held the loop for ~30 ms in bench_scheduler and found no garbage to free.
             gc.freeze()
@@ -169,6 +181,19 @@ class Orchestrator:
                         sorted(self.sender.unacked), FLUSH_TIMEOUT_S)
         self.state.acked_step = self.sender.acked
         await self._off_loop(save_state, self.out, self.state)
+
+    async def _announce_pools(self) -> None:
+        """Consumes the pools env workers announce (direct mode); produces announcements to the trainer, so it
+        maps each pool before a step names it. Wakes on each worker's ``ready``."""
+        assert isinstance(self.sender, BatchSender)
+        while True:
+            worker, pool = await self.hub.pool_news.get()
+            self.sender.announce_pool(worker, msgspec.structs.asdict(pool))
+
+    def _release_acked(self, step: int) -> None:
+        """The trainer acknowledged every step <= ``step`` (direct mode): their rollouts' columns are free."""
+        for s in [s for s in self.unacked_spans if s <= step]:
+            self.hub.release(self.unacked_spans.pop(s))
 
     async def _weight_sync(self, sched: Scheduler) -> None:
         """Consumes checkpoint announcements; produces weight updates on every server, then a new policy."""
@@ -228,25 +253,35 @@ class Orchestrator:
         cpu0 = time.process_time()
         groups = await sched.next_step(step)
         wait_s = time.perf_counter() - t0
-        result = await self._off_loop(self.builder.build, step, groups, sched.take_dropped())
+        result: StepResult[Batch] | StepResult[StepManifest]
+        if self.direct:  # the pools as of now: a rollout in a pool gone since it was taken does not train
+            result = await self._off_loop(self.builder.build_manifest, step, groups, sched.take_dropped(),
+                                          self.hub.spans.pools())
+            self.unacked_spans[step] = [r for r in result.trained if r.header.span is not None]  # before any ack
+        else:
+            result = await self._off_loop(self.builder.build, step, groups, sched.take_dropped())
         self.hub.release(result.untrained)  # direct mode: filtered rollouts' columns are never read
         t = time.perf_counter()
         sent = await self.sender.send(result.batch)  # False: a restarted trainer already had this step
         send_s = time.perf_counter() - t
+        if not sent and step in self.unacked_spans:  # the trainer had it: nobody reads these columns
+            self.hub.release(self.unacked_spans.pop(step))
         counts = sched.take_counts()
         self.state.next_step = step + 1
         self.state.acked_step = self.sender.acked
         self.state.policy_step = sched.policy
         self.state.scheduler = sched.state()
         phase = {"wait": wait_s, **result.phase_s, "send": send_s}
-        if dump_due(self.cfg.pipeline.dump_steps, step):  # a worker thread writes it; its size is logged
+        if dump_due(self.cfg.pipeline.dump_steps, step) and isinstance(result.batch, StepManifest):
+            log.warning("step %d: not dumped: step dumps in data_plane = direct are not built yet", step)
+        elif dump_due(self.cfg.pipeline.dump_steps, step):  # a worker thread writes it; its size is logged
             t = time.perf_counter()
             await self._off_loop(write_dump, dump_path(self.out, step), step, groups, result.batch, result.rows,
                                     run=self.cfg.run.name, vocab_size=self.builder.vocab_size,
                                     config_toml=to_toml(self.cfg))
             phase["dump"] = time.perf_counter() - t
         lag = self.lag.reset()
-        extra = {"samples": result.batch.num_samples, "policy": sched.policy, "sent": sent,
+        extra = {"samples": result.num_samples, "policy": sched.policy, "sent": sent,
                  "orch_cpu_ms_per_rollout": round((time.process_time() - cpu0) * 1e3 / max(len(result.rows), 1), 3),
                  "filters": result.filter_counts, "scheduler": counts, "pool": dict(self.pool.metrics),
                  "hub": dict(self.hub.metrics)}

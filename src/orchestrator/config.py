@@ -685,7 +685,11 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                "steps to resend); remove it")
     if t.data_plane == "direct":
         yield (f"{source('transport.data_plane')}: transport.data_plane: 'direct' is not available yet (issue #20: "
-               "env workers can keep columns in their pools, but no step manifest reaches a trainer); use 'through'")
+               "the end-to-end, resume and fault suites do not run on it yet); use 'through'")
+    if t.data_plane == "direct" and (t.kind != "zmq" or t.keep_acked):
+        yield (f"{source('transport.data_plane')}: transport.data_plane: 'direct' needs kind = 'zmq' and keep_acked "
+               f"= 0 (got kind {t.kind!r}, keep_acked {t.keep_acked}): the trainer maps the workers' pools and "
+               "acknowledges each step over zmq, and an acknowledged step's columns are reused at once")
     if t.kind == "shm" and t.address is not None and not t.address.startswith("ipc://"):
         yield (f"{source('transport.address')}: transport.address: kind = 'shm' is same-node only and needs an "
                f"ipc://PATH address (or none: ipc:// in output_dir), got {t.address!r}; use kind = 'zmq' for tcp")

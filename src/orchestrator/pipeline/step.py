@@ -3,34 +3,48 @@
 ``StepBuilder.build`` is blocking numpy work: the orchestrator calls it in a worker thread, never on the
 event loop. Column bytes are copied exactly once, when each column is concatenated into the batch.
 Rollout records come from env workers (see worker/protocol.py); a rollout's frames hold all its samples.
+
+Data plane (``data_plane = "direct"``): ``build(..., pools=...)`` makes a step manifest instead of a batch
+(``dataplane.manifest.build_manifest``: headers only, no column byte read). ``pools`` is every worker's current
+column pool; a taken rollout whose pool is no longer its worker's (the worker died or renewed its pool after
+the step took it) fails with ``worker_died`` and does not train. ``trained`` lists the rollouts the step
+names (released when the trainer acknowledges it); ``untrained`` the survivors it leaves out (released now).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from orchestrator.config import JobConfig
+from orchestrator.dataplane.manifest import StepManifest, build_manifest
 from orchestrator.pipeline.advantage import AdvantageFn
 from orchestrator.pipeline.filters import FilterSet
 from orchestrator.transport.wire import ROUTED, TOKEN_COLUMNS, Batch
-from orchestrator.worker.protocol import RolloutRecord
+from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
 log = logging.getLogger(__name__)
 
+B = TypeVar("B", Batch, StepManifest)
+
 
 @dataclass
-class StepResult:
-    batch: Batch
+class StepResult(Generic[B]):
+    batch: B  # what the sender sends: a Batch, or (direct) a StepManifest
     rows: list[dict[str, Any]]
     phase_s: dict[str, float]
     filter_counts: dict[str, dict[str, int]]
-    untrained: list[RolloutRecord] = field(default_factory=list)  # survivors filtered out: never read
+    untrained: list[RolloutRecord] = field(default_factory=list)  # survivors left out: never read
+    trained: list[RolloutRecord] = field(default_factory=list)  # the rollouts the step carries
+
+    @property
+    def num_samples(self) -> int:
+        return self.batch.num_samples if isinstance(self.batch, Batch) else len(self.batch.samples)
 
 
 class StepBuilder:
@@ -39,26 +53,57 @@ class StepBuilder:
         self.advantage = AdvantageFn(cfg.pipeline)
         self.vocab_size = vocab_size
         self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
+        # direct mode: filters that read column bytes cannot run here (the worker will compute them: not built);
+        # until then only zero_advantage applies, and the others are named once when the first step is built
+        self.scalar_filters = FilterSet([f for f in cfg.pipeline.filters if f.name == "zero_advantage"], vocab_size)
+        self.skipped_filters = sorted({f.name for f in cfg.pipeline.filters if f.name != "zero_advantage"})
 
-    def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult:
+    def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult[Batch]:
         """All three phases in order, each timed in ``phase_s``; the rows of ``dropped`` groups (none of whose
         rollouts train) come after the step's own."""
+        rows, trained, phase = self._rows(step, groups, dropped)
+        t = time.perf_counter()
+        batch = self.assemble(step, trained)
+        phase["assemble"] = time.perf_counter() - t
+        return self._result(batch, rows, phase, groups, trained)
+
+    def build_manifest(self, step: int, groups: Sequence[Any], dropped: Sequence[Any],
+                       pools: Mapping[str, PoolInfo]) -> StepResult[StepManifest]:
+        """``build`` for direct mode: a step manifest naming ``pools`` (see the module docstring)."""
+        for g in groups:
+            for worker, pool in sorted({(r.header.worker, r.header.span.pool) for r in g.records
+                                        if r.header.span is not None}):
+                if pools.get(worker) is None or pools[worker].id != pool:
+                    g.lose_columns(worker, pool, "its column pool is gone")
+        if self.skipped_filters:
+            log.warning("data_plane = direct: filters %s read column bytes and are not applied (not built yet)",
+                        self.skipped_filters)
+            self.skipped_filters = []
+        rows, trained, phase = self._rows(step, groups, dropped, self.scalar_filters)
+        t = time.perf_counter()
+        manifest = build_manifest(self.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools)
+        phase["assemble"] = time.perf_counter() - t
+        return self._result(manifest, rows, phase, groups, trained)
+
+    def _rows(self, step: int, groups: Sequence[Any], dropped: Sequence[Any], filters: FilterSet | None = None
+              ) -> tuple[list[dict[str, Any]], list[tuple[RolloutRecord, float]], dict[str, float]]:
         phase: dict[str, float] = {}
         t = time.perf_counter()
         advantages = self.advantages(groups)
         phase["advantage"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        rows, trained = self.filter(step, groups, advantages)
+        rows, trained = self.filter(step, groups, advantages, filters)
         rows += dropped_rows(step, dropped)
         phase["filter"] = time.perf_counter() - t
+        return rows, trained, phase
 
-        t = time.perf_counter()
-        batch = self.assemble(step, trained)
-        phase["assemble"] = time.perf_counter() - t
+    def _result(self, batch: B, rows: list[dict[str, Any]], phase: dict[str, float], groups: Sequence[Any],
+                trained: list[tuple[RolloutRecord, float]]) -> StepResult[B]:
         kept = {id(rec) for rec, _ in trained}
         untrained = [r for g in groups for r in g.survivors if id(r) not in kept]
-        return StepResult(batch, rows, phase, self.filters.take_counts(), untrained)
+        counts = self.filters.take_counts() | self.scalar_filters.take_counts()
+        return StepResult(batch, rows, phase, counts, untrained, [rec for rec, _ in trained])
 
     # The phases of ``build``, public so replay (scripts/perf) can run and time them one at a time.
 
@@ -71,8 +116,8 @@ class StepBuilder:
             out.append(adv if adv is not None else self.advantage(g.survivors))
         return out
 
-    def filter(self, step: int, groups: Sequence[Any], advantages: Sequence[np.ndarray]
-               ) -> tuple[list[dict[str, Any]], list[tuple[RolloutRecord, float]]]:
+    def filter(self, step: int, groups: Sequence[Any], advantages: Sequence[np.ndarray],
+               filters: FilterSet | None = None) -> tuple[list[dict[str, Any]], list[tuple[RolloutRecord, float]]]:
         """Phase ``filter``: every rollout's row (failed ones included) and the (record, advantage) pairs
         to train on. Filter counts accumulate until ``filters.take_counts()``."""
         rows: list[dict[str, Any]] = []
@@ -80,7 +125,7 @@ class StepBuilder:
         for g, adv in zip(groups, advantages, strict=True):
             rows += [failed_row(step, g, r) for r in g.records if not r.ok]
             for rec, a in zip(g.survivors, adv.tolist(), strict=True):
-                verdict = self.filters(rec, a)
+                verdict = (filters or self.filters)(rec, a)
                 if not verdict.filtered:
                     trained.append((rec, a))
                 rows.append(survivor_row(step, g, rec, a, list(verdict.matched), verdict.filtered))

@@ -128,6 +128,8 @@ class WorkerHub:
         self.workers: dict[bytes, WorkerState] = {}
         self.tasks_per_env: dict[str, int] = {}
         self.events: asyncio.Queue[HubEvent] = asyncio.Queue()  # bounded by construction (module docstring)
+        # direct: (worker, pool) from each ready, for the trainer link to announce; one per admission
+        self.pool_news: asyncio.Queue[tuple[str, PoolInfo]] = asyncio.Queue()
         # rejected:<why>, late, dropped, lost, fatal, restarts; direct: released, pools_gone, pool_full
         self.metrics: Counter[str] = Counter()
         self._lost: dict[bytes, deque[str]] = {}  # lost workers -> their rollout ids that will come back late
@@ -296,6 +298,8 @@ class WorkerHub:
             self._pool_gone(worker.name, gone.id, f"replaced by pool {msg.pool.id if msg.pool else 'none'}")
         elif known is not None:  # re-admitted with the same pool: it frees all but what we hold
             self._send(worker.ident, Release([], keep=self.spans.keep(worker.name)))
+        if msg.pool is not None:
+            self.pool_news.put_nowait((worker.name, msg.pool))
         self.procs.became_ready(worker.name)
         self.tasks_per_env = dict(msg.envs)
         self._load_failures = 0
