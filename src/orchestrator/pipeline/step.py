@@ -25,6 +25,7 @@ from orchestrator.config import JobConfig
 from orchestrator.dataplane.manifest import StepManifest, build_manifest
 from orchestrator.pipeline.advantage import AdvantageFn
 from orchestrator.pipeline.filters import FilterSet
+from orchestrator.scheduling.groups import lose_columns
 from orchestrator.transport.wire import ROUTED, TOKEN_COLUMNS, Batch
 from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
@@ -74,7 +75,7 @@ class StepBuilder:
             for worker, pool in sorted({(r.header.worker, r.header.span.pool) for r in g.records
                                         if r.header.span is not None}):
                 if pools.get(worker) is None or pools[worker].id != pool:
-                    g.lose_columns(worker, pool, "its column pool is gone")
+                    lose_columns(g, worker, pool, "its column pool is gone")
         if self.skipped_filters:
             log.warning("data_plane = direct: filters %s read column bytes and are not applied (not built yet)",
                         self.skipped_filters)

@@ -50,28 +50,25 @@ class Group:
     def rewards(self) -> list[float]:
         return [r.reward for r in self.survivors]
 
-    def spans(self) -> list[RolloutRecord]:
-        """Its records whose columns are in a worker's column pool (data_plane = direct)."""
-        return [r for r in self.records if r.header.span is not None]
-
-    def lose_columns(self, worker: str, pool: str, why: str) -> int:
-        """The columns of its records in ``worker``'s pool ``pool`` are gone: those rollouts fail with
-        ``worker_died``. Advantages already computed keep their values for the other survivors (the lost
-        reward stays in their baseline, as a filtered rollout's does). The number of rollouts lost."""
-        survivor = {id(r): i for i, r in enumerate(self.survivors)}
-        keep = np.ones(len(survivor), dtype=bool)
-        for i, r in enumerate(self.records):
-            h = r.header
-            if h.span is None or h.worker != worker or h.span.pool != pool:
-                continue
-            if id(r) in survivor:
-                keep[survivor[id(r)]] = False
-            failed = RolloutHeader.failed(h, Failure.WORKER_DIED, f"env worker {worker}: {why}", wall_s=h.wall_s)
-            self.records[i] = RolloutRecord(failed, [])
-        lost = int(np.sum(~keep))
-        if lost and self.advantages is not None:
-            self.advantages = self.advantages[keep]
-        return lost
+def lose_columns(group: Any, worker: str, pool: str, why: str) -> int:
+    """The columns of ``group``'s records in ``worker``'s pool ``pool`` are gone (a ``Group``, or any group with
+    ``records`` and ``survivors``, e.g. a dump's): those rollouts fail with ``worker_died``. Advantages already
+    computed keep their values for the other survivors (the lost reward stays in their baseline, as a filtered
+    rollout's does). The number of rollouts lost."""
+    survivor = {id(r): i for i, r in enumerate(group.survivors)}
+    keep = np.ones(len(survivor), dtype=bool)
+    for i, r in enumerate(group.records):
+        h = r.header
+        if h.span is None or h.worker != worker or h.span.pool != pool:
+            continue
+        if id(r) in survivor:
+            keep[survivor[id(r)]] = False
+        failed = RolloutHeader.failed(h, Failure.WORKER_DIED, f"env worker {worker}: {why}", wall_s=h.wall_s)
+        group.records[i] = RolloutRecord(failed, [])
+    lost = int(np.sum(~keep))
+    if lost and getattr(group, "advantages", None) is not None:
+        group.advantages = group.advantages[keep]
+    return lost
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from orchestrator.inference.pool import InferencePool, Server
 from orchestrator.pipeline.advantage import AdvantageFn
 from orchestrator.scheduling.evaluation import Evaluator
 from orchestrator.scheduling.gates import Gates, GroupView
-from orchestrator.scheduling.groups import Group, GroupTracker
+from orchestrator.scheduling.groups import Group, GroupTracker, lose_columns
 from orchestrator.scheduling.sampler import EnvDraws, TaskSampler
 from orchestrator.worker.events import HubEvent, PoolGone, RecordsIn
 from orchestrator.worker.protocol import Assign, RolloutRecord
@@ -250,9 +250,9 @@ class Scheduler:
         """``worker``'s column pool is gone: its rollouts buffered here, or in groups still in flight, fail."""
         lost = 0
         for group in self.tracker.inflight.values():
-            lost += group.lose_columns(worker, pool, why)
+            lost += lose_columns(group, worker, pool, why)
         for group in list(self.done):
-            n = group.lose_columns(worker, pool, why)
+            n = lose_columns(group, worker, pool, why)
             if not n:
                 continue
             lost += n

@@ -1,0 +1,70 @@
+"""The step boundary in direct mode: a manifest from headers alone, rollouts of a pool gone since they were taken
+fail instead of being named, and the survivors left out are returned for release."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from orchestrator.dataplane.layout import SpanLoc, shapes_layout
+from orchestrator.dataplane.manifest import decode_manifest, encode_manifest
+from orchestrator.pipeline.step import StepBuilder
+from orchestrator.scheduling.groups import lose_columns
+from orchestrator.testing.steps import synthetic_config, synthetic_groups
+from orchestrator.worker.protocol import PoolInfo
+
+POOLS = {"w1": PoolInfo(id="p1", size=1 << 24, host="h"), "w2": PoolInfo(id="p2", size=1 << 24, host="h")}
+
+
+def direct_groups() -> list:  # type: ignore[type-arg]
+    """Synthetic groups whose records carry spans instead of frames: even groups on w1 (pool p1, current),
+    odd groups on w2 in pool p0 (w2 has renewed its pool to p2 since)."""
+    groups = synthetic_groups(32, turns=2, tokens=64, layers=2, top_k=2, group_size=8)
+    offset = 0
+    for i, g in enumerate(groups):
+        worker, pool = ("w1", "p1") if i % 2 == 0 else ("w2", "p0")
+        for r in g.records:
+            h = r.header
+            nbytes = shapes_layout(h.samples, h.routed_dtype).nbytes
+            h.worker, h.span, h.frames = worker, SpanLoc(pool, offset, nbytes), 0
+            r.frames = []
+            offset += nbytes
+    return groups
+
+
+def test_a_manifest_names_only_rollouts_in_current_pools_and_returns_the_rest(
+        caplog: pytest.LogCaptureFixture) -> None:
+    groups = direct_groups()
+    builder = StepBuilder(synthetic_config(32), vocab_size=1 << 17)
+    with caplog.at_level(logging.WARNING):
+        result = builder.build_manifest(3, groups, (), POOLS)
+        builder.build_manifest(4, direct_groups(), (), POOLS)
+    manifest = decode_manifest(encode_manifest(result.batch))  # a manifest the trainer's edge accepts
+    assert manifest.step == 3
+    assert [p.worker for p in manifest.pools] == ["w1"]
+    named = {s.rollout for s in manifest.spans}
+    assert named == {r.rid for r in result.trained}
+    assert all(r.header.worker == "w1" for r in result.trained)
+    lost = [r for g in groups[1::2] for r in g.records]
+    assert all(r.header.failure == "worker_died" for r in lost)  # w2's columns are gone with pool p0
+    assert {row["rollout"] for row in result.rows if row["failure"] == "worker_died"} == {r.rid for r in lost}
+    survivors = {r.rid for g in groups for r in g.survivors}
+    assert named.isdisjoint(r.rid for r in result.untrained)
+    assert named | {r.rid for r in result.untrained} == survivors  # every survivor is trained or released
+    assert result.num_samples == len(manifest.samples)
+    skipped = [r for r in caplog.records if "not applied" in r.getMessage()]
+    assert len(skipped) == 1  # the column filters are named once, not every step
+    assert "gibberish" in skipped[0].getMessage()
+
+
+def test_a_group_that_loses_some_columns_keeps_the_advantages_of_the_rest() -> None:
+    group = direct_groups()[0]  # 8 rollouts on w1, pool p1
+    for r in group.records[5:]:
+        r.header.worker = "w9"  # three of them on another worker, whose pool goes
+    group.advantages = np.arange(8, dtype=np.float64)  # type: ignore[attr-defined]
+    assert lose_columns(group, "w9", "p1", "exited") == 3
+    assert [r.ok for r in group.records] == [True] * 5 + [False] * 3
+    np.testing.assert_array_equal(group.advantages, np.arange(5))  # type: ignore[attr-defined]
+    assert lose_columns(group, "w9", "p1", "again") == 0  # failed records have no columns left to lose
