@@ -287,8 +287,12 @@ class Orchestrator:
                  "hub": dict(self.hub.metrics)}
         extra.update(self.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
         rows = result.rows
+        due = self.sinks.samples_due(step)
+        if due and self.direct:  # the text is in the workers' pools: a Preview request (not built yet)
+            log.warning("step %d: no samples table: its token text stays in the env workers (data_plane = direct)",
+                        step)
         samples = (await self._off_loop(self.samples.rows, rows, groups, self.sinks.samples)
-                   if self.sinks.samples_due(step) else [])
+                   if due and not self.direct else [])
         del groups, result  # the batch's column memory goes now, before the collection below
         metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra, samples)
         log.info("%s", format_step_line(metrics))
