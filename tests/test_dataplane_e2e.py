@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
 from pathlib import Path
 
 import orjson
@@ -15,6 +17,8 @@ import pytest
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig, load_config
+from orchestrator.sim.server import Faults
+from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
@@ -90,3 +94,39 @@ async def test_steps_reach_the_trainer_from_the_workers_pools_and_acknowledgemen
     assert sender.bytes_sent < tokens * 15
     rows = [orjson.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_bytes().splitlines()]
     assert {row["step"] for row in rows} == {0, 1, 2}
+
+
+async def test_a_worker_killed_mid_run_loses_its_buffered_rollouts_and_no_step_is_lost(tmp_path: Path) -> None:
+    async with sim_servers(1, faults=Faults(latency_ms=20.0), profile="prime-rl") as servers:
+        cfg = direct_job(tmp_path, [servers[0].url], steps=5)
+        killed: list[int] = []
+        killed_pools: list[str] = []
+        async with Orchestrator.open(cfg) as orch:
+
+            class KillsAWorker(ReferenceTrainer):
+                """After step 0 (so both pools are mapped here, from their announcements), kill local-0 and
+                train nothing more until the hub has seen its pool go: later steps come from the other pools."""
+
+                async def train(self, batch: Batch) -> None:
+                    await super().train(batch)
+                    if not killed:
+                        old = orch.hub.spans.pool("local-0")
+                        assert old is not None
+                        killed_pools.append(old.id)
+                        pid = orch.hub.local_pids()["local-0"]
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+                        await wait_until(lambda: orch.hub.metrics["pools_gone"] >= 1, JOB_GUARD_S,
+                                         "the hub to report the pool gone", poll_s=0.05)
+
+            trainer = KillsAWorker(orch.sender.address, max_steps=cfg.run.max_steps,
+                                   checkpoint_dir=Path(cfg.run.output_dir) / "ckpt")
+            async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
+                tg.create_task(trainer.run())
+                await orch.run()
+            hub = orch.hub
+            assert orch.unacked_spans == {}
+    assert killed
+    assert [r.step for r in trainer.received] == list(range(5))  # every step once, in order, complete
+    assert hub.metrics["pools_gone"] >= 1
+    assert killed_pools[0] not in {p.id for p in hub.spans.pools().values()}  # never named again
