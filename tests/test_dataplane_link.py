@@ -19,7 +19,7 @@ from orchestrator.dataplane.reader import StepView
 from orchestrator.dataplane.store import ColumnStore
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport.memfd import serve_pool
-from orchestrator.transport.receiver import BatchReceiver
+from orchestrator.transport.receiver import BatchReceiver, SyncBatchReceiver
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
@@ -115,4 +115,23 @@ async def test_a_manifest_whose_pool_cannot_be_mapped_is_rejected_and_not_accept
             waiting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await waiting
+            receiver.close()
+
+
+async def test_the_threaded_receiver_reads_manifests_too(tmp_path: Path) -> None:
+    async with link(tmp_path) as (store, pool, sender):
+        receiver = SyncBatchReceiver(sender.address)
+        try:
+            records = [record(store, 3)]
+            _, view = await asyncio.wait_for(asyncio.gather(sender.send(manifest(0, records, pool)),
+                                                            asyncio.to_thread(receiver.recv_view, WAIT_S)), WAIT_S)
+            assert isinstance(view, StepView)
+            check_columns({k: np.concatenate([view.sample(i)[k] for i in range(view.num_samples)])
+                           for k in ("token_ids", "loss_mask", "logprobs", "routed_experts")}, 3)
+            del view
+            _, batch = await asyncio.wait_for(asyncio.gather(sender.send(manifest(1, [record(store, 4)], pool)),
+                                                             asyncio.to_thread(receiver.recv, WAIT_S)), WAIT_S)
+            check_columns(batch.columns, 4)
+            await wait_until(lambda: sender.acked == 1, WAIT_S, "the acknowledgements", poll_s=0.01)
+        finally:
             receiver.close()
