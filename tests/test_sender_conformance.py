@@ -2,9 +2,12 @@
 
 Each kind comes with a trainer end that does what that kind's trainer does (``BatchReceiver`` for zmq and shm,
 ``FileBatchReceiver`` for files, prime-rl's ranks and broadcasts for both prime-rl layouts), over real sockets
-and files. Every scenario checks the same promises: every step reaches the trainer once and in order; at the
-bound the sender waits (nothing is dropped) until the trainer acknowledges; a restarted trainer, resuming from
-what it acknowledged, gets the rest; a restarted sender skips what the trainer already has.
+and files. ``zmq-direct`` is the data plane's link: each step's columns go into an env worker's column pool
+(``ColumnStore``, served on its socket) and the sender sends the step manifest; the trainer end maps the pool.
+
+Every scenario checks the same promises: every step reaches the trainer once and in order; at the bound the
+sender waits (nothing is dropped) until the trainer acknowledges; a restarted trainer, resuming from what it
+acknowledged, gets the rest; a restarted sender skips what the trainer already has.
 
 A step is told apart by its content (its one sample's first token is 1000 + step), since prime-rl's messages
 carry no step number.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,9 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from orchestrator.dataplane.manifest import build_manifest
+from orchestrator.dataplane.store import ColumnStore, rollout_layout
+from orchestrator.samples import Sample
 from orchestrator.testing.primerl import FakePrimeRLTrainer
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport import (
@@ -35,6 +42,8 @@ from orchestrator.transport import (
     PrimeRLSender,
     Sender,
 )
+from orchestrator.transport.memfd import serve_pool
+from orchestrator.worker.protocol import PoolInfo, RolloutHeader, RolloutRecord
 
 TIMEOUT_S = 60.0  # a hang guard only: every wait below ends on an event
 BOUND = 2
@@ -119,6 +128,43 @@ class PrimeRLEnd:
         self.trainer.close()
 
 
+class ManifestSender(BatchSender):
+    """The zmq link in direct mode, as the orchestrator drives it: a step's sample is written into the worker's
+    pool (what the env worker does) and the step goes out as its manifest."""
+
+    store: ColumnStore
+    pool_info: PoolInfo
+
+    async def _deliver(self, batch: Any) -> tuple[list[Any], int]:
+        assert isinstance(batch, Batch)
+        rid = f"r{batch.step}"
+        sample = Sample(token_ids=batch.columns["token_ids"], loss_mask=batch.columns["loss_mask"],
+                        logprobs=batch.columns["logprobs"], routed_experts=None)
+        shapes, dtype, _ = rollout_layout([sample])
+        span = self.store.put(rid, [sample])
+        assert span is not None
+        header = RolloutHeader(rid=rid, group="g", env="e", task=0, policy_step=0, worker="w", server="s", ok=True,
+                               reward=1.0, samples=shapes, routed_dtype=dtype, tokens=shapes[0][0], span=span)
+        manifest = build_manifest(batch.run, batch.step, [(RolloutRecord(header, []), 0.5)], {"w": self.pool_info})
+        return await super()._deliver(manifest)
+
+
+@contextlib.asynccontextmanager
+async def _direct(tmp: Path, resume: bool) -> AsyncIterator[Sender[Any]]:
+    """A worker's pool served next to a ManifestSender; a new pool for every sender (a restarted orchestrator's
+    workers renew theirs)."""
+    store = ColumnStore(1 << 20)
+    path = str(tmp / f"{store.id[-8:]}.pool")
+    try:
+        async with serve_pool(store, path), ManifestSender.open(f"ipc://{tmp}/t.sock", BOUND, 5.0,
+                                                                require_report=resume) as sender:
+            sender.store = store
+            sender.pool_info = PoolInfo(id=store.id, size=store.capacity, host=socket.gethostname(), path=path)
+            yield sender
+    finally:
+        store.close()
+
+
 @dataclass(frozen=True)
 class Kind:
     name: str
@@ -142,6 +188,7 @@ KINDS = [
     Kind("shm", lambda tmp, resume: BatchSender.open(f"ipc://{tmp}/t.sock", BOUND, 5.0, require_report=resume,
                                                      shm_bytes=1 << 20),
          lambda sender, _tmp, held: ZmqEnd(sender.address, held)),
+    Kind("zmq-direct", _direct, lambda sender, _tmp, held: ZmqEnd(sender.address, held)),
     Kind("filesystem", lambda tmp, resume: FileBatchSender.open(tmp / "batches", BOUND, resume=resume),
          lambda _sender, tmp, held: FileEnd(tmp / "batches", held), knows_trainer_steps=False),
     Kind("prime-rl", _prime_rl("zmq"), lambda sender, tmp, held: PrimeRLEnd(tmp / "trainer", sender.address, held),
@@ -278,6 +325,7 @@ async def test_a_wait_for_weights_is_named_by_every_kind(kind: Kind, tmp_path: P
     expected = {
         "zmq": ("no trainer is connected to", "has announced no checkpoint; asked it for its newest"),
         "shm": ("no trainer is connected to", "has announced no checkpoint; asked it for its newest"),
+        "zmq-direct": ("no trainer is connected to", "has announced no checkpoint; asked it for its newest"),
         "filesystem": (f"marker files step_<N>.ready in {tmp_path / 'markers'}", "none of step >= 5"),
         "prime-rl": ("has not sent READY from ranks [0, 1]", "broadcasts/step_N/STABLE after training our step N - 1"),
         "prime-rl-files": ("(there is none yet)", "broadcasts/step_N/STABLE after training our step N - 1"),
