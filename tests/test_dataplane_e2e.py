@@ -77,7 +77,7 @@ async def test_steps_reach_the_trainer_from_the_workers_pools_and_acknowledgemen
                 tg.create_task(trainer.run())
                 await orch.run()
             hub, sender = orch.hub, orch.sender
-            assert sorted(hub.spans.pools()) == ["local-0", "local-1"]  # each worker announced its own pool
+            assert sorted(hub.pools.pools()) == ["local-0", "local-1"]  # each worker announced its own pool
             assert sender.acked == cfg.run.max_steps - 1
             assert orch.unacked_spans == {}  # every step's rollouts released on acknowledgement
     assert [r.step for r in trainer.received] == [0, 1, 2]
@@ -110,7 +110,7 @@ async def test_a_worker_killed_mid_run_loses_its_buffered_rollouts_and_no_step_i
                 async def train(self, batch: Batch) -> None:
                     await super().train(batch)
                     if not killed:
-                        old = orch.hub.spans.pool("local-0")
+                        old = orch.hub.pools.pool("local-0")
                         assert old is not None
                         killed_pools.append(old.id)
                         pid = orch.hub.local_pids()["local-0"]
@@ -129,4 +129,4 @@ async def test_a_worker_killed_mid_run_loses_its_buffered_rollouts_and_no_step_i
     assert killed
     assert [r.step for r in trainer.received] == list(range(5))  # every step once, in order, complete
     assert hub.metrics["pools_gone"] >= 1
-    assert killed_pools[0] not in {p.id for p in hub.spans.pools().values()}  # never named again
+    assert killed_pools[0] not in {p.id for p in hub.pools.pools().values()}  # never named again

@@ -155,7 +155,7 @@ async def test_a_worker_that_comes_back_with_a_new_pool_reports_the_old_one_gone
         await worker.send(pack(Ready("w0", {"e": 1}, PoolInfo(id="pool-2", size=1 << 16, host="h"))))
         events = [await asyncio.wait_for(hub.events.get(), WAIT_S) for _ in range(2)]
         assert PoolGone("w0", "pool-1", "replaced by pool pool-2") in events  # and WorkerLost for g1-1
-        assert hub.spans.pool("w0") == PoolInfo(id="pool-2", size=1 << 16, host="h")
+        assert hub.pools.pool("w0") == PoolInfo(id="pool-2", size=1 << 16, host="h")
 
 
 async def test_a_worker_whose_pool_has_no_room_gets_no_group_until_it_has(tmp_path: Path) -> None:

@@ -1,9 +1,15 @@
-"""``SpanLedger``: what the orchestrator holds of each worker's pool, released once; pools replaced or gone; room."""
+"""``SpanLedger``: what the orchestrator holds of each worker's pool, released once; pools replaced or gone; room.
+``PoolKeeper``: the hub's use of it, with a fake send."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
+
 from orchestrator.dataplane.layout import SpanLoc
-from orchestrator.worker.protocol import PoolInfo, RolloutHeader
+from orchestrator.worker.events import HubEvent, PoolGone
+from orchestrator.worker.pools import PoolKeeper
+from orchestrator.worker.protocol import PoolInfo, Release, RolloutHeader, RolloutRecord
 from orchestrator.worker.spans import SpanLedger
 
 P1 = PoolInfo(id="p1", size=1 << 20, host="h")
@@ -69,3 +75,39 @@ def test_room_is_the_largest_free_range_against_the_largest_rollout_stored() -> 
     ledger.report("w", 4096)
     assert ledger.has_room("w")
     assert ledger.has_room("unknown")  # a worker without a pool (through mode) always has room
+
+
+async def test_a_release_the_workers_queue_refused_goes_again_with_its_next_heartbeat() -> None:
+    sent: list[tuple[bytes, Release]] = []
+    accept = [False]
+
+    def send(ident: bytes, msg: Release) -> bool:
+        if accept[0]:
+            sent.append((ident, msg))
+        return accept[0]
+
+    events: asyncio.Queue[HubEvent] = asyncio.Queue()
+    keeper = PoolKeeper(send, events, Counter())
+    keeper.ready("w", b"w", P1)
+    keeper.passed_on(rec("a"))
+    keeper.release([RolloutRecord(rec("a"), [])], {"w": b"w"})  # its queue is full: nothing went
+    assert sent == []
+    accept[0] = True
+    keeper.heartbeat("w", b"w", 1 << 20)
+    assert sent == [(b"w", Release(["a"]))]
+    keeper.heartbeat("w", b"w", 1 << 20)
+    assert len(sent) == 1  # once
+    assert keeper.metrics["released"] == 1
+
+
+async def test_a_replaced_or_gone_pool_is_reported_once_and_announcements_are_news() -> None:
+    events: asyncio.Queue[HubEvent] = asyncio.Queue()
+    keeper = PoolKeeper(lambda ident, msg: True, events, Counter())
+    keeper.ready("w", b"w", P1)
+    keeper.ready("w", b"w", P2)  # renewed
+    keeper.gone("w", "exited")
+    keeper.gone("w", "exited")  # already gone: nothing more
+    assert [events.get_nowait() for _ in range(events.qsize())] == [
+        PoolGone("w", "p1", "replaced by pool p2"), PoolGone("w", "p2", "exited")]
+    assert [keeper.news.get_nowait() for _ in range(keeper.news.qsize())] == [("w", P1), ("w", P2)]
+    assert keeper.metrics["pools_gone"] == 2

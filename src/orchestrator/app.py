@@ -187,7 +187,7 @@ class Orchestrator:
         maps each pool before a step names it. Wakes on each worker's ``ready``."""
         assert isinstance(self.sender, BatchSender)
         while True:
-            worker, pool = await self.hub.pool_news.get()
+            worker, pool = await self.hub.pools.news.get()
             self.sender.announce_pool(worker, msgspec.structs.asdict(pool))
 
     def _release_acked(self, step: int) -> None:
@@ -256,7 +256,7 @@ class Orchestrator:
         result: StepResult[Batch] | StepResult[StepManifest]
         if self.direct:  # the pools as of now: a rollout in a pool gone since it was taken does not train
             result = await self._off_loop(self.builder.build_manifest, step, groups, sched.take_dropped(),
-                                          self.hub.spans.pools())
+                                          self.hub.pools.pools())
             self.unacked_spans[step] = [r for r in result.trained if r.header.span is not None]  # before any ack
         else:
             result = await self._off_loop(self.builder.build, step, groups, sched.take_dropped())

@@ -403,7 +403,9 @@ class Scheduler:
             cause = (f"a checkpoint of policy >= {oldest} (the servers have policy {self.policy}; no training group "
                      f"opens until then): {source}")
         elif not self.hub.has_ready():
-            cause = "an env worker: none is ready (starting, or restarting after a crash)"
+            cause = ("an env worker that can take a group: none is ready (starting, or restarting after a crash), "
+                     "or (data_plane = direct) every ready one's column pool is full until the trainer acknowledges "
+                     "steps")
         elif not any(s.in_rotation for s in self.pool.servers):
             cause = "an inference server: none is in rotation (" + "; ".join(
                 f"{s.url}: {s.last_error or 'out'}" for s in self.pool.servers) + ")"

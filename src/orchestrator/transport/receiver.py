@@ -253,7 +253,7 @@ class BatchReceiver(_ReceiverCore):
         the orchestrator refused this trainer."""
         got = await self.recv_view()
         if isinstance(got, StepView):
-            batch = got.gather()  # the trainer's copy: the views may go now
+            batch = await asyncio.to_thread(got.gather)  # the trainer's copy (numpy releases the GIL); views may go
             self._unreleased = None
             if self.auto_ack:
                 await self.ack(batch.step)

@@ -28,7 +28,7 @@ backing off while restarts fail before ready). A remote one is not ours to kill:
 after SIGCONT) it is sent ``setup`` and re-admitted when it answers ``ready``; the records it had in flight
 when it was lost count as ``late``, not as invalid messages. Records are sorted by intake.py.
 
-Data plane (``data_plane = "direct"``, docs/data-plane.md; the bookkeeping is spans.py's ``SpanLedger``): a
+Data plane (``data_plane = "direct"``, docs/data-plane.md; pools.py's ``PoolKeeper`` does it for the hub): a
 worker's ``ready`` names its column pool, and a record's ``span`` must lie in that pool (the one it announced
 last), else the record is corrupt (a strike; its rollout fails). The spans of records the hub does not pass on
 (corrupt, late) are released at once; those it passes on are released when the scheduler or the step drops
@@ -63,9 +63,10 @@ import zmq
 from orchestrator import ipc
 from orchestrator.errors import EnvironmentLoadError, TransportError, WireError, WorkerError
 from orchestrator.security import LOCAL_KEYS_ENV, ServerKeys, curve_server
-from orchestrator.worker.events import HubEvent, PoolGone, RecordsIn, WorkerLost
+from orchestrator.worker.events import HubEvent, RecordsIn, WorkerLost
 from orchestrator.worker.intake import sort_records
 from orchestrator.worker.local import LocalWorkers
+from orchestrator.worker.pools import PoolKeeper
 from orchestrator.worker.protocol import (
     HEARTBEAT_S,
     Assign,
@@ -76,8 +77,6 @@ from orchestrator.worker.protocol import (
     PoolInfo,
     Ready,
     Records,
-    Release,
-    RolloutHeader,
     RolloutRecord,
     Setup,
     Stop,
@@ -85,7 +84,6 @@ from orchestrator.worker.protocol import (
     pack,
     split_records,
 )
-from orchestrator.worker.spans import SpanLedger
 
 log = logging.getLogger(__name__)
 
@@ -124,19 +122,16 @@ class WorkerHub:
         self.remote = remote
         self.expected = max(local + remote, 1)
         self.procs = LocalWorkers(address, dict(env_vars or {}), nice)
-        self.spans = SpanLedger()  # data_plane = direct: the spans passed on and not released, per worker
         self.workers: dict[bytes, WorkerState] = {}
         self.tasks_per_env: dict[str, int] = {}
         self.events: asyncio.Queue[HubEvent] = asyncio.Queue()  # bounded by construction (module docstring)
-        # direct: (worker, pool) from each ready, for the trainer link to announce; one per admission
-        self.pool_news: asyncio.Queue[tuple[str, PoolInfo]] = asyncio.Queue()
         # rejected:<why>, late, dropped, lost, fatal, restarts; direct: released, pools_gone, pool_full
         self.metrics: Counter[str] = Counter()
         self._lost: dict[bytes, deque[str]] = {}  # lost workers -> their rollout ids that will come back late
         self._load_failures = 0  # fatal reports while no worker was ready
         self._banned: set[bytes] = set()
         self._ready = asyncio.Event()
-        self._full: set[str] = set()  # workers whose pool has no room (logged once per episode)
+        self.pools = PoolKeeper(self._send, self.events, self.metrics)  # direct: spans held, releases, room
         self._failed: asyncio.Future[None] | None = None
 
     @classmethod
@@ -254,7 +249,8 @@ class WorkerHub:
                 late = self._lost[ident]
                 n = sum(h.rid in late for h in msg.records)
                 self.metrics["late"] += n
-                self._release(ident, [h for h in msg.records if h.rid in late])
+                self.pools.unused(ident, [h for h in msg.records if h.rid in late])
+                self.pools.left(ident)  # not connected: a release it could not take waits for its resync
                 if n < len(msg.records):
                     self._reject(None, ident, "unassigned", f"{len(msg.records) - n} records of a lost worker "
                                  "for rollouts that were not in flight on it")
@@ -266,7 +262,7 @@ class WorkerHub:
             self._records(worker, msg, [f.buffer for f in frames[1:]])
         elif isinstance(msg, Heartbeat):
             worker.rss_mb = msg.rss_mb
-            self._room(worker, msg.pool_free)
+            self.pools.heartbeat(worker.name, worker.ident, msg.pool_free)
         elif isinstance(msg, Ready):
             self._on_ready(worker, msg)
         elif isinstance(msg, Fatal):
@@ -292,14 +288,7 @@ class WorkerHub:
             return
         worker.ready = True
         worker.pool = msg.pool
-        known = self.spans.pool(worker.name)
-        gone = self.spans.announce(worker.name, msg.pool)
-        if gone is not None:
-            self._pool_gone(worker.name, gone.id, f"replaced by pool {msg.pool.id if msg.pool else 'none'}")
-        elif known is not None:  # re-admitted with the same pool: it frees all but what we hold
-            self._send(worker.ident, Release([], keep=self.spans.keep(worker.name)))
-        if msg.pool is not None:
-            self.pool_news.put_nowait((worker.name, msg.pool))
+        self.pools.ready(worker.name, worker.ident, msg.pool)
         self.procs.became_ready(worker.name)
         self.tasks_per_env = dict(msg.envs)
         self._load_failures = 0
@@ -330,56 +319,19 @@ class WorkerHub:
         self.metrics["late"] += got.late
         for why, detail in got.problems:
             self._reject(worker, worker.ident, why, detail)
-        self._release(worker.ident, got.unused)
+        self.pools.unused(worker.ident, got.unused)
         for record in got.accepted:
             record.header.worker = worker.name
-            self.spans.hold(record.header)
+            self.pools.passed_on(record.header)
         worker.completed += len(got.accepted)
         if got.accepted:
             self.events.put_nowait(RecordsIn(worker.name, got.accepted))
 
-    def _release(self, ident: bytes, headers: list[RolloutHeader]) -> None:
-        """Tell a worker that the spans of these records (not passed on; those that have one) will never be read."""
-        rids = [h.rid for h in headers if h.span is not None]
-        if rids:
-            self.metrics["released"] += len(rids)
-            self._send(ident, Release(rids))
-
     def release(self, records: Sequence[RolloutRecord]) -> None:
         """The spans of these records (passed on earlier) will never be read: dropped by the scheduler or the
         step, or their step was acknowledged. One ``Release`` per worker; each span is released once; a span
-        of a pool that is gone, or a record without one, is skipped. A worker away now gets the same result
-        from the resync when it is re-admitted."""
-        by_worker = self.spans.release(r.header for r in records)
-        if not by_worker:
-            return
-        idents = {w.name: w.ident for w in self.workers.values()}
-        for name, rids in by_worker.items():
-            self.metrics["released"] += len(rids)
-            ident = idents.get(name)
-            if ident is not None:
-                self._send(ident, Release(rids))
-
-    def _room(self, worker: WorkerState, free: int | None) -> None:
-        """A heartbeat's report of the room in ``worker``'s pool: say when it fills, and when it has room again."""
-        self.spans.report(worker.name, free)
-        if not self.spans.has_room(worker.name):
-            if worker.name not in self._full:
-                self._full.add(worker.name)
-                self.metrics["pool_full"] += 1
-                log.warning("env worker %s: its column pool has no room for another rollout (%d held); no new "
-                            "groups go to it until releases (acknowledged steps) make room", worker.name,
-                            self.spans.held(worker.name))
-        elif worker.name in self._full:
-            self._full.discard(worker.name)
-            log.info("env worker %s: room in its column pool again", worker.name)
-
-    def _pool_gone(self, name: str, pool: str, why: str) -> None:
-        self.metrics["pools_gone"] += 1
-        self._full.discard(name)
-        log.warning("column pool %s of env worker %s is gone (%s): its rollouts not yet trained cannot train",
-                    pool, name, why)
-        self.events.put_nowait(PoolGone(name, pool, why))
+        of a pool that is gone, or a record without one, is skipped."""
+        self.pools.release(records, {w.name: w.ident for w in self.workers.values()})
 
     def _reject(self, worker: WorkerState | None, ident: bytes, why: str, detail: str) -> None:
         if worker is not None and why != "unassigned":
@@ -437,8 +389,8 @@ class WorkerHub:
                 worker = next((w for w in self.workers.values() if w.name == name), None)
                 if worker is not None:
                     self._lose(worker, f"exited with status {status}", pool_gone=True)
-                elif (gone := self.spans.forget(name)) is not None:  # lost before (silent), now dead too
-                    self._pool_gone(name, gone.id, f"its process exited with status {status}")
+                else:  # lost before (silent), now dead too
+                    self.pools.gone(name, f"its process exited with status {status}")
             restarted = await self.procs.restart_due(now)
             self.metrics["restarts"] += len(restarted)
             for name in restarted:
@@ -448,10 +400,11 @@ class WorkerHub:
         """Forget ``worker``; its in-flight rollouts go to the scheduler as lost. ``pool_gone``: its process is
         gone too (killed, exited, dropped), and so is its column pool (a silent remote worker may come back
         with it)."""
-        if pool_gone and (gone := self.spans.forget(worker.name)) is not None:
-            self._pool_gone(worker.name, gone.id, why)
+        if pool_gone:
+            self.pools.gone(worker.name, why)
         if self.workers.get(worker.ident) is worker:
             del self.workers[worker.ident]
+            self.pools.left(worker.ident)
         self.metrics["lost"] += 1
         worker.late.extend(worker.rids)
         self._lost[worker.ident] = worker.late
@@ -464,11 +417,11 @@ class WorkerHub:
     # ------------------------------------------------------------------------------------- assignment
 
     def _assignable(self) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.ready and self.spans.has_room(w.name)]
+        return [w for w in self.workers.values() if w.ready and self.pools.has_room(w.name)]
 
     def has_ready(self) -> bool:
         """Whether a worker can take a group now: ready, and (direct) room in its column pool."""
-        return any(w.ready and self.spans.has_room(w.name) for w in self.workers.values())
+        return any(w.ready and self.pools.has_room(w.name) for w in self.workers.values())
 
     def assign(self, msg: Assign) -> str:
         """Send a group to the ready worker (with room in its pool) with the fewest rollouts in flight; returns

@@ -1,9 +1,9 @@
 """``SpanLedger``: which rollouts' spans the orchestrator holds in each env worker's column pool. No I/O.
 
-Data plane, direct mode (docs/data-plane.md). The hub keeps one ledger; per worker (by name) it knows the
-pool the worker announced last (``Ready.pool``), the rollouts passed on to the scheduler whose columns are in
-that pool and not yet released (``hold``), the largest span the worker has stored, and the largest free range
-its last heartbeat reported. From that it answers:
+Data plane, direct mode (docs/data-plane.md). The hub's ``PoolKeeper`` (pools.py) keeps one ledger; per
+worker (by name) it knows the pool the worker announced last (``Ready.pool``), the rollouts passed on to the
+scheduler whose columns are in that pool and not yet released (``hold``), the largest span the worker has
+stored, and the largest free range its last heartbeat reported. From that it answers:
 
 - ``release(headers)``: which rollout ids to send each worker in a ``Release`` (a span of an older pool is not
   sent: that pool is gone, or renewed, with everything in it). Each held span is released once.
