@@ -130,3 +130,29 @@ async def test_a_worker_killed_mid_run_loses_its_buffered_rollouts_and_no_step_i
     assert [r.step for r in trainer.received] == list(range(5))  # every step once, in order, complete
     assert hub.metrics["pools_gone"] >= 1
     assert killed_pools[0] not in {p.id for p in hub.pools.pools().values()}  # never named again
+
+
+async def test_a_resumed_orchestrator_feeds_the_same_trainer_from_renewed_pools(tmp_path: Path) -> None:
+    """The orchestrator stops after 2 steps and is resumed for 2 more; one trainer sees all four, once, in order.
+    The second run's workers are new processes with new pools: the trainer maps those and keeps going."""
+    pools: list[set[str]] = []
+    async with sim_servers(1, profile="prime-rl") as servers:
+        first = direct_job(tmp_path, [s.url for s in servers], steps=2)
+        trainer: ReferenceTrainer | None = None
+        async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
+            training: asyncio.Task[None] | None = None
+            for cfg, resume in ((first, False), (dataclasses.replace(first, run=dataclasses.replace(
+                    first.run, max_steps=4)), True)):
+                async with Orchestrator.open(cfg, resume=resume) as orch:
+                    if trainer is None:
+                        trainer = ReferenceTrainer(orch.sender.address, max_steps=4,
+                                                   checkpoint_dir=Path(cfg.run.output_dir) / "ckpt")
+                        training = tg.create_task(trainer.run())
+                    await orch.run()
+                    pools.append({p.id for p in orch.hub.pools.pools().values()})
+                    assert orch.unacked_spans == {}
+            assert training is not None
+            await training
+    assert trainer is not None
+    assert [r.step for r in trainer.received] == [0, 1, 2, 3]
+    assert pools[0].isdisjoint(pools[1])  # the steps after the resume came from other pools
