@@ -3,11 +3,13 @@ fail instead of being named, and the survivors left out are returned for release
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 import pytest
 
+from orchestrator.config import FilterConfig
 from orchestrator.dataplane.layout import SpanLoc, shapes_layout
 from orchestrator.dataplane.manifest import decode_manifest, encode_manifest
 from orchestrator.pipeline.step import StepBuilder
@@ -40,7 +42,6 @@ def test_a_manifest_names_only_rollouts_in_current_pools_and_returns_the_rest(
     builder = StepBuilder(synthetic_config(32), vocab_size=1 << 17)
     with caplog.at_level(logging.WARNING):
         result = builder.build_manifest(3, groups, (), POOLS)
-        builder.build_manifest(4, direct_groups(), (), POOLS)
     manifest = decode_manifest(encode_manifest(result.batch))  # a manifest the trainer's edge accepts
     assert manifest.step == 3
     assert [p.worker for p in manifest.pools] == ["w1"]
@@ -54,9 +55,7 @@ def test_a_manifest_names_only_rollouts_in_current_pools_and_returns_the_rest(
     assert named.isdisjoint(r.rid for r in result.untrained)
     assert named | {r.rid for r in result.untrained} == survivors  # every survivor is trained or released
     assert result.num_samples == len(manifest.samples)
-    skipped = [r for r in caplog.records if "not applied" in r.getMessage()]
-    assert len(skipped) == 1  # the column filters are named once, not every step
-    assert "gibberish" in skipped[0].getMessage()
+    assert not [r for r in caplog.records if "not applied" in r.getMessage()]  # the default filters all apply
 
 
 def test_a_group_that_loses_some_columns_keeps_the_advantages_of_the_rest() -> None:
@@ -68,3 +67,31 @@ def test_a_group_that_loses_some_columns_keeps_the_advantages_of_the_rest() -> N
     assert [r.ok for r in group.records] == [True] * 5 + [False] * 3
     np.testing.assert_array_equal(group.advantages, np.arange(5))  # type: ignore[attr-defined]
     assert lose_columns(group, "w9", "p1", "again") == 0  # failed records have no columns left to lose
+
+
+def test_token_filters_use_the_workers_verdicts_and_custom_filters_are_named_not_run(
+        caplog: pytest.LogCaptureFixture) -> None:
+    base = synthetic_config(32)
+    filters = (FilterConfig(name="zero_advantage", enforce=True), FilterConfig(name="gibberish", enforce=True),
+               FilterConfig(name="repetition", enforce=False), FilterConfig(name="operator:truth", enforce=True))
+    cfg = dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline, filters=filters))
+    groups = direct_groups()
+    flagged = {g.records[0].rid: [1] for g in groups[::2]}  # the worker found these gibberish
+    looping = {g.records[1].rid: [2] for g in groups[::2]}  # and these looping (monitor only)
+    for g in groups:
+        for r in g.records:
+            r.header.filters = flagged.get(r.rid) or looping.get(r.rid) or []
+    with caplog.at_level(logging.WARNING):
+        result = StepBuilder(cfg, vocab_size=1 << 17).build_manifest(0, groups, (), POOLS)
+    named = {s.rollout for s in result.batch.spans}
+    rows = {row["rollout"]: row for row in result.rows}
+    for rid in flagged:
+        assert rid not in named  # enforced
+        assert "gibberish" in rows[rid]["filters"]
+    for rid in looping:
+        assert "repetition" in rows[rid]["filters"]
+        assert rows[rid]["filtered"] == ("zero_advantage" in rows[rid]["filters"])  # monitor only
+    assert result.filter_counts["gibberish"] == {"synth-a": len(flagged)}  # even groups are synth-a
+    skipped = [r for r in caplog.records if "not applied" in r.getMessage()]
+    assert len(skipped) == 1  # named once, not run on a manifest
+    assert "operator:truth" in skipped[0].getMessage()

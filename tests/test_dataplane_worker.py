@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -16,6 +17,7 @@ import zmq.asyncio
 
 from orchestrator.dataplane.layout import ALIGN
 from orchestrator.errors import Failure
+from orchestrator.pipeline.filters import is_gibberish, is_repetition
 from orchestrator.samples import PlainNode, build_sample
 from orchestrator.transport.memfd import map_served_pool
 from orchestrator.worker.process import LoadedEnv, Worker
@@ -29,6 +31,7 @@ from orchestrator.worker.protocol import (
     RolloutRecord,
     Setup,
     Stop,
+    TokenFilter,
     decode_worker_message,
     pack,
     sample_frames,
@@ -274,3 +277,22 @@ async def test_a_resync_keeps_only_what_the_orchestrator_holds_and_heartbeats_re
             await asyncio.wait_for(serve, HANG_S)
         finally:
             serve.cancel()
+
+
+async def test_the_worker_runs_the_token_filters_on_the_tokens_the_orchestrator_will_not_see(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    filters = [TokenFilter(1, "gibberish", {"vocab_size": 2, "token_id_threshold": 500}),
+               TokenFilter(2, "repetition", {"window": 3, "prob_threshold": 0.5})]
+    async with direct_worker(tmp_path, monkeypatch) as (worker, _env, theirs, ours):
+        worker.setup = msgspec.structs.replace(worker.setup, token_filters=filters)
+        await worker._run_group(theirs, assign("g1", 4))
+        msg, _ = await next_message(ours)
+        assert isinstance(msg, Records)
+    for slot, h in enumerate(msg.records):
+        sample = build_sample(nodes_for(slot))  # what the orchestrator would have read in through mode
+        mask = sample.loss_mask.astype(bool)
+        ids, logprobs = sample.token_ids[mask], sample.logprobs[mask]
+        expect = [i for i, hit in ((1, is_gibberish(ids, logprobs, vocab_size=2, token_id_threshold=500)),
+                                   (2, is_repetition(logprobs, window=3, prob_threshold=0.5))) if hit]
+        assert h.filters == expect, slot
+    assert [h.filters for h in msg.records] == [[2], [], [], [1]]  # slot 0 loops at p > 0.5; slot 3 is gibberish

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import orjson
@@ -35,6 +35,7 @@ from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.memory import malloc_trim, rss_mb
 from orchestrator.outdir import OutputDir
 from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
+from orchestrator.pipeline.filters import TOKEN_FILTERS, token_filter_args
 from orchestrator.pipeline.outputs import (
     StepOutputs,
     eval_rollout_rows,
@@ -55,7 +56,7 @@ from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.process import Worker
-from orchestrator.worker.protocol import EnvSpec, RolloutRecord, Setup
+from orchestrator.worker.protocol import EnvSpec, RolloutRecord, Setup, TokenFilter, TokenFilterName
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -378,7 +379,8 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
                      for i, e in enumerate(evals))],
                   cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env,
                   data_plane=cfg.transport.data_plane, worker_pool_bytes=cfg.transport.worker_pool_mb << 20,
-                  pool_dir=str(out / "pools"), session=uuid.uuid4().hex)  # session: this process
+                  pool_dir=str(out / "pools"), session=uuid.uuid4().hex,  # session: this process
+                  token_filters=worker_token_filters(cfg, tokenizer))
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
     pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
@@ -392,6 +394,16 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
         worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
         cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s))
     return pool, hub
+
+
+def worker_token_filters(cfg: JobConfig, tokenizer: Path) -> list[TokenFilter]:
+    """The token filters env workers run in direct mode (they have the tokens; the orchestrator does not), with
+    the arguments the orchestrator would use (gibberish: the model's vocabulary size)."""
+    if cfg.transport.data_plane != "direct":
+        return []
+    vocab = vocab_size(tokenizer) or 2**17  # as the step builder assumes when it cannot read it
+    return [TokenFilter(i, cast(TokenFilterName, f.name), token_filter_args(f, vocab))
+            for i, f in enumerate(cfg.pipeline.filters) if f.name in TOKEN_FILTERS]
 
 
 async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[asyncio.Task[Any]]) -> None:

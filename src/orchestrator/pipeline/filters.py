@@ -14,6 +14,12 @@ arguments. Built in:
 
 A custom filter is ``module:function`` called as ``fn(rollout, advantage, **args) -> bool``.
 All token work is numpy over whole arrays: no per-token Python loop.
+
+Data plane (``data_plane = "direct"``): the orchestrator has no column bytes, so the token filters
+(``TOKEN_FILTERS``) run in the env worker that built the samples (``token_filter``, the same functions), which
+reports the indices of the ``[[pipeline.filters]]`` tables its rollout matched (``RolloutHeader.filters``);
+``FilterSet(..., in_worker=True)`` reads those instead of the tokens, and enforce/monitor and the counts work
+as for every filter. Custom filters cannot run there (not built: ``on = "worker"``).
 """
 
 from __future__ import annotations
@@ -68,14 +74,51 @@ class FilterVerdict:
     filtered: bool  # an enforced filter matched: not trained on
 
 
-class FilterSet:
-    """The configured filters, applied to one rollout at a time; keeps counts per filter per env."""
+TOKEN_FILTERS = ("gibberish", "repetition")  # the built-in filters that read sampled tokens
 
-    def __init__(self, filters: Sequence[FilterConfig], vocab_size: int) -> None:
+
+def token_filter(name: str, args: dict[str, Any]) -> Callable[[np.ndarray, np.ndarray], bool]:
+    """Built-in token filter ``name`` over (sampled token ids, their logprobs); TypeError for bad arguments."""
+    if name == "gibberish":
+        is_gibberish(np.zeros(0, np.int32), np.zeros(0, np.float32), **args)  # checks the names
+        return lambda ids, logprobs: is_gibberish(ids, logprobs, **args)
+    if name == "repetition":
+        is_repetition(np.zeros(0, np.float32), **args)
+        return lambda _ids, logprobs: is_repetition(logprobs, **args)
+    raise ValueError(f"{name!r} is not a token filter ({', '.join(TOKEN_FILTERS)})")
+
+
+def token_filter_args(f: FilterConfig, vocab_size: int) -> dict[str, Any]:
+    """A token filter's arguments as it runs: gibberish gets the model's ``vocab_size`` unless it names one."""
+    args = dict(f.args)
+    if f.name == "gibberish":
+        args.setdefault("vocab_size", vocab_size)
+    return args
+
+
+class FilterSet:
+    """The configured filters, applied to one rollout at a time; keeps counts per filter per env. ``in_worker``
+    (direct mode): token filters read what the env worker reported (the rollout's ``worker_filters``: indices of
+    the filters it matched) instead of the tokens, and custom filters, which may read tokens, are not applied
+    (``skipped`` names them)."""
+
+    def __init__(self, filters: Sequence[FilterConfig], vocab_size: int, *, in_worker: bool = False) -> None:
         self._filters: list[tuple[str, bool, Callable[[Filterable, float], bool]]] = []
+        self.skipped: list[str] = []
         for i, f in enumerate(filters):
-            self._filters.append((f.name, f.enforce, self._build(f, i, vocab_size)))
+            if in_worker and f.name in TOKEN_FILTERS:
+                fn = self._reported(i)
+            elif in_worker and f.name != "zero_advantage":
+                self.skipped.append(f.name)
+                continue
+            else:
+                fn = self._build(f, i, vocab_size)
+            self._filters.append((f.name, f.enforce, fn))
         self.counts: Counter[tuple[str, str]] = Counter()  # (filter, env) -> matched rollouts
+
+    @staticmethod
+    def _reported(i: int) -> Callable[[Filterable, float], bool]:
+        return lambda r, _adv: i in getattr(r, "worker_filters", ())
 
     @staticmethod
     def _build(f: FilterConfig, i: int, vocab_size: int) -> Callable[[Filterable, float], bool]:
@@ -87,13 +130,9 @@ class FilterSet:
                 if args:
                     raise TypeError(f"takes only tolerance, got {sorted(args)}")
                 return lambda _r, adv: abs(adv) <= tolerance
-            if f.name == "gibberish":
-                args.setdefault("vocab_size", vocab_size)
-                is_gibberish(np.zeros(0, np.int32), np.zeros(0, np.float32), **args)  # checks the names
-                return lambda r, _adv: is_gibberish(*r.sampled(), **args)
-            if f.name == "repetition":
-                is_repetition(np.zeros(0, np.float32), **args)
-                return lambda r, _adv: is_repetition(r.sampled()[1], **args)
+            if f.name in TOKEN_FILTERS:
+                fn_tokens = token_filter(f.name, token_filter_args(f, vocab_size))
+                return lambda r, _adv: fn_tokens(*r.sampled())
         except TypeError as e:
             raise ConfigError([f"{key}.args: bad arguments for filter {f.name!r}: {e}"]) from None
         fn = import_hook(f.name, f"{key}.name")

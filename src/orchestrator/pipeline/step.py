@@ -7,8 +7,9 @@ Rollout records come from env workers (see worker/protocol.py); a rollout's fram
 Data plane (``data_plane = "direct"``): ``build(..., pools=...)`` makes a step manifest instead of a batch
 (``dataplane.manifest.build_manifest``: headers only, no column byte read). ``pools`` is every worker's current
 column pool; a taken rollout whose pool is no longer its worker's (the worker died or renewed its pool after
-the step took it) fails with ``worker_died`` and does not train. ``trained`` lists the rollouts the step
-names (released when the trainer acknowledges it); ``untrained`` the survivors it leaves out (released now).
+the step took it) fails with ``worker_died`` and does not train. Token filters use the verdicts the env workers
+reported (``FilterSet(in_worker=True)``). ``trained`` lists the rollouts the step names (released when the
+trainer acknowledges it); ``untrained`` the survivors it leaves out (released now).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ class StepBuilder:
         self.advantage = AdvantageFn(cfg.pipeline)
         self.vocab_size = vocab_size
         self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
-        # direct mode: filters that read column bytes cannot run here (the worker will compute them: not built);
-        # until then only zero_advantage applies, and the others are named once when the first step is built
-        self.scalar_filters = FilterSet([f for f in cfg.pipeline.filters if f.name == "zero_advantage"], vocab_size)
-        self.skipped_filters = sorted({f.name for f in cfg.pipeline.filters if f.name != "zero_advantage"})
+        # direct mode: the token filters' verdicts come from the env workers (RolloutHeader.filters); custom
+        # filters may read tokens and cannot run here (not built): named once when the first step is built
+        self.worker_filters = FilterSet(cfg.pipeline.filters, vocab_size, in_worker=True)
+        self.skipped_filters = sorted(set(self.worker_filters.skipped))
 
     def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult[Batch]:
         """All three phases in order, each timed in ``phase_s``; the rows of ``dropped`` groups (none of whose
@@ -77,10 +78,10 @@ class StepBuilder:
                 if pools.get(worker) is None or pools[worker].id != pool:
                     lose_columns(g, worker, pool, "its column pool is gone")
         if self.skipped_filters:
-            log.warning("data_plane = direct: filters %s read column bytes and are not applied (not built yet)",
-                        self.skipped_filters)
+            log.warning("data_plane = direct: custom filters %s may read column bytes and are not applied (not "
+                        "built yet)", self.skipped_filters)
             self.skipped_filters = []
-        rows, trained, phase = self._rows(step, groups, dropped, self.scalar_filters)
+        rows, trained, phase = self._rows(step, groups, dropped, self.worker_filters)
         t = time.perf_counter()
         manifest = build_manifest(self.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools)
         phase["assemble"] = time.perf_counter() - t
@@ -103,7 +104,7 @@ class StepBuilder:
                 trained: list[tuple[RolloutRecord, float]]) -> StepResult[B]:
         kept = {id(rec) for rec, _ in trained}
         untrained = [r for g in groups for r in g.survivors if id(r) not in kept]
-        counts = self.filters.take_counts() | self.scalar_filters.take_counts()
+        counts = self.filters.take_counts() | self.worker_filters.take_counts()
         return StepResult(batch, rows, phase, counts, untrained, [rec for rec, _ in trained])
 
     # The phases of ``build``, public so replay (scripts/perf) can run and time them one at a time.

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -35,6 +36,7 @@ from orchestrator.dataplane.store import ColumnStore, PoolTooSmall, rollout_layo
 from orchestrator.envconfig import resolve_env
 from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, TransportError, WireError
 from orchestrator.memory import rss_mb
+from orchestrator.pipeline.filters import token_filter
 from orchestrator.samples import Sample, SampleError, samples_from_trace
 from orchestrator.security import ClientKeys, RefusalWatch, secure_client
 from orchestrator.transport.memfd import check_socket_path, serve_pool
@@ -54,6 +56,7 @@ from orchestrator.worker.protocol import (
     RolloutHeader,
     Setup,
     Stop,
+    TokenFilter,
     decode_orchestrator_message,
     pack,
     records_message,
@@ -148,6 +151,15 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = 
                            tokens=sum(s[0] for s in shapes) if train else _trace_tokens(trace), turns=trace.num_turns,
                            wall_s=wall_s)
     return header, samples
+
+
+def matched_token_filters(filters: list[TokenFilter], samples: list[Sample]) -> list[int]:
+    """The indices of ``filters`` a rollout matches, on its sampled tokens (``loss_mask``) across all its
+    samples, in order: what ``RolloutRecord.sampled`` gives the orchestrator in through mode."""
+    mask = np.concatenate([s.loss_mask for s in samples]).astype(bool)
+    ids = np.concatenate([s.token_ids for s in samples])[mask]
+    logprobs = np.concatenate([s.logprobs for s in samples])[mask]
+    return [f.index for f in filters if token_filter(f.name, f.args)(ids, logprobs)]
 
 
 def _trace_tokens(trace: Any) -> int:
@@ -388,11 +400,13 @@ class Worker:
 
     async def _columns(self, header: RolloutHeader, samples: list[Sample]) -> tuple[RolloutHeader, list[Any]]:
         """Where a rollout's columns go: frames after its header (through), or one span of this worker's pool,
-        named in the header (direct)."""
+        named in the header (direct), with the token filters it matched (the orchestrator cannot read them)."""
         if not samples:
             return header, []
         if self.store is None:
             return header, sample_frames(samples)[1]
+        if self.setup.token_filters:
+            header.filters = matched_token_filters(self.setup.token_filters, samples)
         try:
             header.span = await self.store.write(header.rid, samples)
         except PoolTooSmall as e:

@@ -78,6 +78,7 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     wall_s: float = 0.0
     frames: Count = 0  # column frames that follow this header in its message: 0 or 4
     span: SpanLoc | None = None  # data_plane = direct: where its columns are in the worker's pool (frames 0)
+    filters: list[Count] = []  # data_plane = direct: Setup.token_filters it matched (their indices)
 
     @classmethod
     def failed(cls, base: RolloutHeader | AssignedRollout, failure: Failure, error: str, *, wall_s: float = 0.0,
@@ -158,6 +159,18 @@ class EnvSpec(msgspec.Struct):
     key: str = "env"  # its key path in the job config (env[1]), so load errors name it
 
 
+TokenFilterName = Literal["gibberish", "repetition"]  # pipeline/filters.py TOKEN_FILTERS
+
+
+class TokenFilter(msgspec.Struct, frozen=True):
+    """A token filter the worker runs on each rollout's sampled tokens (data_plane = direct): ``index`` in
+    ``[[pipeline.filters]]``, its built-in ``name`` and its arguments (pipeline/filters.py)."""
+
+    index: Count
+    name: TokenFilterName
+    args: dict[str, Any] = {}
+
+
 class Setup(msgspec.Struct, tag="setup", tag_field="type"):
     envs: list[EnvSpec]
     model: str
@@ -168,6 +181,7 @@ class Setup(msgspec.Struct, tag="setup", tag_field="type"):
     worker_pool_bytes: Count = 0  # data_plane = direct: the pool's size (transport.worker_pool_mb)
     pool_dir: str | None = None  # data_plane = direct: where the pool's socket goes (<pool_dir>/<worker>.pool)
     session: str = ""  # the orchestrator process: a worker set up again by another one renews its pool
+    token_filters: list[TokenFilter] = []  # data_plane = direct: filters the worker runs (header.filters)
 
     def same_job(self, other: Setup) -> bool:
         """Whether ``other`` loads the same environments the same way (only ``session`` may differ)."""
@@ -304,6 +318,11 @@ class RolloutRecord:
     @property
     def tokens(self) -> int:
         return self.header.tokens
+
+    @property
+    def worker_filters(self) -> list[int]:
+        """Indices of the token filters its worker found it matched (data_plane = direct)."""
+        return self.header.filters
 
     def dtype(self, name: str) -> np.dtype[Any]:
         return np.dtype(self.header.routed_dtype if name == "routed_experts" else DTYPES[name])
