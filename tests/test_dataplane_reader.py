@@ -208,3 +208,17 @@ async def test_a_worker_that_renews_its_pool_is_mapped_again_and_the_old_mapping
             assert memfd_maps() == 1
     finally:
         maps.close()
+
+
+@pytest.mark.parametrize("first", ["orchestrator.dataplane.reader", "orchestrator.dataplane.store",
+                                   "orchestrator.transport.receiver", "orchestrator.transport.memfd"])
+def test_the_trainer_library_imports_in_any_order(first: str) -> None:
+    """The receiver imports the reader, and the reader uses transport's memfd and wire: whichever a trainer
+    imports first, in a fresh interpreter, the import works (no module needs another loaded before it)."""
+    import subprocess
+
+    code = f"import {first}; from orchestrator.transport import BatchReceiver; from orchestrator.dataplane.reader " \
+           "import PoolMaps"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, check=False)
+    assert done.returncode == 0, done.stderr

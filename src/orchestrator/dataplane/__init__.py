@@ -6,7 +6,3 @@ See docs/data-plane.md. ``layout``: where a rollout's columns lie in its span; `
 verifiers.
 """
 
-# The trainer link's receiver (orchestrator.transport) reads manifests with ``reader``, which builds on
-# transport's memfd and wire modules: load the transport package first, so that importing ``reader`` on its own
-# does not enter the package while it is half loaded.
-import orchestrator.transport  # noqa: F401  (order matters; see above)

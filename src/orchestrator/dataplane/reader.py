@@ -25,15 +25,20 @@ import mmap
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from orchestrator.dataplane.layout import span_layout
 from orchestrator.dataplane.manifest import PoolRef, StepManifest
 from orchestrator.errors import WireError
-from orchestrator.transport.memfd import SEALS, map_served_pool
-from orchestrator.transport.wire import Batch
+
+if TYPE_CHECKING:
+    from orchestrator.transport.wire import Batch
+
+# orchestrator.transport's receiver imports this module, and importing any module of that package loads the
+# package (its __init__ imports the receiver): so this module imports transport's memfd and wire where it uses
+# them, never at import time, and can be imported first, last or alone.
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,8 @@ class PoolMaps:
     def adopt(self, pool_id: str, size: int, fd: int) -> None:
         """Map the pool behind ``fd`` (the caller keeps the fd); WireError unless it is a sealed ``size``-byte
         memfd."""
+        from orchestrator.transport.memfd import SEALS  # not at import time: see the imports
+
         try:
             if os.fstat(fd).st_size != size or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
                 raise WireError(f"pool {pool_id}: fd {fd} is not a sealed {size}-byte memfd")
@@ -73,6 +80,8 @@ class PoolMaps:
         if ref.host != self.host or ref.path is None:
             raise WireError(f"pool {ref.id} of env worker {ref.worker} is on host {ref.host} (this is {self.host}) "
                             "or names no socket: fetching spans across nodes is not built yet")
+        from orchestrator.transport.memfd import map_served_pool  # not at import time: see the imports
+
         mapping = map_served_pool(ref.path, ref.id, ref.size)
         self._pools[ref.id] = _Mapped(mapping, memoryview(mapping))
         self.fetches += 1
@@ -158,6 +167,8 @@ class StepView:
     def gather(self) -> Batch:
         """The step as the through path's contiguous ``Batch``: one copy per column (the trainer's, not the
         orchestrator's)."""
+        from orchestrator.transport.wire import Batch  # not at import time: see the imports
+
         m = self.manifest
         names = [c.name for c in m.columns]
         chunks = {name: [self._spans[ref.span][name][ref.start:ref.start + ref.tokens] for ref in m.samples]
