@@ -19,7 +19,7 @@ from orchestrator.dataplane.reader import StepView
 from orchestrator.dataplane.store import ColumnStore
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport.memfd import serve_pool
-from orchestrator.transport.receiver import BatchReceiver, SyncBatchReceiver
+from orchestrator.transport.receiver import BatchReceiver, Received, SyncBatchReceiver
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
@@ -100,21 +100,45 @@ async def test_a_pool_announced_before_the_trainer_came_is_mapped_before_a_step_
             receiver.close()
 
 
-async def test_a_manifest_whose_pool_cannot_be_mapped_is_rejected_and_not_accepted(tmp_path: Path) -> None:
+async def test_a_step_whose_pool_cannot_be_mapped_is_reported_lost_and_only_a_newer_attempt_is_accepted(
+        tmp_path: Path) -> None:
+    """Step 0 names a pool whose worker (and socket) died: the receiver returns nothing, reports step 0 lost
+    and drops step 1 queued behind it; the rebuilt step 0 (attempt 1) replaces it, step 1 follows again."""
     async with link(tmp_path) as (store, pool, sender):
         gone = msgspec.structs.replace(pool, path=str(tmp_path / "gone.pool"))  # its worker (and socket) died
         receiver = BatchReceiver(sender.address)
-        waiting = asyncio.create_task(receiver.recv_view())
+        reports = sender.lost_steps()
+        got: list[Received] = []
+
+        async def trainer() -> None:
+            while len(got) < 2:
+                got.append(await receiver.recv_view())
+
+        training = asyncio.create_task(trainer())
         try:
-            await asyncio.wait_for(sender.send(manifest(0, [record(store, 0)], gone)), WAIT_S)
-            await wait_until(lambda: bool(receiver.rejected), WAIT_S, "the rejection", poll_s=0.01)
-            assert receiver.rejected == {"WireError": 1}
-            assert receiver.last_step is None  # no partial step: step 0 was not received
-            assert not waiting.done()  # and the receiver keeps running
+            lost_manifest = build_manifest("run", 0, [(record(store, 0), 0.5)], {WORKER: gone})
+            await asyncio.wait_for(sender.send(lost_manifest), WAIT_S)
+            lost = await asyncio.wait_for(anext(reports), WAIT_S)
+            assert (lost.step, lost.attempt, lost.pools) == (0, 0, (store.id,))
+            assert receiver.lost == 1
+            assert not got  # no partial step
+            assert not receiver.rejected  # lost is not corrupt
+            await asyncio.wait_for(sender.send(manifest(1, [record(store, 1)], pool)), WAIT_S)  # dropped for now
+            rebuilt = build_manifest("run", 0, [(record(store, 2), 0.5)], {WORKER: pool}, attempt=1)  # served again
+            sender.replace(rebuilt)
+            await asyncio.wait_for(training, WAIT_S)
+            assert [(v.step, v.manifest.attempt) for v in got if isinstance(v, StepView)] == [(0, 1), (1, 0)]
+            first = got[0]
+            assert isinstance(first, StepView)
+            check_columns({k: np.concatenate([first.sample(i)[k] for i in range(first.num_samples)])
+                           for k in ("token_ids", "loss_mask", "logprobs", "routed_experts")}, 2)
+            assert receiver.lost == 1
+            assert receiver.last_step == 1
+            assert not receiver.rejected  # the copy of step 1 sent while step 0 was lost was dropped, not refused
         finally:
-            waiting.cancel()
+            training.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await waiting
+                await training
             receiver.close()
 
 

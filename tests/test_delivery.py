@@ -91,3 +91,17 @@ def test_an_earlier_runs_acknowledgements_count_and_are_never_kept() -> None:
     assert w.rejoin(4) == []
     with pytest.raises(ValueError, match="keep"):
         DeliveryWindow(1, keep=-1)
+
+
+def test_an_unacknowledged_step_can_be_replaced_in_place_and_nothing_else() -> None:
+    w: DeliveryWindow[str] = DeliveryWindow(4)
+    w.record(0, "zero")
+    w.record(1, "one")
+    w.replace(0, "zero, attempt 1")  # a rebuilt step: same place in the order, new payload
+    assert list(w.unacked.items()) == [(0, "zero, attempt 1"), (1, "one")]
+    assert w.next_step == 2
+    w.acknowledge(0)
+    with pytest.raises(KeyError, match="step 0 is not sent and unacknowledged"):
+        w.replace(0, "too late")
+    with pytest.raises(KeyError, match="step 5"):
+        w.replace(5, "never sent")

@@ -7,7 +7,9 @@ shape and dtype; the column layout inside follows from those, dataplane/layout.p
 token, tokens; in span order, each span's samples covering its tokens exactly), ``columns`` (name, dtype and
 trailing shape of every column the trainer gets: the three token columns, plus routed experts when every span
 has the same routed shape and dtype) and ``scalars`` (per sample: ``advantage``, ``reward``, ``env``,
-``rollout``). Encoded as one msgpack map with ``"kind": "step-manifest"`` and ``"v": 1`` (docs/data-plane.md).
+``rollout``), and ``attempt``: 0 for a step's first build, one more for each rebuild after the trainer reported
+some of its pools lost. Encoded as one msgpack map with ``"kind": "step-manifest"`` and ``"v": 1``
+(docs/data-plane.md).
 
 ``decode_manifest`` is the trainer's edge: it refuses, with a ``WireError`` naming the first problem, anything
 but a valid manifest of this version: a message over MAX_MANIFEST_BYTES, a wrong type or a value out of
@@ -46,6 +48,7 @@ MAX_POOLS = 4096
 MAX_SPANS = 1 << 20
 MAX_SAMPLES = 1 << 22
 MAX_SPAN_TOKENS = 1 << 24
+MAX_ATTEMPTS = 64  # builds of one step (the first and its rebuilds after a trainer lost some of its pools)
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Index = Annotated[int, msgspec.Meta(ge=0, le=MAX_SAMPLES)]
@@ -95,6 +98,7 @@ class StepManifest(msgspec.Struct, frozen=True, kw_only=True, tag="step-manifest
     v: Literal[1] = MANIFEST_VERSION
     run: Name
     step: Annotated[int, msgspec.Meta(ge=0)]
+    attempt: Annotated[int, msgspec.Meta(ge=0, lt=MAX_ATTEMPTS)] = 0  # > 0: rebuilt after the trainer lost pools
     pools: Annotated[list[PoolRef], msgspec.Meta(max_length=MAX_POOLS)]
     spans: Annotated[list[SpanRef], msgspec.Meta(max_length=MAX_SPANS)]
     samples: Annotated[list[SampleRef], msgspec.Meta(max_length=MAX_SAMPLES)]
@@ -204,7 +208,7 @@ def _check_samples(m: StepManifest, where: str) -> None:
 
 
 def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, float]],
-                   pools: Mapping[str, PoolInfo]) -> StepManifest:
+                   pools: Mapping[str, PoolInfo], attempt: int = 0) -> StepManifest:
     """The manifest of a step from its trained records (with their advantages) and each worker's current pool
     (by worker name). WireError for a record whose span is not in its worker's current pool: its columns are
     gone (the worker restarted or renewed its pool), so that rollout cannot train."""
@@ -231,5 +235,5 @@ def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, f
             scalars["reward"].append(rec.reward)
             scalars["env"].append(h.env)
             scalars["rollout"].append(h.rid)
-    return StepManifest(run=run, step=step, pools=pool_refs, spans=spans, samples=samples,
+    return StepManifest(run=run, step=step, attempt=attempt, pools=pool_refs, spans=spans, samples=samples,
                         columns=expected_columns(spans), scalars=scalars)

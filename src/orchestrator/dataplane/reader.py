@@ -49,6 +49,15 @@ class _Mapped:
     view: memoryview
 
 
+class PoolsLost(WireError):
+    """A manifest names pools this reader cannot map (their worker died or replaced them before this reader
+    mapped them): ``pools``, their ids. The step cannot be read whole: the receiver reports it lost."""
+
+    def __init__(self, step: int, attempt: int, pools: list[str], why: str) -> None:
+        super().__init__(f"step {step} (attempt {attempt}): cannot map column pools {pools}: {why}")
+        self.step, self.attempt, self.pools = step, attempt, pools
+
+
 class PoolMaps:
     """See the module docstring. ``host``: this node's name, as workers report theirs (default: hostname)."""
 
@@ -106,9 +115,18 @@ class PoolMaps:
         return [ref for ref in manifest.pools if ref.id not in self._pools]
 
     def view(self, manifest: StepManifest) -> StepView:
-        """Views of every sample of ``manifest`` (fetching the pools not mapped yet: blocking, briefly)."""
+        """Views of every sample of ``manifest`` (fetching the pools not mapped yet: blocking, briefly).
+        PoolsLost naming every pool that cannot be mapped (each is tried)."""
+        lost: list[str] = []
+        why = ""
         for ref in manifest.pools:
-            self.announce(ref)
+            try:
+                self.announce(ref)
+            except WireError as e:
+                lost.append(ref.id)
+                why = why or str(e)
+        if lost:
+            raise PoolsLost(manifest.step, manifest.attempt, lost, why)
         spans = [self._span_columns(manifest, i) for i in range(len(manifest.spans))]
         return StepView(manifest, spans)
 

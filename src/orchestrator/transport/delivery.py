@@ -17,6 +17,8 @@ the same one (see ``sender.Sender``):
 - **Resend.** Until acknowledged, ``unacked`` keeps each step's payload (what the sender needs to send it
   again: frames, encoded messages; None for durable deliveries), in order: what a restarted trainer gets
   again once its report (``acknowledge``) has removed what it holds.
+- **Replace.** ``replace(step, payload)``: an unacknowledged step's payload changes (direct mode: the trainer
+  reported the step lost and it was rebuilt); the sender sends it, and the steps after it, again.
 - **A trainer behind.** A trainer that comes back holding less than it acknowledged (it acknowledged steps
   before it could keep them: its checkpoint is older) lacks steps the window no longer has. ``keep``
   acknowledged steps stay in ``kept`` for that case; ``rejoin(have)`` puts the ones it lacks back into
@@ -86,6 +88,13 @@ class DeliveryWindow(Generic[P]):
         self.skipped.append(step)
         self.unacked[step] = None
         self.next_step = step + 1
+
+    def replace(self, step: int, payload: P | None) -> None:
+        """``step``, sent and not acknowledged, is to go out again as ``payload`` (a rebuilt step manifest: the
+        trainer could not read the first one); KeyError if it is not unacknowledged."""
+        if step not in self.unacked:
+            raise KeyError(f"step {step} is not sent and unacknowledged: nothing to replace")
+        self.unacked[step] = payload
 
     def acknowledge(self, have: int) -> list[int]:
         """The trainer holds every step <= ``have``: the steps that leaves acknowledged now, oldest first.

@@ -25,7 +25,11 @@ the asyncio receiver). ``recv()`` returns the step as a ``Batch`` gathered from 
 the trainer's), so every trainer works unchanged and may acknowledge at once; ``recv_view()`` returns a
 ``StepView`` instead (no copy): its arrays are views of the pools, whose spans the workers reuse once the step
 is acknowledged, so it is acknowledged like a shared-memory batch (by the next call with ``auto_ack``). A
-manifest whose pools cannot be mapped is rejected (counted) and its step not accepted.
+manifest whose pools cannot be mapped (their worker died, or replaced them, before this receiver mapped them) is
+a lost step: the receiver does not return it, reports ``{"lost": N, "attempt": A, "pools": [...]}`` (in every
+status message until it has step N; counted in ``lost``), drops the later steps queued behind it (the
+orchestrator sends them again) and accepts step N again only as a newer attempt (the orchestrator rebuilds it
+from surviving and new rollouts), so no step is returned partially, twice or out of order.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.dataplane.manifest import PoolRef, StepManifest, decode_manifest, is_manifest
-from orchestrator.dataplane.reader import PoolMaps, StepView
+from orchestrator.dataplane.reader import PoolMaps, PoolsLost, StepView
 from orchestrator.errors import DuplicateStep, TrainerRefused, WireError
 from orchestrator.security import ClientKeys, RefusalWatch, secure_client
 from orchestrator.transport.checkpoints import Checkpoint
@@ -96,6 +100,9 @@ class _ReceiverCore:
         self.pools = PoolMaps()  # direct: the env workers' column pools, mapped when announced or first named
         self.announced_pools: list[PoolRef] = []  # pool announcements not mapped yet
         self._unreleased: int | None = None  # auto_ack: a shared-memory step released by the next recv
+        self.lost_step: PoolsLost | None = None  # the step this receiver could not map, until a newer attempt maps
+        self.lost = 0  # steps (attempts) reported lost
+        self._report_lost = False  # a lost step to report now (and then in every status message)
         self._told_wanted: int | None = None
 
     def _due_release(self) -> int | None:
@@ -162,6 +169,8 @@ class _ReceiverCore:
                 item: Batch | StepManifest = decode_manifest(buf)
             else:
                 item = decode(frames, self.shm.region)
+            if isinstance(item, StepManifest) and self._behind_lost(item):
+                return None
             if self.last_step is not None and item.step != self.last_step + 1:
                 kind = "duplicate" if item.step <= self.last_step else "out of order"
                 raise DuplicateStep(f"step {item.step} is {kind}: the last step received was {self.last_step}")
@@ -172,15 +181,39 @@ class _ReceiverCore:
             self.last_step = item.step
         return item
 
+    def _behind_lost(self, m: StepManifest) -> bool:
+        """Whether ``m`` is dropped because a step is lost: an attempt of it no newer than the one lost, or a
+        later step queued before the rebuild (sent again after it)."""
+        lost = self.lost_step
+        if lost is None or m.step < lost.step or (m.step == lost.step and m.attempt > lost.attempt):
+            return False
+        log.debug("dropped step %d (attempt %d): waiting for step %d newer than attempt %d", m.step, m.attempt,
+                  lost.step, lost.attempt)
+        return True
+
     def _view(self, manifest: StepManifest) -> StepView | None:
-        """Blocking, briefly, when a pool must be fetched: the step's views, or None (rejected and counted)."""
+        """Blocking, briefly, when a pool must be fetched: the step's views, or None (rejected and counted, or
+        lost: reported by the caller's next status message)."""
         try:
             view = self.pools.view(manifest)
+        except PoolsLost as e:
+            self.lost_step, self._report_lost = e, True
+            self.lost += 1
+            log.warning("%s; reporting step %d lost to the orchestrator, which rebuilds it", e, e.step)
+            return None
         except WireError as e:
             self._reject(e)
             return None
         self.last_step = manifest.step
+        self.lost_step = None
         return view
+
+    def _due_lost_report(self) -> bytes | None:
+        """The status message reporting a lost step, once after ``_view`` found it (later ones repeat it)."""
+        if not self._report_lost:
+            return None
+        self._report_lost = False
+        return self._status()
 
     def _map_announced(self) -> None:
         """Blocking, briefly: map the pools announced since the last call (a failure is only logged: the
@@ -210,6 +243,8 @@ class _ReceiverCore:
         msg: dict[str, Any] = {"have": -1 if self.acked is None else self.acked, "id": self.id, "name": self.name}
         if hello:
             msg["hello"] = True
+        if self.lost_step is not None:  # repeated until a newer attempt arrives: a report may be missed
+            msg.update(lost=self.lost_step.step, attempt=self.lost_step.attempt, pools=self.lost_step.pools)
         if self.announced is not None:  # an orchestrator that restarted learns the newest weights from this
             msg["checkpoint"] = self.announced.step
             if self.announced.path is not None:
@@ -285,6 +320,8 @@ class BatchReceiver(_ReceiverCore):
                 item = self._accept(frames) if await asyncio.to_thread(self._fetch, need) else None
             got: Received | None = item if not isinstance(item, StepManifest) else (
                 await asyncio.to_thread(self._view, item) if self.pools.missing(item) else self._view(item))
+            if (report := self._due_lost_report()) is not None:
+                await self.push.send(report)
             if got is not None:
                 if self._acks_now(got):
                     await self.ack(got.step)
@@ -366,6 +403,8 @@ class SyncBatchReceiver(_ReceiverCore):
             except PoolNotMapped as need:
                 item = self._accept(frames) if self._fetch(need) else None
             got = self._view(item) if isinstance(item, StepManifest) else item
+            if (report := self._due_lost_report()) is not None:
+                self.push.send(report)
             if got is not None:
                 if self._acks_now(got):
                     self.ack(got.step)

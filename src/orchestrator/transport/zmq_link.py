@@ -31,7 +31,9 @@ acknowledgement rules; the columns stay in the env workers' pools, which the tra
 tells the trainer about a worker's pool as soon as the worker announces it (``{"ctl": "pool", ...}``; again to
 every trainer that takes the seat), so the trainer maps it before a step needs it: a worker that dies later
 loses nothing the trainer mapped. An announcement a full queue cannot take now is not retried: the manifest
-names every pool it needs anyway.
+names every pool it needs anyway. A trainer that cannot map some pools of a step reports it lost
+(``{"lost": N, "attempt": A, "pools": [...]}`` in its status messages): ``lost_steps()`` yields those reports,
+and ``replace(manifest)`` sends the rebuilt attempt of step N, then the steps after it again.
 
 Trainer -> orchestrator messages (msgpack maps): ``{"have": N, "id": ID, "name": NAME}`` (acknowledges every
 step <= N; -1 for none), with ``"hello": true`` when a receiver starts, and ``"checkpoint": K, "path": P``
@@ -122,6 +124,15 @@ async def push_polling(sock: zmq.asyncio.Socket, frames: Sequence[Any], what: st
 
 
 @dataclass(frozen=True)
+class LostStep:
+    """A trainer could not map some pools of ``step`` as sent in ``attempt`` (direct mode): their ids."""
+
+    step: int
+    attempt: int
+    pools: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Report:
     """One message from a trainer, decoded."""
 
@@ -130,6 +141,7 @@ class Report:
     peer: bytes | None  # its id (None: a sender that does not name itself, e.g. an announcer of checkpoints)
     name: str
     hello: bool
+    lost: LostStep | None = None
 
     @classmethod
     def parse(cls, raw: bytes) -> Report:
@@ -144,7 +156,14 @@ class Report:
         if peer is not None and (not isinstance(peer, str) or not 0 < len(peer) <= 64 or not peer.isascii()):
             raise TypeError(f"id must be a short ASCII string, got {peer!r}")
         name = msg.get("name", peer)
-        return cls(have, checkpoint, None if peer is None else peer.encode(), str(name)[:200], bool(msg.get("hello")))
+        lost = None
+        if msg.get("lost") is not None:
+            pools = msg.get("pools")
+            if not isinstance(pools, list) or len(pools) > 4096 or not all(isinstance(p, str) for p in pools):
+                raise TypeError(f"pools of a lost step must be a list of pool ids, got {pools!r}")
+            lost = LostStep(int(msg["lost"]), int(msg.get("attempt", 0)), tuple(pools))
+        return cls(have, checkpoint, None if peer is None else peer.encode(), str(name)[:200], bool(msg.get("hello")),
+                   lost)
 
 
 class BatchSender(Sender[list[Any]]):
@@ -167,6 +186,9 @@ class BatchSender(Sender[list[Any]]):
         self._checkpoints = CheckpointFeed()
         self._told_anonymous = False
         self.pools: dict[str, dict[str, Any]] = {}  # direct: the pool announcement of each worker, by name
+        self._lost: LostStep | None = None  # direct: the holder's newest report of a step it could not map
+        self._lost_news = asyncio.Event()
+        self._replaced = 0  # replaced steps so far: a send under way when one is replaced does not count
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -286,6 +308,32 @@ class BatchSender(Sender[list[Any]]):
         if holder is not None:
             self._tell(holder.id, msg)
 
+    def forget_pool(self, worker: str, pool: str) -> None:
+        """Direct mode: ``worker``'s pool ``pool`` is gone: trainers taking the seat are not told about it."""
+        if self.pools.get(worker, {}).get("id") == pool:
+            del self.pools[worker]
+
+    async def lost_steps(self) -> AsyncIterator[LostStep]:
+        """Direct mode: the steps the trainer holding the seat reports it could not map (its newest report
+        each time; a receiver repeats its report every STATUS_S until it has a newer attempt, so the consumer
+        ignores reports of attempts it has already replaced)."""
+        while True:
+            await self._lost_news.wait()
+            self._lost_news.clear()
+            lost, self._lost = self._lost, None
+            if lost is not None:
+                yield lost
+
+    def replace(self, manifest: StepManifest) -> None:
+        """Direct mode: ``manifest`` is a new attempt of a step sent and not acknowledged (KeyError otherwise):
+        it goes to the trainer instead of the old one, followed again by every step after it (the trainer drops
+        the later steps it got while the step was lost)."""
+        step = manifest.step
+        self.window.replace(step, [encode_manifest(manifest)])
+        self._sent_to_holder = min(self._sent_to_holder, step - 1)
+        self._replaced += 1
+        self._notify()
+
     async def _handed_over(self, step: int) -> None:
         self._notify()
         await self._wait(lambda: self._sent_to_holder >= step or step not in self.window.unacked, step,
@@ -321,7 +369,8 @@ class BatchSender(Sender[list[Any]]):
                 continue
             step, frames = todo[0]
             assert frames is not None  # every step this sender records keeps its frames
-            if await self._route(holder, frames) and self.seat.holder is holder:
+            replaced = self._replaced
+            if await self._route(holder, frames) and self.seat.holder is holder and replaced == self._replaced:
                 self._sent_to_holder = step
                 self._notify()
 
@@ -404,6 +453,9 @@ class BatchSender(Sender[list[Any]]):
             done = self.window.acknowledge(r.have)
             if done:
                 self.on_ack(done[-1])
+        if r.lost is not None and r.lost.step in self.window.unacked:
+            self._lost = r.lost
+            self._lost_news.set()
         self._notify()
 
     def _holder_connected(self) -> bool:
