@@ -61,6 +61,12 @@ sampling = {{ max_tokens = 6 }}
     return dataclasses.replace(cfg, transport=dataclasses.replace(cfg.transport, data_plane="direct"))
 
 
+def unacked_steps(orch: Orchestrator) -> dict[int, object]:
+    """The steps ``orch`` sent in direct mode that the trainer has not acknowledged."""
+    assert orch.unacked is not None
+    return dict(orch.unacked.steps)
+
+
 @pytest.fixture(autouse=True)
 def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
@@ -79,7 +85,7 @@ async def test_steps_reach_the_trainer_from_the_workers_pools_and_acknowledgemen
             hub, sender = orch.hub, orch.sender
             assert sorted(hub.pools.pools()) == ["local-0", "local-1"]  # each worker announced its own pool
             assert sender.acked == cfg.run.max_steps - 1
-            assert orch.unacked_spans == {}  # every step's rollouts released on acknowledgement
+            assert unacked_steps(orch) == {}  # every step's rollouts released on acknowledgement
     assert [r.step for r in trainer.received] == [0, 1, 2]
     for r, batch in zip(trainer.received, batches, strict=True):
         assert r.samples >= cfg.scheduler.batch_size - 4  # whole groups; zero-advantage rollouts filtered
@@ -125,7 +131,7 @@ async def test_a_worker_killed_mid_run_loses_its_buffered_rollouts_and_no_step_i
                 tg.create_task(trainer.run())
                 await orch.run()
             hub = orch.hub
-            assert orch.unacked_spans == {}
+            assert unacked_steps(orch) == {}
     assert killed
     assert [r.step for r in trainer.received] == list(range(5))  # every step once, in order, complete
     assert hub.metrics["pools_gone"] >= 1
@@ -150,7 +156,7 @@ async def test_a_resumed_orchestrator_feeds_the_same_trainer_from_renewed_pools(
                         training = tg.create_task(trainer.run())
                     await orch.run()
                     pools.append({p.id for p in orch.hub.pools.pools().values()})
-                    assert orch.unacked_spans == {}
+                    assert unacked_steps(orch) == {}
             assert training is not None
             await training
     assert trainer is not None

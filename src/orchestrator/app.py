@@ -44,6 +44,7 @@ from orchestrator.pipeline.outputs import (
     step_metrics,
 )
 from orchestrator.pipeline.step import StepBuilder, StepResult
+from orchestrator.pipeline.unacked import UnackedSteps
 from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
 from orchestrator.sinks import Sinks, open_sinks
 from orchestrator.sinks.samples import SampleTable
@@ -56,7 +57,7 @@ from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.process import Worker
-from orchestrator.worker.protocol import EnvSpec, RolloutRecord, Setup, TokenFilter, TokenFilterName
+from orchestrator.worker.protocol import EnvSpec, Setup, TokenFilter, TokenFilterName
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,8 +100,14 @@ class Orchestrator:
         self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
         self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
         self.direct = cfg.transport.data_plane == "direct"
-        # direct: the rollouts (with spans) of each step sent and not yet acknowledged; bounded by send_hwm
-        self.unacked_spans: dict[int, list[RolloutRecord]] = {}
+        # direct: the steps sent and not yet acknowledged (bounded by send_hwm), released on acknowledgement,
+        # rebuilt when the trainer reports one lost
+        self.unacked: UnackedSteps | None = None
+        if self.direct:  # config.py allows direct mode only with kind = "zmq"
+            assert isinstance(sender, BatchSender)
+            assert sender.pool is None
+            self.unacked = UnackedSteps(self.builder, hub, sender, self._off_loop, self.outputs.write_rows)
+            sender.on_ack = self.unacked.acked
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -118,10 +125,6 @@ class Orchestrator:
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             orch = cls(cfg, pool, hub, sender, state, sinks)
             orch.held = outdir.held
-            if orch.direct:  # config.py allows direct mode only with kind = "zmq"
-                assert isinstance(sender, BatchSender)
-                assert sender.pool is None
-                sender.on_ack = orch._release_acked
             try:
                 yield orch
             finally:
@@ -155,8 +158,8 @@ class Orchestrator:
                                  "file or start fresh (without --resume)") from None
             background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched)),
                            tg.create_task(self._evaluations(sched))]
-            if self.direct:
-                background.append(tg.create_task(self._announce_pools()))
+            if self.unacked is not None:
+                background += [tg.create_task(self._announce_pools()), tg.create_task(self.unacked.run(sched))]
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
             # first: it held the loop for ~30 ms in bench_scheduler and found no garbage to free.
             gc.freeze()
@@ -190,11 +193,6 @@ class Orchestrator:
         while True:
             worker, pool = await self.hub.pools.news.get()
             self.sender.announce_pool(worker, msgspec.structs.asdict(pool))
-
-    def _release_acked(self, step: int) -> None:
-        """The trainer acknowledged every step <= ``step`` (direct mode): their rollouts' columns are free."""
-        for s in [s for s in self.unacked_spans if s <= step]:
-            self.hub.release(self.unacked_spans.pop(s))
 
     async def _weight_sync(self, sched: Scheduler) -> None:
         """Consumes checkpoint announcements; produces weight updates on every server, then a new policy."""
@@ -255,18 +253,19 @@ class Orchestrator:
         groups = await sched.next_step(step)
         wait_s = time.perf_counter() - t0
         result: StepResult[Batch] | StepResult[StepManifest]
-        if self.direct:  # the pools as of now: a rollout in a pool gone since it was taken does not train
+        if self.unacked is not None:  # the pools as of now (and readable by the trainer): a rollout in a pool
+            # gone since it was taken does not train
             result = await self._off_loop(self.builder.build_manifest, step, groups, sched.take_dropped(),
-                                          self.hub.pools.pools())
-            self.unacked_spans[step] = [r for r in result.trained if r.header.span is not None]  # before any ack
+                                          self.unacked.pools())
+            self.unacked.sent(step, groups, result.trained)  # before any acknowledgement
         else:
             result = await self._off_loop(self.builder.build, step, groups, sched.take_dropped())
         self.hub.release(result.untrained)  # direct mode: filtered rollouts' columns are never read
         t = time.perf_counter()
         sent = await self.sender.send(result.batch)  # False: a restarted trainer already had this step
         send_s = time.perf_counter() - t
-        if not sent and step in self.unacked_spans:  # the trainer had it: nobody reads these columns
-            self.hub.release(self.unacked_spans.pop(step))
+        if not sent and self.unacked is not None:  # the trainer had it: nobody reads these columns
+            self.unacked.skipped(step)
         counts = sched.take_counts()
         self.state.next_step = step + 1
         self.state.acked_step = self.sender.acked

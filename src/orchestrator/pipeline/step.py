@@ -70,8 +70,9 @@ class StepBuilder:
         return self._result(batch, rows, phase, groups, trained)
 
     def build_manifest(self, step: int, groups: Sequence[Any], dropped: Sequence[Any],
-                       pools: Mapping[str, PoolInfo]) -> StepResult[StepManifest]:
-        """``build`` for direct mode: a step manifest naming ``pools`` (see the module docstring)."""
+                       pools: Mapping[str, PoolInfo], attempt: int = 0) -> StepResult[StepManifest]:
+        """``build`` for direct mode: a step manifest naming ``pools`` (see the module docstring); ``attempt``
+        > 0 for a step rebuilt after the trainer lost some of its pools (pipeline/unacked.py)."""
         for g in groups:
             for worker, pool in sorted({(r.header.worker, r.header.span.pool) for r in g.records
                                         if r.header.span is not None}):
@@ -83,7 +84,8 @@ class StepBuilder:
             self.skipped_filters = []
         rows, trained, phase = self._rows(step, groups, dropped, self.worker_filters)
         t = time.perf_counter()
-        manifest = build_manifest(self.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools)
+        manifest = build_manifest(self.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools,
+                                  attempt)
         phase["assemble"] = time.perf_counter() - t
         return self._result(manifest, rows, phase, groups, trained)
 

@@ -34,7 +34,8 @@ Rules, with every bound from the config:
   worker's pool (its group dropped, rejected by a gate, stale, a straggler) is released to that worker at once
   (``hub.release``); those of taken groups are the step's to release. When a worker's pool is gone
   (``PoolGone``), its buffered rollouts fail with ``worker_died`` (counted ``columns_lost``); a buffered group
-  left without survivors is dropped.
+  left without survivors is dropped. A sent step the trainer could not read whole is refilled (``lose_taken``
+  fails its lost rollouts, ``refill`` takes groups to make it whole again, ahead of the step being taken).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Scheduler:
         self.checkpoints = checkpoints
         self.stall_warn_s = cfg.monitor.stall_warn_s
         self.min_policy: int | None = None  # training groups open only with policy >= this (the step's need)
+        self.refilling: int | None = None  # the step being refilled (direct mode: the trainer lost it), meanwhile
         self.loading: str | None = None  # what the weight sync to a newer policy waits for, while it runs
         self.clock = clock
         self.envs = {e.label: e for e in cfg.env}
@@ -177,7 +179,10 @@ class Scheduler:
         task = None if ev is None else ev.next_task(self._inflight_eval())
         if ev is not None and task is not None and self._room(ev.size, evaluation=True):
             return EVAL_PREFIX + task[0], task[1], ev.size, True
-        if self.sampler is None or (self.min_policy is not None and self.policy < self.min_policy):
+        floor = self.min_policy
+        if floor is not None and self.refilling is not None:  # a refill of an earlier step takes older groups
+            floor = min(floor, self.refilling - self.s.max_async_level)
+        if self.sampler is None or (floor is not None and self.policy < floor):
             return None  # no training; or every group opened now would be too old for the step: wait for weights
         draw = self.sampler.peek()
         size = self.envs[draw.env].group_size
@@ -346,14 +351,61 @@ class Scheduler:
         oldest = step - self.s.max_async_level
         self.min_policy = oldest
         self._wake.set()  # admission re-checks: groups may have to wait for newer weights
+        self._rejected = 0
+        taken = await self._take(step, 0)
+        self.min_policy = oldest + 1  # groups opened from now on are for the next step
+        return taken
+
+    async def refill(self, step: int, kept: Sequence[Group]) -> list[Group]:
+        """Step ``step`` is rebuilt (direct mode: the trainer could not read some of its columns) and keeps
+        ``kept`` of its groups: wait for, and take, the groups that bring it back to its size, by next_step's
+        rules (stale groups are discarded). It goes first: meanwhile groups open for step ``step``'s policy
+        bound too, and a step being taken (a later one) takes nothing, so it neither waits for weights the
+        trainer cannot make before it has step ``step`` nor discards as stale the groups the refill needs."""
+        assert self.refilling is None, "one refill at a time"
+        self.refilling = step
+        self._wake.set()  # admission re-checks with the refill's policy bound
+        try:
+            return await self._take(step, sum(self._size(g) for g in kept), refill=True)
+        finally:
+            self.refilling = None
+            self._wake.set()
+            self._group_done.set()  # a step waiting behind the refill takes groups again
+
+    def lose_taken(self, groups: Sequence[Group], pools: set[tuple[str, str]], why: str
+                   ) -> tuple[list[Group], list[Group], list[RolloutRecord]]:
+        """The columns in ``pools`` ((worker, pool id) pairs) of taken ``groups`` cannot be read: those rollouts
+        fail with ``worker_died``; a group left without survivors (or a ``group_scoring`` one that lost any) is
+        dropped (counted, its survivors released; its rows are the caller's to write). The groups kept, those
+        dropped, and the records that were lost (as they were, with their spans, for release: the pool may still
+        be its worker's)."""
+        kept: list[Group] = []
+        dropped: list[Group] = []
+        lost: list[RolloutRecord] = []
+        for group in groups:
+            before = list(group.records)
+            n = sum(lose_columns(group, worker, pool, why) for worker, pool in sorted(pools))
+            lost += [old for old, new in zip(before, group.records, strict=True) if old is not new]
+            self.counts["columns_lost"] += n
+            if not group.survivors or (n and self.envs[group.env].group_scoring):
+                self.counts["dropped_groups"] += 1
+                self._release(group.records)
+                dropped.append(group)
+            else:
+                kept.append(group)
+        return kept, dropped, lost
+
+    async def _take(self, step: int, count: int, refill: bool = False) -> list[Group]:
+        """Wait for, and take, finished groups for step ``step`` until ``count`` (what it has) reaches the
+        step's size; discards stale groups; warns while no progress is made. Takes nothing while a refill
+        (``refill`` marks it) is under way."""
+        oldest = step - self.s.max_async_level
         taken: list[Group] = []
-        count = 0
         target = self.s.batch_size or self.s.token_budget or 0
         progress = warned = self.clock()  # progress: the last rollout taken (stale ones are not progress)
         asked = False
-        self._rejected = 0
         while count < target:
-            while not self.done:
+            while not self.done or (self.refilling is not None and not refill):
                 self._check_rejections(step, count, target)
                 if not asked and self.policy < oldest and self.checkpoints is not None:
                     asked = True  # at once, then with every warning
@@ -375,7 +427,6 @@ class Scheduler:
             taken.append(group)
             count += self._size(group)
             progress = warned = self.clock()
-        self.min_policy = oldest + 1  # groups opened from now on are for the next step
         return taken
 
     def start_evaluation(self, step: int) -> None:
@@ -397,7 +448,9 @@ class Scheduler:
 
     def _warn_stall(self, step: int, count: int, target: int, waited_s: float, oldest: int) -> None:
         """Say, in one line, what a step that is not filling waits for (see the module docstring)."""
-        if self.policy < oldest:
+        if self.refilling is not None and self.refilling != step:
+            cause = f"step {self.refilling} first: the trainer lost some of its columns and it is being refilled"
+        elif self.policy < oldest:
             source = self.loading or (self.checkpoints.checkpoint_wanted(oldest) if self.checkpoints is not None
                                       else "no trainer link to ask")
             cause = (f"a checkpoint of policy >= {oldest} (the servers have policy {self.policy}; no training group "
