@@ -253,8 +253,8 @@ class Orchestrator:
         groups = await sched.next_step(step)
         wait_s = time.perf_counter() - t0
         result: StepResult[Batch] | StepResult[StepManifest]
-        if self.unacked is not None:  # the pools as of now (and readable by the trainer): a rollout in a pool
-            # gone since it was taken does not train
+        if self.unacked is not None:  # the pools as of now: a rollout in a pool gone since it was taken does not
+            # train
             result = await self._off_loop(self.builder.build_manifest, step, groups, sched.take_dropped(),
                                           self.unacked.pools())
             self.unacked.sent(step, groups, result.trained)  # before any acknowledgement
