@@ -20,7 +20,7 @@ from orchestrator.dataplane.store import ColumnStore
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport.memfd import serve_pool
 from orchestrator.transport.receiver import BatchReceiver, Received, SyncBatchReceiver
-from orchestrator.transport.zmq_link import BatchSender
+from orchestrator.transport.zmq_link import BatchSender, LostStep
 from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -157,5 +157,32 @@ async def test_the_threaded_receiver_reads_manifests_too(tmp_path: Path) -> None
                                                              asyncio.to_thread(receiver.recv, WAIT_S)), WAIT_S)
             check_columns(batch.columns, 4)
             await wait_until(lambda: sender.acked == 1, WAIT_S, "the acknowledgements", poll_s=0.01)
+        finally:
+            receiver.close()
+
+
+async def test_the_threaded_receiver_reports_a_lost_step_too(tmp_path: Path) -> None:
+    async with link(tmp_path) as (store, pool, sender):
+        gone = msgspec.structs.replace(pool, path=str(tmp_path / "gone.pool"))  # its worker (and socket) died
+        receiver = SyncBatchReceiver(sender.address)
+        reports = sender.lost_steps()
+
+        def trainer() -> list[tuple[int, int]]:
+            views = [receiver.recv_view(WAIT_S) for _ in range(2)]
+            return [(v.step, v.manifest.attempt) for v in views if isinstance(v, StepView)]
+
+        async def orchestrator() -> LostStep:
+            await sender.send(build_manifest("run", 0, [(record(store, 0), 0.5)], {WORKER: gone}))
+            lost = await anext(reports)
+            await sender.send(manifest(1, [record(store, 1)], pool))  # queued behind the lost step: dropped
+            sender.replace(build_manifest("run", 0, [(record(store, 2), 0.5)], {WORKER: pool}, attempt=1))
+            return lost
+
+        try:
+            got, lost = await asyncio.wait_for(asyncio.gather(asyncio.to_thread(trainer), orchestrator()), WAIT_S)
+            assert (lost.step, lost.attempt) == (0, 0)
+            assert got == [(0, 1), (1, 0)]
+            assert receiver.lost == 1
+            assert not receiver.rejected
         finally:
             receiver.close()

@@ -91,3 +91,39 @@ async def test_a_gone_pool_fails_its_buffered_rollouts_and_the_step_fills_from_n
     assert all(not r.ok for g in dropped for r in g.records)  # every buffered group lost all: dropped, rows kept
     assert all(r.header.failure == "worker_died" for g in dropped for r in g.records)
     assert not hub.released  # nothing of a gone pool is released: the pool went with everything in it
+
+
+async def test_a_lost_steps_refill_goes_first_and_opens_groups_for_its_own_policy_bound(tmp_path: Path) -> None:
+    """Step 0 was taken and its columns lost (the trainer could not map its pool); step 2 is being taken and
+    needs policy >= 1, which the trainer cannot make before it has step 0. The refill of step 0 must open groups
+    of policy 0 anyway, and step 2 must take none of them meanwhile (it would discard them as stale)."""
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 1\nmax_off_policy_steps = 5")
+    async with running(cfg) as (sched, hub):
+        first = await asyncio.wait_for(sched.next_step(0), WAIT_S)
+        later = asyncio.create_task(sched.next_step(2))
+        await asyncio.sleep(0)  # a yield, not a wait: step 2 starts taking (and discards what is buffered: stale)
+        sched.take_counts()  # from here on: what the refill, and step 2 meanwhile, do
+        step0 = trained(first)
+        try:
+            kept, dropped, lost = sched.lose_taken(first, {("fake", "pool-1")}, "the trainer could not map it")
+            hub.pool = "pool-2"  # what the refill takes is in another pool
+            async with asyncio.timeout(WAIT_S):  # not wait_for: its task would let step 2 run first
+                refilled = await sched.refill(0, kept)
+            assert not later.done()  # it waits for policy 1, and took nothing while the refill ran
+            counts = sched.take_counts()
+            await sched.set_policy(1)
+            after = await asyncio.wait_for(later, WAIT_S)
+        finally:
+            later.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await later
+    assert kept == []  # every rollout of step 0 was in the lost pool: both groups dropped
+    assert len(dropped) == len(first)
+    assert {r.rid for r in lost} == step0  # as they were, spans included, for the caller to release
+    assert all(r.header.span is not None and r.header.span.pool == "pool-1" for r in lost)
+    assert counts["columns_lost"] == 8
+    assert counts.get("stale_rollouts", 0) == 0  # step 2 discarded nothing the refill needed
+    assert sum(len(g.survivors) for g in refilled) >= 8
+    assert all(g.policy == 0 for g in refilled)
+    assert trained(refilled).isdisjoint(trained(after))
+    assert all(g.policy >= 1 for g in after)
