@@ -186,3 +186,42 @@ async def test_the_threaded_receiver_reports_a_lost_step_too(tmp_path: Path) -> 
             assert not receiver.rejected
         finally:
             receiver.close()
+
+
+async def test_a_restarted_orchestrator_gets_the_lost_report_again_and_its_newer_attempt_is_accepted(
+        tmp_path: Path) -> None:
+    """The trainer reported step 0 (attempt 0) lost to an orchestrator that then died; the next one sends step 0
+    as its own attempt 0, which the trainer drops as no newer than the one lost. The trainer's status messages
+    repeat the report, so the new orchestrator rebuilds it as attempt 1, which the trainer takes."""
+    store = ColumnStore(1 << 20)
+    path = str(tmp_path / "w.pool")
+    address = f"ipc://{tmp_path}/trainer.sock"
+    pool = PoolInfo(id=store.id, size=store.capacity, host=socket.gethostname(), path=path)
+    gone = msgspec.structs.replace(pool, path=str(tmp_path / "gone.pool"))
+    receiver: BatchReceiver | None = None
+    waiting: asyncio.Task[Received] | None = None
+    try:
+        async with serve_pool(store, path):
+            async with BatchSender.open(address, 2, 30.0) as first:
+                receiver = BatchReceiver(first.address)
+                waiting = asyncio.create_task(receiver.recv_view())
+                await asyncio.wait_for(first.send(build_manifest("run", 0, [(record(store, 0), 0.5)], {WORKER: gone})),
+                                       WAIT_S)
+                await asyncio.wait_for(anext(first.lost_steps()), WAIT_S)
+            async with BatchSender.open(address, 2, 30.0, require_report=True) as second:
+                await asyncio.wait_for(second.send(manifest(0, [record(store, 1)], pool)), WAIT_S)  # attempt 0
+                lost = await asyncio.wait_for(anext(second.lost_steps()), WAIT_S)  # the report, repeated
+                assert (lost.step, lost.attempt) == (0, 0)
+                second.replace(build_manifest("run", 0, [(record(store, 2), 0.5)], {WORKER: pool}, attempt=1))
+                view = await asyncio.wait_for(waiting, WAIT_S)
+                assert isinstance(view, StepView)
+                assert (view.step, view.manifest.attempt) == (0, 1)
+                assert not receiver.rejected
+    finally:
+        if waiting is not None:
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+        if receiver is not None:
+            receiver.close()
+        store.close()
