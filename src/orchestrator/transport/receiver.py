@@ -197,7 +197,7 @@ class _ReceiverCore:
         try:
             view = self.pools.view(manifest)
         except PoolsLost as e:
-            self.lost_step, self._report_lost = e, True
+            self.lost_step, self._report_lost = e.with_traceback(None), True  # kept: not its frames (the manifest)
             self.lost += 1
             log.warning("%s; reporting step %d lost to the orchestrator, which rebuilds it", e, e.step)
             return None
