@@ -173,6 +173,10 @@ class ColumnStore:
         kept = set(keep)
         return self.release([rid for rid in self._spans if rid not in kept])
 
+    def buffer(self) -> memoryview:
+        """The whole pool, read-only (what a span server sends from; dataplane/fetch.py)."""
+        return memoryview(self._memfd.map).toreadonly()
+
     def renew(self) -> None:
         """A fresh pool with a new id (see the module docstring); writers waiting for room re-check."""
         old = self._memfd
