@@ -9,16 +9,21 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
+import numpy as np
 import pytest
 
 from orchestrator.dataplane.fetch import SpanServer, fetch_spans
+from orchestrator.dataplane.manifest import StepManifest, build_manifest
+from orchestrator.dataplane.reader import PoolMaps, PoolsLost, StepView
 from orchestrator.dataplane.store import ColumnStore
 from orchestrator.errors import WireError
 from orchestrator.security import ServerKeys
 from orchestrator.testing.keys import make_key_set
+from orchestrator.worker.protocol import PoolInfo
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dataplane_peer import record
+from dataplane_peer import WORKER, peer_samples, record
 
 WAIT_S = 30.0  # a hang guard for fetches that must succeed
 REFUSED_S = 1.0  # how long a fetch that gets no answer waits
@@ -71,3 +76,34 @@ async def test_with_keys_only_an_authorized_trainer_gets_bytes(tmp_path: Path) -
         with pytest.raises(WireError, match="no answer"):  # plain text to a CURVE server: nothing either
             await asyncio.to_thread(fetch_spans, server.address, store.id, [(span.offset, span.nbytes)], REFUSED_S)
         assert server.served == 1
+
+
+def remote_manifest(store: ColumnStore, address: str, rollouts: range) -> StepManifest:
+    """A step of ``rollouts`` whose pool is on another host, served at ``address``."""
+    pool = PoolInfo(id=store.id, size=store.capacity, host="worker-node", path=None)
+    m = build_manifest("run", 0, [(record(store, i), 0.5) for i in rollouts], {WORKER: pool})
+    return msgspec.structs.replace(m, pools=[msgspec.structs.replace(m.pools[0], address=address)])
+
+
+async def test_the_reader_fetches_the_spans_of_a_pool_on_another_host() -> None:
+    async with served() as (store, server):
+        m = remote_manifest(store, server.address, range(3))
+        maps = PoolMaps(host="trainer-node")
+        view = await asyncio.to_thread(maps.view, m)
+        assert isinstance(view, StepView)
+        assert maps.remote_fetches == 1  # one request for the pool's three spans
+        assert store.id not in maps  # nothing mapped
+        batch = view.gather()
+        for name in ("token_ids", "loss_mask", "logprobs", "routed_experts"):
+            want = np.concatenate([getattr(s, name) for i in range(3) for s in peer_samples(i)])
+            np.testing.assert_array_equal(batch.columns[name], want)
+
+
+async def test_a_pool_on_another_host_whose_server_is_gone_is_a_lost_step() -> None:
+    async with served() as (store, server):
+        address = server.address
+        m = remote_manifest(store, address, range(1))
+    maps = PoolMaps(host="trainer-node", fetch_timeout_s=REFUSED_S)  # the server (its worker) is gone now
+    with pytest.raises(PoolsLost, match="no answer") as lost:
+        await asyncio.to_thread(maps.view, m)
+    assert lost.value.pools == [m.pools[0].id]

@@ -22,7 +22,7 @@ import pytest
 
 from orchestrator.dataplane.layout import span_layout
 from orchestrator.dataplane.manifest import StepManifest, build_manifest, decode_manifest
-from orchestrator.dataplane.reader import PoolMaps, StepView
+from orchestrator.dataplane.reader import PoolMaps, PoolsLost, StepView
 from orchestrator.dataplane.store import ColumnStore
 from orchestrator.errors import WireError
 from orchestrator.transport.packing import pack
@@ -184,7 +184,7 @@ def test_a_pool_on_another_host_or_without_a_socket_is_named() -> None:
         for info in (PoolInfo(id=store.id, size=store.capacity, host="node-b", path="/run/x/w.pool"),
                      PoolInfo(id=store.id, size=store.capacity, host="here", path=None)):
             manifest = build_manifest("run", 0, trained, {WORKER: info})
-            with pytest.raises(WireError, match="across nodes is not built yet"):
+            with pytest.raises(PoolsLost, match="names no span server, or names no socket"):
                 PoolMaps(host="here").view(manifest)
     finally:
         store.close()

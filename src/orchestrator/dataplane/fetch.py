@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 MAX_FETCH_SPANS = 1 << 16
 MAX_REQUEST_BYTES = 4 << 20
+SPAN_FETCH_TIMEOUT_S = 30.0  # the trainer library's default bound on one pool's fetch for a step (fetch_timeout_s)
 
 
 class ServedPool(Protocol):

@@ -58,13 +58,15 @@ Scalar = float | int | str | bool | None
 
 
 class PoolRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One worker's column pool: ``path`` serves its fd to a reader on ``host``."""
+    """One worker's column pool: ``path`` serves its fd to a reader on ``host``; ``address``, when set, is its
+    span server, where a reader on another host fetches its spans (dataplane/fetch.py)."""
 
     worker: Name
     id: PoolId
     size: Annotated[int, msgspec.Meta(ge=ALIGN, le=MAX_POOL_BYTES)]
     host: Name
     path: Annotated[str, msgspec.Meta(min_length=1, max_length=107)] | None = None
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None  # its span server (fetch.py)
 
 
 class SpanRef(msgspec.Struct, frozen=True, array_like=True):

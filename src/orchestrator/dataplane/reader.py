@@ -13,8 +13,10 @@ a span once the orchestrator releases it, which it does when the trainer acknowl
 copy) a step's arrays before acknowledging it. ``StepView.gather()`` makes the through path's contiguous
 ``Batch`` with one copy per column, for trainers that want it; ``transport.packing.pack`` works on it.
 
-Pools on another host (``PoolRef.host``) are fetched over ZMQ from their worker in the design
-(docs/data-plane.md); that is not built yet: such a manifest is a WireError naming the pool.
+Pools on another host (``PoolRef.host``) with a span server (``PoolRef.address``) are not mapped: ``view``
+fetches the step's spans from it (dataplane/fetch.py; blocking, at most ``fetch_timeout_s`` per pool) and the
+views are of the fetched frames. Nothing sets ``address`` yet (workers do not run span servers: not built), and
+a pool on another host without one cannot be read: a lost step, naming the pool.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from orchestrator.dataplane.fetch import SPAN_FETCH_TIMEOUT_S, fetch_spans
 from orchestrator.dataplane.layout import span_layout
 from orchestrator.dataplane.manifest import PoolRef, StepManifest
 from orchestrator.errors import WireError
@@ -59,11 +62,14 @@ class PoolsLost(WireError):
 
 
 class PoolMaps:
-    """See the module docstring. ``host``: this node's name, as workers report theirs (default: hostname)."""
+    """See the module docstring. ``host``: this node's name, as workers report theirs (default: hostname);
+    ``fetch_timeout_s``: the bound on fetching one pool's spans of a step from another host."""
 
-    def __init__(self, host: str | None = None) -> None:
+    def __init__(self, host: str | None = None, fetch_timeout_s: float = SPAN_FETCH_TIMEOUT_S) -> None:
         self.host = host or socket.gethostname()
+        self.fetch_timeout_s = fetch_timeout_s
         self.fetches = 0
+        self.remote_fetches = 0  # requests to span servers on other hosts
         self._pools: dict[str, _Mapped] = {}  # pool id -> its mapping
         self._by_worker: dict[str, str] = {}  # worker -> the pool id it has now
 
@@ -88,7 +94,7 @@ class PoolMaps:
         names no socket, or cannot be had."""
         if ref.host != self.host or ref.path is None:
             raise WireError(f"pool {ref.id} of env worker {ref.worker} is on host {ref.host} (this is {self.host}) "
-                            "or names no socket: fetching spans across nodes is not built yet")
+                            "and names no span server, or names no socket")
         from orchestrator.transport.memfd import map_served_pool  # not at import time: see the imports
 
         mapping = map_served_pool(ref.path, ref.id, ref.size)
@@ -96,10 +102,16 @@ class PoolMaps:
         self.fetches += 1
         log.info("mapped column pool %s of env worker %s (%d MB)", ref.id, ref.worker, ref.size >> 20)
 
+    def remote(self, ref: PoolRef) -> bool:
+        """Whether ``ref``'s spans are fetched from its span server (another host) rather than mapped."""
+        return ref.host != self.host and ref.address is not None
+
     def announce(self, ref: PoolRef) -> None:
-        """``ref`` is its worker's pool now: map it (blocking, briefly, unless mapped already); an older pool of
-        the same worker is dropped (it renewed its pool: the old one is never named again). WireError as
-        ``fetch``."""
+        """``ref`` is its worker's pool now: map it (blocking, briefly, unless mapped already, or on another host
+        with a span server: nothing to map); an older pool of the same worker is dropped (it renewed its pool:
+        the old one is never named again). WireError as ``fetch``."""
+        if self.remote(ref):
+            return
         old = self._by_worker.get(ref.worker)
         if old is not None and old != ref.id:
             self._drop(old)
@@ -119,28 +131,43 @@ class PoolMaps:
         PoolsLost naming every pool that cannot be mapped (each is tried)."""
         lost: list[str] = []
         why = ""
-        for ref in manifest.pools:
+        fetched: dict[int, memoryview] = {}  # span index -> its bytes, for pools on other hosts
+        for p, ref in enumerate(manifest.pools):
             try:
-                self.announce(ref)
+                if self.remote(ref):
+                    fetched.update(self._fetch_spans(manifest, p, ref))
+                else:
+                    self.announce(ref)
             except WireError as e:
                 lost.append(ref.id)
                 why = why or str(e)
         if lost:
             raise PoolsLost(manifest.step, manifest.attempt, lost, why)
-        spans = [self._span_columns(manifest, i) for i in range(len(manifest.spans))]
+        spans = [self._span_columns(manifest, i, fetched) for i in range(len(manifest.spans))]
         return StepView(manifest, spans)
 
-    def _span_columns(self, m: StepManifest, i: int) -> dict[str, np.ndarray]:
-        """The columns of span ``i`` the step carries, as read-only views (``check_manifest`` has checked the
-        span lies inside its pool)."""
+    def _fetch_spans(self, m: StepManifest, p: int, ref: PoolRef) -> dict[int, memoryview]:
+        """Blocking, at most ``fetch_timeout_s``: the bytes of every span of ``m`` in pool ``m.pools[p]``, from
+        its span server, by span index. WireError when they cannot be had (a lost step)."""
+        assert ref.address is not None
+        index = [i for i, s in enumerate(m.spans) if s.pool == p]
+        spans = [(m.spans[i].offset, span_layout(m.spans[i].tokens, m.spans[i].layers, m.spans[i].top_k,
+                                                 m.spans[i].routed_dtype).nbytes) for i in index]
+        got = fetch_spans(ref.address, ref.id, spans, self.fetch_timeout_s)
+        self.remote_fetches += 1
+        return dict(zip(index, got, strict=True))
+
+    def _span_columns(self, m: StepManifest, i: int, fetched: dict[int, memoryview]) -> dict[str, np.ndarray]:
+        """The columns of span ``i`` the step carries, as read-only views of its pool's mapping, or of its
+        ``fetched`` bytes (``check_manifest`` has checked the span lies inside its pool)."""
         s = m.spans[i]
-        region = self._pools[m.pools[s.pool].id].view
+        region, base = (fetched[i], 0) if i in fetched else (self._pools[m.pools[s.pool].id].view, s.offset)
         layout = span_layout(s.tokens, s.layers, s.top_k, s.routed_dtype)
         out: dict[str, np.ndarray] = {}
         for c in m.columns:
             offset, nbytes = layout.columns[c.name]
             dtype = np.dtype(c.dtype)
-            at = s.offset + offset
+            at = base + offset
             out[c.name] = np.frombuffer(region[at:at + nbytes], dtype).reshape(s.tokens, *c.tail)
         return out
 
