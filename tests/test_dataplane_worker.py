@@ -15,8 +15,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from orchestrator.dataplane.fetch import fetch_spans
 from orchestrator.dataplane.layout import ALIGN
-from orchestrator.errors import Failure
+from orchestrator.dataplane.manifest import build_manifest
+from orchestrator.dataplane.reader import PoolMaps
+from orchestrator.errors import Failure, TransportError
 from orchestrator.pipeline.filters import is_gibberish, is_repetition
 from orchestrator.samples import PlainNode, build_sample
 from orchestrator.transport.memfd import map_served_pool
@@ -104,14 +107,15 @@ def setup(tmp_path: Path, session: str = "s1", pool_bytes: int = 1 << 20) -> Set
 
 
 @contextlib.asynccontextmanager
-async def direct_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_bytes: int = 1 << 20
+async def direct_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool_bytes: int = 1 << 20,
+                        span_address: str | None = None
                         ) -> AsyncIterator[tuple[Worker, TraceEnv, zmq.asyncio.Socket, zmq.asyncio.Socket]]:
     """A worker with a TraceEnv and its column pool (served in ``tmp_path``); (worker, env, its socket, ours)."""
     ctx = zmq.asyncio.Context()
     ours, theirs = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     ours.bind("inproc://direct-worker")
     theirs.connect("inproc://direct-worker")
-    worker = Worker("inproc://unused", "w0")
+    worker = Worker("inproc://unused", "w0", span_address=span_address)
     env = TraceEnv()
     worker.envs["e"] = LoadedEnv("e", env)
     monkeypatch.setattr(worker, "_model_context", lambda server, sampling: None)
@@ -296,3 +300,38 @@ async def test_the_worker_runs_the_token_filters_on_the_tokens_the_orchestrator_
                                    (2, is_repetition(logprobs, window=3, prob_threshold=0.5))) if hit]
         assert h.filters == expect, slot
     assert [h.filters for h in msg.records] == [[2], [], [], [1]]  # slot 0 loops at p > 0.5; slot 3 is gibberish
+
+
+async def test_a_worker_given_a_span_address_serves_its_spans_to_other_hosts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with direct_worker(tmp_path, monkeypatch, span_address="tcp://127.0.0.1:0") as (worker, _env, theirs, ours):
+        assert worker.store is not None
+        assert worker.span_address is not None
+        assert not worker.span_address.endswith(":0")  # the port it got
+        ready = worker._ready()
+        assert ready.pool is not None
+        assert ready.pool.address == worker.span_address  # announced: manifests name it for remote readers
+        await worker._run_group(theirs, assign("g1", 2))
+        msg, frames = await next_message(ours)
+        assert isinstance(msg, Records)
+        spans = [r.header.span for r in split_records(msg, frames)]
+        pairs = [(s.offset, s.nbytes) for s in spans if s is not None]
+        got = await asyncio.to_thread(fetch_spans, worker.span_address, worker.store.id, pairs, HANG_S)
+        pool = worker.store.buffer()
+        assert [bytes(b) for b in got] == [bytes(pool[o:o + n]) for o, n in pairs]
+        # a trainer on another host reads the step through the manifest's pool entry, which names the server
+        records = split_records(msg, frames)
+        manifest = build_manifest("run", 0, [(r, 1.0) for r in records], {"w0": ready.pool})
+        maps = PoolMaps(host="trainer-node")
+        batch = (await asyncio.to_thread(maps.view, manifest)).gather()
+        assert maps.remote_fetches == 1
+        want = [build_sample(nodes_for(slot)) for slot in range(2)]
+        np.testing.assert_array_equal(batch.columns["token_ids"], np.concatenate([w.token_ids for w in want]))
+        np.testing.assert_array_equal(batch.columns["logprobs"], np.concatenate([w.logprobs for w in want]))
+
+
+async def test_a_span_address_that_other_hosts_could_reach_is_refused_without_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TransportError, match="only a loopback tcp:// address"):
+        async with direct_worker(tmp_path, monkeypatch, span_address="tcp://0.0.0.0:0"):
+            pass

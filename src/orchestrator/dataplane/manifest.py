@@ -226,7 +226,8 @@ def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, f
             raise WireError(f"rollout {h.rid}: its columns are not in env worker {h.worker}'s current pool")
         if h.worker not in refs:
             refs[h.worker] = len(pool_refs)
-            pool_refs.append(PoolRef(worker=h.worker, id=pool.id, size=pool.size, host=pool.host, path=pool.path))
+            pool_refs.append(PoolRef(worker=h.worker, id=pool.id, size=pool.size, host=pool.host, path=pool.path,
+                                     address=pool.address))
         layers, top_k = h.samples[0][1:]
         spans.append(SpanRef(refs[h.worker], h.span.offset, h.tokens, layers, top_k, h.routed_dtype, h.rid))
         start = 0

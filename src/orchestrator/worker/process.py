@@ -32,13 +32,14 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from orchestrator.dataplane.fetch import SpanServer
 from orchestrator.dataplane.store import ColumnStore, PoolTooSmall, rollout_layout
 from orchestrator.envconfig import resolve_env
 from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, TransportError, WireError
 from orchestrator.memory import rss_mb
 from orchestrator.pipeline.filters import token_filter
 from orchestrator.samples import Sample, SampleError, samples_from_trace
-from orchestrator.security import ClientKeys, RefusalWatch, secure_client
+from orchestrator.security import ClientKeys, RefusalWatch, is_loopback, secure_client
 from orchestrator.transport.memfd import check_socket_path, serve_pool
 from orchestrator.worker.protocol import (
     FLUSH_S,
@@ -168,10 +169,14 @@ def _trace_tokens(trace: Any) -> int:
 
 
 class Worker:
-    def __init__(self, address: str, worker_id: str, keys: ClientKeys | None = None) -> None:
+    def __init__(self, address: str, worker_id: str, keys: ClientKeys | None = None,
+                 span_address: str | None = None) -> None:
         self.address = address
         self.worker_id = worker_id
         self.keys = keys
+        # direct mode: where to serve the pool's spans to trainers on other hosts (dataplane/fetch.py); plain
+        # text for now (CURVE is not wired yet), so only a loopback tcp:// address is accepted
+        self.span_address = span_address
         self.envs: dict[str, LoadedEnv] = {}
         self.groups: dict[str, asyncio.Task[None]] = {}
         self.store: ColumnStore | None = None  # data_plane = direct: this worker's column pool
@@ -228,13 +233,23 @@ class Worker:
             path = str(Path(setup.pool_dir) / f"{self.worker_id}.pool")
             check_socket_path(path)
             self.pool_path = await stack.enter_async_context(serve_pool(store, path))
+        if self.span_address is not None:
+            if not is_loopback(self.span_address):
+                raise TransportError(f"span server address {self.span_address}: only a loopback tcp:// address "
+                                     "until span servers use CURVE keys")
+            try:
+                server = await stack.enter_async_context(SpanServer.open(store, self.span_address))
+            except zmq.ZMQError as e:
+                raise TransportError(f"cannot bind the span server at {self.span_address}: {e}") from None
+            self.span_address = server.address  # the port it got
         self.store = store
         log.info("column pool %s: %d MB%s", store.id, store.capacity >> 20,
                  f", served at {self.pool_path}" if self.pool_path else "")
 
     def _ready(self) -> Ready:
         pool = None if self.store is None else PoolInfo(id=self.store.id, size=self.store.capacity,
-                                                         host=socket.gethostname(), path=self.pool_path)
+                                                         host=socket.gethostname(), path=self.pool_path,
+                                                         address=self.span_address)
         return Ready(self.worker_id, {n: len(e.tasks) for n, e in self.envs.items()}, pool)
 
     async def _setup(self, sock: zmq.asyncio.Socket, refusals: RefusalWatch) -> Setup | None:

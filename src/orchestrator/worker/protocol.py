@@ -111,13 +111,15 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type"):
 
 
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's column pool (data_plane = direct): which one, how large, and where a trainer on ``host``
-    gets its fd (a Unix socket: memfd.serve_pool)."""
+    """A worker's column pool (data_plane = direct): which one, how large, where a trainer on ``host`` gets its
+    fd (a Unix socket: memfd.serve_pool), and where a trainer on another host fetches its spans (``address``:
+    a span server, dataplane/fetch.py; none unless the worker was given one)."""
 
     id: PoolId
     size: Annotated[int, msgspec.Meta(ge=ALIGN, le=MAX_POOL_BYTES)]
     host: Name
     path: Annotated[str, msgspec.Meta(min_length=1, max_length=107)] | None = None
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None  # its span server, if any
 
 
 class Ready(msgspec.Struct, tag="ready", tag_field="type"):
