@@ -107,3 +107,20 @@ async def test_a_pool_on_another_host_whose_server_is_gone_is_a_lost_step() -> N
     with pytest.raises(PoolsLost, match="no answer") as lost:
         await asyncio.to_thread(maps.view, m)
     assert lost.value.pools == [m.pools[0].id]
+
+
+async def test_the_reader_fetches_from_a_curve_span_server_with_its_own_key_pair(tmp_path: Path) -> None:
+    keys = make_key_set(tmp_path)  # the server's pair plays the worker's; "trainer" is authorized
+    async with served(keys.server()) as (store, server):
+        m = remote_manifest(store, server.address, range(2))
+        ref = msgspec.structs.replace(m.pools[0], public_key=keys.server().keys.public.decode())
+        m = msgspec.structs.replace(m, pools=[ref])
+        maps = PoolMaps(host="trainer-node", keys=keys.client("trainer"))
+        view = await asyncio.to_thread(maps.view, m)
+        want = np.concatenate([s.token_ids for i in range(2) for s in peer_samples(i)])
+        np.testing.assert_array_equal(view.gather().columns["token_ids"], want)
+        with pytest.raises(PoolsLost, match="this trainer has no key pair"):
+            await asyncio.to_thread(PoolMaps(host="trainer-node").view, m)
+        with pytest.raises(PoolsLost, match="no answer"):  # a key pair the server does not accept
+            await asyncio.to_thread(PoolMaps(host="trainer-node", fetch_timeout_s=REFUSED_S,
+                                             keys=keys.client("intruder")).view, m)

@@ -18,10 +18,11 @@ import zmq.asyncio
 from orchestrator.dataplane.fetch import fetch_spans
 from orchestrator.dataplane.layout import ALIGN
 from orchestrator.dataplane.manifest import build_manifest
-from orchestrator.dataplane.reader import PoolMaps
+from orchestrator.dataplane.reader import PoolMaps, PoolsLost
 from orchestrator.errors import Failure, TransportError
 from orchestrator.pipeline.filters import is_gibberish, is_repetition
 from orchestrator.samples import PlainNode, build_sample
+from orchestrator.testing.keys import make_key_set
 from orchestrator.transport.memfd import map_served_pool
 from orchestrator.worker.process import LoadedEnv, Worker
 from orchestrator.worker.protocol import (
@@ -330,8 +331,40 @@ async def test_a_worker_given_a_span_address_serves_its_spans_to_other_hosts(
         np.testing.assert_array_equal(batch.columns["logprobs"], np.concatenate([w.logprobs for w in want]))
 
 
+async def test_a_worker_with_keys_serves_its_spans_with_curve_to_the_trainers_the_setup_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = make_key_set(tmp_path / "keys", clients=("worker", "trainer"))
+    worker_keys, trainer = keys.client("worker"), keys.client("trainer")
+    ctx = zmq.asyncio.Context()
+    ours, theirs = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    ours.bind("inproc://curve-worker")
+    theirs.connect("inproc://curve-worker")
+    worker = Worker("inproc://unused", "w0", worker_keys, span_address="tcp://127.0.0.1:0")
+    worker.envs["e"] = LoadedEnv("e", TraceEnv())
+    monkeypatch.setattr(worker, "_model_context", lambda server, sampling: None)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            worker.setup = msgspec.structs.replace(setup(tmp_path), span_clients=[trainer.keys.public.decode()])
+            await worker.open_store(stack, worker.setup)
+            ready = worker._ready()
+            assert ready.pool is not None
+            assert ready.pool.public_key == worker_keys.keys.public.decode()  # the trainer connects to this key
+            await worker._run_group(theirs, assign("g1", 1))
+            msg, frames = await next_message(ours)
+            manifest = build_manifest("run", 0, [(r, 1.0) for r in split_records(msg, frames)], {"w0": ready.pool})
+            view = await asyncio.to_thread(PoolMaps(host="trainer-node", keys=trainer).view, manifest)
+            np.testing.assert_array_equal(view.gather().columns["token_ids"], build_sample(nodes_for(0)).token_ids)
+            with pytest.raises(PoolsLost, match="no answer"):  # a key pair the setup does not name
+                await asyncio.to_thread(PoolMaps(host="trainer-node", fetch_timeout_s=1.0,
+                                                 keys=keys.client("intruder")).view, manifest)
+    finally:
+        ours.close()
+        theirs.close()
+        ctx.term()
+
+
 async def test_a_span_address_that_other_hosts_could_reach_is_refused_without_keys(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(TransportError, match="only a loopback tcp:// address"):
+    with pytest.raises(TransportError, match="a non-loopback address needs CURVE keys"):
         async with direct_worker(tmp_path, monkeypatch, span_address="tcp://0.0.0.0:0"):
             pass

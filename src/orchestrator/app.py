@@ -46,6 +46,7 @@ from orchestrator.pipeline.outputs import (
 from orchestrator.pipeline.step import StepBuilder, StepResult
 from orchestrator.pipeline.unacked import UnackedSteps
 from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
+from orchestrator.security import load_authorized_keys
 from orchestrator.sinks import Sinks, open_sinks
 from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
@@ -379,7 +380,7 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
                   cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env,
                   data_plane=cfg.transport.data_plane, worker_pool_bytes=cfg.transport.worker_pool_mb << 20,
                   pool_dir=str(out / "pools"), session=uuid.uuid4().hex,  # session: this process
-                  token_filters=worker_token_filters(cfg, tokenizer))
+                  token_filters=worker_token_filters(cfg, tokenizer), span_clients=span_clients(cfg))
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
     pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
@@ -393,6 +394,15 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
         worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
         cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s))
     return pool, hub
+
+
+def span_clients(cfg: JobConfig) -> list[str]:
+    """Direct mode with ``[security]`` keys: the public keys the env workers' span servers accept (those of
+    ``security.authorized_keys``: the job's trainers and workers), so those servers are CURVE."""
+    sec = cfg.security
+    if cfg.transport.data_plane != "direct" or sec.authorized_keys is None:
+        return []
+    return sorted(k.decode() for k in load_authorized_keys(sec.authorized_keys))
 
 
 def worker_token_filters(cfg: JobConfig, tokenizer: Path) -> list[TokenFilter]:

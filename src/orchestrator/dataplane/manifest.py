@@ -67,6 +67,7 @@ class PoolRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     host: Name
     path: Annotated[str, msgspec.Meta(min_length=1, max_length=107)] | None = None
     address: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None  # its span server (fetch.py)
+    public_key: Annotated[str, msgspec.Meta(min_length=40, max_length=40)] | None = None  # that server's CURVE key
 
 
 class SpanRef(msgspec.Struct, frozen=True, array_like=True):
@@ -227,7 +228,7 @@ def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, f
         if h.worker not in refs:
             refs[h.worker] = len(pool_refs)
             pool_refs.append(PoolRef(worker=h.worker, id=pool.id, size=pool.size, host=pool.host, path=pool.path,
-                                     address=pool.address))
+                                     address=pool.address, public_key=pool.public_key))
         layers, top_k = h.samples[0][1:]
         spans.append(SpanRef(refs[h.worker], h.span.offset, h.tokens, layers, top_k, h.routed_dtype, h.rid))
         start = 0

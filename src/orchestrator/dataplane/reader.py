@@ -35,6 +35,7 @@ from orchestrator.dataplane.fetch import SPAN_FETCH_TIMEOUT_S, fetch_spans
 from orchestrator.dataplane.layout import span_layout
 from orchestrator.dataplane.manifest import PoolRef, StepManifest
 from orchestrator.errors import WireError
+from orchestrator.security import ClientKeys
 
 if TYPE_CHECKING:
     from orchestrator.transport.wire import Batch
@@ -65,8 +66,10 @@ class PoolMaps:
     """See the module docstring. ``host``: this node's name, as workers report theirs (default: hostname);
     ``fetch_timeout_s``: the bound on fetching one pool's spans of a step from another host."""
 
-    def __init__(self, host: str | None = None, fetch_timeout_s: float = SPAN_FETCH_TIMEOUT_S) -> None:
+    def __init__(self, host: str | None = None, fetch_timeout_s: float = SPAN_FETCH_TIMEOUT_S,
+                 keys: ClientKeys | None = None) -> None:
         self.host = host or socket.gethostname()
+        self.keys = keys  # this trainer's key pair (ClientKeys): for span servers that are CURVE
         self.fetch_timeout_s = fetch_timeout_s
         self.fetches = 0
         self.remote_fetches = 0  # requests to span servers on other hosts
@@ -153,7 +156,13 @@ class PoolMaps:
         index = [i for i, s in enumerate(m.spans) if s.pool == p]
         spans = [(m.spans[i].offset, span_layout(m.spans[i].tokens, m.spans[i].layers, m.spans[i].top_k,
                                                  m.spans[i].routed_dtype).nbytes) for i in index]
-        got = fetch_spans(ref.address, ref.id, spans, self.fetch_timeout_s)
+        keys = None
+        if ref.public_key is not None:
+            if self.keys is None:
+                raise WireError(f"pool {ref.id}: its span server {ref.address} is CURVE; this trainer has no key "
+                                "pair (give the receiver keys=)")
+            keys = ClientKeys(ref.public_key.encode(), self.keys.keys)
+        got = fetch_spans(ref.address, ref.id, spans, self.fetch_timeout_s, keys)
         self.remote_fetches += 1
         return dict(zip(index, got, strict=True))
 

@@ -85,7 +85,7 @@ class _ReceiverCore:
     and the messages back."""
 
     def __init__(self, address: str, last_step: int | None, auto_ack: bool, checkpoint: Checkpoint | None,
-                 name: str | None) -> None:
+                 name: str | None, keys: ClientKeys | None = None) -> None:
         self.address = address
         self.id = uuid.uuid4().hex  # names this receiver to the orchestrator; its routing id too
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -97,7 +97,8 @@ class _ReceiverCore:
         self.refused: str | None = None  # why the orchestrator refused this trainer, once it did
         self.checkpoint_wanted: int | None = None  # the orchestrator waits for weights of step >= this
         self.shm = ShmAttachment(address)  # maps the sender's pool when a shared-memory batch arrives
-        self.pools = PoolMaps()  # direct: the env workers' column pools, mapped when announced or first named
+        self.pools = PoolMaps(keys=keys)  # direct: the workers' pools, mapped when announced or first named (or
+        # fetched from their span servers when on other hosts; keys: this trainer's pair, for CURVE servers)
         self.announced_pools: list[PoolRef] = []  # pool announcements not mapped yet
         self._unreleased: int | None = None  # auto_ack: a shared-memory step released by the next recv
         self.lost_step: PoolsLost | None = None  # the step this receiver could not map, until a newer attempt maps
@@ -276,7 +277,7 @@ class BatchReceiver(_ReceiverCore):
     def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, *, last_step: int | None = None,
                  auto_ack: bool = True, keys: ClientKeys | None = None, checkpoint: Checkpoint | None = None,
                  name: str | None = None) -> None:
-        super().__init__(address, last_step, auto_ack, checkpoint, name)
+        super().__init__(address, last_step, auto_ack, checkpoint, name, keys)
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.batches, self.push = _connect(self.ctx, address, keys, self.id)
         self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle
@@ -359,7 +360,7 @@ class SyncBatchReceiver(_ReceiverCore):
     def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
                  last_step: int | None = None, auto_ack: bool = True, keys: ClientKeys | None = None,
                  checkpoint: Checkpoint | None = None, name: str | None = None) -> None:
-        super().__init__(address, last_step, auto_ack, checkpoint, name)
+        super().__init__(address, last_step, auto_ack, checkpoint, name, keys)
         self.ctx = ctx or zmq.Context.instance()
         self.batches, self.push = _connect(self.ctx, address, keys, self.id)
         self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle

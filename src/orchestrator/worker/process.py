@@ -39,7 +39,7 @@ from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, Tran
 from orchestrator.memory import rss_mb
 from orchestrator.pipeline.filters import token_filter
 from orchestrator.samples import Sample, SampleError, samples_from_trace
-from orchestrator.security import ClientKeys, RefusalWatch, is_loopback, secure_client
+from orchestrator.security import ClientKeys, RefusalWatch, ServerKeys, is_loopback, secure_client
 from orchestrator.transport.memfd import check_socket_path, serve_pool
 from orchestrator.worker.protocol import (
     FLUSH_S,
@@ -174,9 +174,10 @@ class Worker:
         self.address = address
         self.worker_id = worker_id
         self.keys = keys
-        # direct mode: where to serve the pool's spans to trainers on other hosts (dataplane/fetch.py); plain
-        # text for now (CURVE is not wired yet), so only a loopback tcp:// address is accepted
+        # direct mode: where to serve the pool's spans to trainers on other hosts (dataplane/fetch.py): CURVE with
+        # this worker's key pair when it has one and the setup names the trainers' keys; else loopback only
         self.span_address = span_address
+        self.span_key: str | None = None  # the span server's public key (Z85), when it is CURVE
         self.envs: dict[str, LoadedEnv] = {}
         self.groups: dict[str, asyncio.Task[None]] = {}
         self.store: ColumnStore | None = None  # data_plane = direct: this worker's column pool
@@ -234,14 +235,19 @@ class Worker:
             check_socket_path(path)
             self.pool_path = await stack.enter_async_context(serve_pool(store, path))
         if self.span_address is not None:
-            if not is_loopback(self.span_address):
-                raise TransportError(f"span server address {self.span_address}: only a loopback tcp:// address "
-                                     "until span servers use CURVE keys")
+            curve = None
+            if self.keys is not None and setup.span_clients:
+                curve = ServerKeys(self.keys.keys, frozenset(k.encode() for k in setup.span_clients), Path())
+            elif not is_loopback(self.span_address):
+                raise TransportError(f"span server address {self.span_address}: a non-loopback address needs CURVE "
+                                     "keys (this worker's key pair, and the trainers' keys: [security] on the "
+                                     "orchestrator)")
             try:
-                server = await stack.enter_async_context(SpanServer.open(store, self.span_address))
+                server = await stack.enter_async_context(SpanServer.open(store, self.span_address, curve))
             except zmq.ZMQError as e:
                 raise TransportError(f"cannot bind the span server at {self.span_address}: {e}") from None
             self.span_address = server.address  # the port it got
+            self.span_key = None if curve is None else curve.keys.public.decode()
         self.store = store
         log.info("column pool %s: %d MB%s", store.id, store.capacity >> 20,
                  f", served at {self.pool_path}" if self.pool_path else "")
@@ -249,7 +255,7 @@ class Worker:
     def _ready(self) -> Ready:
         pool = None if self.store is None else PoolInfo(id=self.store.id, size=self.store.capacity,
                                                          host=socket.gethostname(), path=self.pool_path,
-                                                         address=self.span_address)
+                                                         address=self.span_address, public_key=self.span_key)
         return Ready(self.worker_id, {n: len(e.tasks) for n, e in self.envs.items()}, pool)
 
     async def _setup(self, sock: zmq.asyncio.Socket, refusals: RefusalWatch) -> Setup | None:

@@ -120,6 +120,7 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     host: Name
     path: Annotated[str, msgspec.Meta(min_length=1, max_length=107)] | None = None
     address: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None  # its span server, if any
+    public_key: Annotated[str, msgspec.Meta(min_length=40, max_length=40)] | None = None  # the server's CURVE key
 
 
 class Ready(msgspec.Struct, tag="ready", tag_field="type"):
@@ -184,6 +185,7 @@ class Setup(msgspec.Struct, tag="setup", tag_field="type"):
     pool_dir: str | None = None  # data_plane = direct: where the pool's socket goes (<pool_dir>/<worker>.pool)
     session: str = ""  # the orchestrator process: a worker set up again by another one renews its pool
     token_filters: list[TokenFilter] = []  # data_plane = direct: filters the worker runs (header.filters)
+    span_clients: list[str] = []  # direct: the trainers' public keys (Z85) a worker's span server accepts (CURVE)
 
     def same_job(self, other: Setup) -> bool:
         """Whether ``other`` loads the same environments the same way (only ``session`` may differ)."""
