@@ -18,12 +18,24 @@ from orchestrator.commands.client_keys import add_key_arguments, client_keys, zm
 HELP = "run an env worker (verifiers environments) for an orchestrator"
 
 
+def span_address(text: str) -> str:
+    """An argparse type: ``tcp://HOST:PORT`` (port 0: any free one, logged), else a usage error (exit 2)."""
+    host, sep, port = text.removeprefix("tcp://").rpartition(":")
+    if text.startswith("tcp://") and sep and host and port.isdigit() and 0 <= int(port) < 65536:
+        return text
+    raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT (PORT 0: any free port), got {text!r}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect", required=True, metavar="ADDRESS", type=zmq_address,
                    help="the orchestrator's worker address, e.g. tcp://10.0.0.1:5600 or ipc:///path/workers.sock")
     p.add_argument("--id", default=None, help="worker name in logs and metrics (default: host-pid)")
     p.add_argument("--nice", type=int, default=0, metavar="N",
                    help="add N to this process's niceness, so a busy host serves the orchestrator's loop first")
+    p.add_argument("--span-address", default=None, metavar="ADDRESS", type=span_address,
+                   help="data_plane = direct: serve this worker's column pool to trainers on other hosts here, "
+                        "e.g. tcp://10.0.0.2:5700 (CURVE with --client-key when the orchestrator has [security] "
+                        "keys; otherwise loopback only)")
     add_key_arguments(p, "env worker")
 
 
@@ -37,4 +49,4 @@ def main(args: argparse.Namespace) -> int:
     if args.nice:
         os.nice(args.nice)
     worker_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
-    return run_async(Worker(args.connect, worker_id, keys).run())
+    return run_async(Worker(args.connect, worker_id, keys, span_address=args.span_address).run())
