@@ -137,7 +137,8 @@ class Orchestrator:
             await self.hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
             if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
                 await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
-            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, self.state.task_cursors)
+            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, self.state.task_cursors,
+                              first_step=self.state.acked_step + 1)
             background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched))]
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
             # first: it held the loop for ~30 ms in bench_scheduler and found no garbage to free.

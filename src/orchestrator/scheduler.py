@@ -18,6 +18,10 @@ Rules, with every bound from the config:
   older finished groups are discarded as stale. When the policy becomes ``p``, in-flight groups with
   ``policy < p - max_off_policy_steps`` are cancelled. Example, max_async_level = 1: step 5 accepts
   rollouts sampled with weights 4 or 5, never 3.
+- No work that cannot train: a group opened with policy ``p`` can join steps up to ``p + max_async_level``, so
+  none opens while the step being filled is later than that (the servers wait for newer weights), nor (with
+  ``batch_size``) while the rollouts in flight, buffered and taken that can join those steps already fill
+  them. On-policy (max_async_level = 0) this samples exactly one batch per policy, whatever the timing.
 - Environments are mixed by ``weight`` with a seeded RNG; each env walks its tasks in a seeded shuffled
   order and reshuffles when an epoch wraps.
 - A step is ``batch_size`` rollouts or ``token_budget`` tokens: whole groups in completion order until the
@@ -95,7 +99,7 @@ class TaskOrder:
 
 class Scheduler:
     def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerLink, policy: int = 0,
-                 cursors: dict[str, int] | None = None) -> None:
+                 cursors: dict[str, int] | None = None, first_step: int | None = None) -> None:
         self.cfg = cfg
         self.s = cfg.scheduler
         self.pool = pool
@@ -111,6 +115,8 @@ class Scheduler:
         self.by_rid: dict[str, Group] = {}
         self.done: deque[Group] = deque()
         self.buffered = 0  # rollouts in finished groups not yet taken by a step
+        self.filling = policy if first_step is None else first_step  # the step next_step fills now or next
+        self._taken = 0  # rollouts the step being filled has taken so far
         self._wake = asyncio.Event()
         self._group_done = asyncio.Event()
         self._counter = 0
@@ -124,7 +130,20 @@ class Scheduler:
 
     def _room(self, size: int) -> bool:
         used = self.inflight_rollouts
-        return used + size <= self.s.max_inflight and used + self.buffered + size <= self.s.max_buffered_rollouts
+        return (used + size <= self.s.max_inflight and used + self.buffered + size <= self.s.max_buffered_rollouts
+                and self._wanted())
+
+    def _wanted(self) -> bool:
+        """Whether a group opened now could train (module docstring: no work that cannot train)."""
+        last = self.policy + self.s.max_async_level  # the last step a group sampled now can join
+        if last < self.filling:
+            return False
+        if not self.s.batch_size:  # a token budget: what is enough cannot be counted ahead
+            return True
+        oldest = self.filling - self.s.max_async_level
+        have = (self._taken + sum(g.size for g in self.inflight.values() if g.policy >= oldest)
+                + sum(len(g.survivors) for g in self.done if g.policy >= oldest))
+        return have < (last - self.filling + 1) * self.s.batch_size
 
     async def run(self) -> None:
         """Admission and intake (see the module docstring), until cancelled."""
@@ -243,6 +262,7 @@ class Scheduler:
     async def set_policy(self, step: int) -> None:
         """The servers now sample with weights ``step``: cancel in-flight groups that became too old."""
         self.policy = step
+        self._wake.set()  # groups sampled now may be wanted again
         await self._expire()
 
     async def next_step(self, step: int) -> list[Group]:
@@ -250,6 +270,7 @@ class Scheduler:
         oldest = step - self.s.max_async_level
         taken: list[Group] = []
         count = 0
+        self.filling, self._taken = step, 0
         target = self.s.batch_size or self.s.token_budget or 0
         waiting_since = time.monotonic()
         while count < target:
@@ -267,7 +288,9 @@ class Scheduler:
                 self.counts["stale_rollouts"] += len(group.survivors)
                 continue
             taken.append(group)
+            self._taken += len(group.survivors)
             count += len(group.survivors) if self.s.batch_size else sum(r.tokens for r in group.survivors)
+        self.filling, self._taken = step + 1, 0
         return taken
 
     def _warn_stall(self, step: int, count: int, target: int, waited_s: float) -> None:
