@@ -142,3 +142,17 @@ def test_greedy_sampling_takes_the_most_likely_token() -> None:
     assert np.array_equal(sample.token_ids, logits.argmax(axis=1))
     assert np.all(sample.logprobs == 0.0)
     assert np.all(sample.top_logprobs[:, 1] == LOGPROB_FLOOR)  # the runner-up has probability 0
+
+
+def test_new_weights_forget_every_prompt_s_sampling_state() -> None:
+    """A prompt seen before the weights changed is sampled from the new weights (the server keeps the state
+    after each prompt it sees, for the rest of its group)."""
+    sim = SimPolicy(SimVocab.load(), seed=3)
+    prompt = sequences(sim.model)[0][:10].tolist()
+    sp = SamplingParams(max_tokens=1, logprobs=1)
+    sim.sample(prompt, sp)
+    w = Policy.initial().weights
+    w["context"][0, :] = 0.0
+    w["context"][0, 140] = 50.0  # one token takes all the mass
+    sim.model = Policy(w)
+    assert sim.sample(prompt, sp).token_ids.tolist() == [140]

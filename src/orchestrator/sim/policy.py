@@ -61,12 +61,22 @@ class SimPolicy:
         tokens_seed, routing_seed = np.random.SeedSequence(seed).spawn(2)
         self.vocab = vocab
         self.experts = experts
-        self.model = Policy.initial()
+        self._prompts: OrderedDict[bytes, Cursor] = OrderedDict()  # least recently used first
+        self._model = Policy.initial()
         self.weights_path: str | None = None  # the last directory loaded; None: the weights it started with
         self.loads = 0
         self._rng = np.random.default_rng(tokens_seed)
         self._routing_rng = np.random.default_rng(routing_seed)
-        self._prompts: OrderedDict[bytes, Cursor] = OrderedDict()  # least recently used first
+
+    @property
+    def model(self) -> Policy:
+        """The parameters sampled from now; setting them forgets every prompt's sampling state."""
+        return self._model
+
+    @model.setter
+    def model(self, policy: Policy) -> None:
+        self._model = policy
+        self._prompts.clear()
 
     def load(self, path: str | None) -> None:
         """Load the parameters saved in directory ``path`` (None: keep the current ones)."""
@@ -74,7 +84,6 @@ class SimPolicy:
             model = Policy.load(Path(path))
             if model is not None:
                 self.model = model
-                self._prompts.clear()
             self.weights_path = path
         self.loads += 1
 
