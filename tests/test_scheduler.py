@@ -129,7 +129,7 @@ async def test_no_group_opens_that_no_step_could_take(tmp_path: Path) -> None:
 async def test_async_level_lets_one_batch_ahead_open(tmp_path: Path) -> None:
     """max_async_level = 1: groups sampled with policy 0 can still train in step 1, so two batches open."""
     cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 32\nmax_async_level = 1\nmax_off_policy_steps = 1")
-    async with running(cfg) as (sched, hub):
+    async with running(cfg) as (_, hub):
         await wait_until(lambda: len(hub.assigned) == 4, 10, "two batches", poll_s=0.01)
         for _ in range(50):
             await asyncio.sleep(0)
