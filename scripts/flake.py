@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ def main() -> int:
     args = p.parse_args()
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args.pytest_args]
     limit = 4 * 3600  # a spinner outlives no session by more than this, even if this script is SIGKILLed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops what we started
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN.format(limit=limit)]) for _ in range(args.load)]
     runs: list[dict[str, object]] = []
     args.logs.mkdir(parents=True, exist_ok=True)
@@ -43,7 +45,14 @@ def main() -> int:
         print(f"flake: {args.runs} runs of the suite with {args.load} busy processes", flush=True)
         for i in range(args.runs):
             t0 = time.monotonic()
-            proc = subprocess.run(pytest, cwd=REPO, capture_output=True, text=True, check=False)
+            with subprocess.Popen(pytest, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+                try:
+                    out, err = child.communicate()
+                finally:
+                    if child.poll() is None:  # interrupted: stop the suite run, by its pid
+                        child.kill()
+                        child.wait()
+            proc = subprocess.CompletedProcess(pytest, child.returncode, out, err)
             wall = time.monotonic() - t0
             (args.logs / f"run_{i}.log").write_text(proc.stdout + proc.stderr)
             failed = sorted(set(FAILED.findall(proc.stdout)))

@@ -20,3 +20,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install --quiet -e '.[dev]'
     echo "$want" > "$stamp"
 fi
+# The offline kit for verifiers' uv harnesses and TextArena (a wheel index, NLTK words) that the end-to-end
+# test uses: downloaded here, never by a test. Re-made when the install changed.
+kit=.venv/worker-host
+if [ ! -f "$kit/env.json" ] || [ "$kit/env.json" -ot "$stamp" ]; then
+    echo "setup: preparing the offline worker-host kit in $kit" >&2
+    .venv/bin/orchestrator prepare-worker-host "$kit" >&2
+fi

@@ -54,7 +54,7 @@ FORGED_HAVE = 50
 FORGED_REWARD = 7.75
 FORGED_TOKEN = 4242
 FORGED_CHECKPOINT = 99
-WAIT_S = 30.0
+WAIT_S = 120.0  # a hang guard only: the other side is a process that may still be starting on a busy host
 
 
 def say(**fields: Any) -> None:
@@ -78,7 +78,7 @@ async def send(address: str, server_key: str, authorized: str, steps: int) -> No
     keys = load_server_keys(server_key, authorized)
     announced: list[int] = []
     async with BatchSender.open(address, hwm=2, warn_s=5.0, server_keys=keys) as sender:
-        with failed_handshakes(sender.push) as to_push, failed_handshakes(sender.pull) as to_pull:
+        with failed_handshakes(sender.router) as to_push, failed_handshakes(sender.pull) as to_pull:
             async with asyncio.TaskGroup() as tg:
                 watchers = [tg.create_task(report("push", to_push)), tg.create_task(report("pull", to_pull))]
                 say(bound=sender.address)
@@ -161,7 +161,8 @@ def intrude(address: str, keys: ClientKeys | None) -> None:
         with raw_connection(target) as raw:
             raw.sendall(b"\xff" * 64 + b"GET / HTTP/1.0\r\n\r\n" + bytes(range(256)))
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull, push = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)  # as a trainer's receiver connects
+    pull.setsockopt(zmq.ROUTING_ID, b"intruder")
     monitors = []
     for sock in (pull, push):
         sock.setsockopt(zmq.LINGER, 0)
@@ -170,7 +171,8 @@ def intrude(address: str, keys: ClientKeys | None) -> None:
         monitors.append(sock.get_monitor_socket(HANDSHAKE_FAILED))
     pull.connect(address)
     push.connect(ckpt_address(address))
-    for message in ({"have": FORGED_HAVE, "hello": True}, {"checkpoint": FORGED_CHECKPOINT}):
+    for message in ({"have": FORGED_HAVE, "hello": True, "id": "intruder"},
+                    {"checkpoint": FORGED_CHECKPOINT, "have": -1, "id": "intruder"}):
         push.send(msgpack.packb(message), flags=zmq.NOBLOCK)  # queued until a connection takes it (never)
     push.send(b"\xc1 junk", flags=zmq.NOBLOCK)
     whys = []

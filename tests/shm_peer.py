@@ -1,12 +1,13 @@
 """One side of the shared-memory transport as its own process, for tests/test_shm.py.
 
-``python tests/shm_peer.py recv ADDRESS --steps N [--last-step K] [--report-every M]``: a SyncBatchReceiver
+``python tests/shm_peer.py recv ADDRESS --steps N [--last-step K] [--hold]``: a SyncBatchReceiver
 (auto_ack: each batch is released by the next recv); checks every batch against ``peer_batch(step)``; prints
 one JSON line per step received, ``{"step", "fds", "maps", "fetches"}`` (open fds, mappings of the pool in
-/proc/self/maps, pools fetched); releases the last batch and exits after N steps.
+/proc/self/maps, pools fetched); releases the last batch and exits after N steps. With ``--hold`` it keeps
+the last batch instead (having released every earlier one) and waits to be killed.
 
 ``python tests/shm_peer.py send ADDRESS --steps N --pool BYTES [--start S] [--hwm H]``: a BatchSender with a
-pool of BYTES; sends steps S..S+N-1, printing ``{"sent": step}`` after each, waits (at most 10 s) for the
+pool of BYTES; sends steps S..S+N-1, printing ``{"sent": step}`` after each, waits (at most WAIT_S) for the
 trainer's acknowledgements and exits 0.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ import numpy as np
 from orchestrator.transport import Batch, BatchSender, SyncBatchReceiver
 
 MEMFD = "/memfd:orchestrator-batches"
+WAIT_S = 120.0  # a hang guard only: the other side may be a process still starting on a busy machine
 
 
 def peer_batch(step: int, samples: int = 4, tokens_each: int = 16) -> Batch:
@@ -48,16 +51,19 @@ def open_fds() -> int:
     return sum(1 for _ in Path("/proc/self/fd").iterdir())
 
 
-def receive(address: str, steps: int, last_step: int | None) -> None:
+def receive(address: str, steps: int, last_step: int | None, hold: bool) -> None:
     receiver = SyncBatchReceiver(address, last_step=last_step)
     batch = None
     try:
         for _ in range(steps):
-            batch = receiver.recv(timeout_s=20)
+            batch = receiver.recv(timeout_s=WAIT_S)
             if not matches(batch) or batch.shm_pool is None:
                 raise SystemExit(f"step {batch.step}: wrong contents or not shared memory")
             print(json.dumps({"step": batch.step, "fds": open_fds(), "maps": memfd_maps(),
                               "fetches": receiver.shm.fetches}), flush=True)
+        if hold:
+            sys.stdin.read()  # until killed (or stdin closes): the last batch stays unreleased
+            return
         if batch is not None:
             receiver.release(batch)
     finally:
@@ -69,7 +75,7 @@ async def send(address: str, steps: int, start: int, pool: int, hwm: int) -> Non
         for step in range(start, start + steps):
             await sender.send(peer_batch(step))
             print(json.dumps({"sent": step}), flush=True)
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(WAIT_S):
             await sender.wait_acked()
 
 
@@ -82,9 +88,10 @@ def main() -> None:
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--pool", type=int, default=1 << 20)
     p.add_argument("--hwm", type=int, default=2)
+    p.add_argument("--hold", action="store_true", help="recv: keep the last batch and wait to be killed")
     args = p.parse_args()
     if args.mode == "recv":
-        receive(args.address, args.steps, args.last_step)
+        receive(args.address, args.steps, args.last_step, args.hold)
     else:
         asyncio.run(send(args.address, args.steps, args.start, args.pool, args.hwm))
 

@@ -1,6 +1,6 @@
 """Bad messages on the trainer link, over real ZMQ sockets on ipc:// in tmp_path.
 
-Orchestrator -> trainer: corrupt, truncated, foreign and replayed batches sent by a raw PUSH socket to a real
+Orchestrator -> trainer: corrupt, truncated, foreign and replayed batches sent by a raw ROUTER socket to a real
 ``BatchReceiver`` and ``SyncBatchReceiver``: each is rejected with a logged reason and counted by type, never
 acknowledged, and the receiver then accepts the next valid step. Trainer -> orchestrator: malformed
 messages on the ack channel of a real ``BatchSender`` are logged and ignored, and the link keeps working.
@@ -27,10 +27,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.errors import WireError
-from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver, decode, encode, encode_primerl
+from orchestrator.testing.links import RawLink, raw_link
+from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver, decode, encode, encode_step
 from orchestrator.transport.zmq_link import ckpt_address
 
 LINK_LOGGER = "orchestrator.transport.zmq_link"
+RECEIVER_LOGGER = "orchestrator.transport.receiver"
 Frames = list[bytes]
 
 
@@ -92,8 +94,8 @@ BAD = [
     Bad("another-programs-msgpack", lambda: [msgpack.packb({"jsonrpc": "2.0", "method": "ping", "id": 1})],
         "WireError", "format version None, this receiver reads 1"),
     Bad("header-is-an-array", lambda: [msgpack.packb([1, "run", 1])], "WireError", "header is a list, not a map"),
-    Bad("prime-rl-layout", lambda: [bytes(f) for f in encode_primerl(batch(1), b"run")], "WireError",
-        "header is not msgpack"),
+    Bad("prime-rl-message", lambda: [b"data_rank|0|", bytes(encode_step(batch(1), seq_len=64, ranks=1).messages[0])],
+        "WireError", "header is not msgpack"),
     Bad("newer-format-version", lambda: with_header(1, v=2), "WireError", "format version 2, this receiver reads 1"),
     Bad("header-misses-a-field", lambda: with_header(1, n=None), "WireError", "header misses or mangles a field"),
     Bad("replayed-step", lambda: frames_of(0), "DuplicateStep", "step 0 is duplicate: the last step received was 0"),
@@ -107,87 +109,72 @@ BAD = [
 
 
 @pytest.fixture
-def raw_link(tmp_path: Path) -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes], str]]:
-    """A raw PUSH bound where a receiver connects, and a PULL on its ack channel (as the orchestrator binds)."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    push, acks = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    for s in (push, acks):
-        s.setsockopt(zmq.LINGER, 0)
-    address = f"ipc://{tmp_path}/raw.sock"
-    push.bind(address)
-    acks.bind(ckpt_address(address))
-    try:
-        yield push, acks, address
-    finally:
-        push.close()
-        acks.close()
-        ctx.term()
+def link(tmp_path: Path) -> Iterator[RawLink]:
+    """A raw ROUTER bound where a receiver connects, and a PULL on its channel back (as the orchestrator binds)."""
+    with raw_link(f"ipc://{tmp_path}/raw.sock") as raw:
+        yield raw
 
 
-def reported_steps(acks: zmq.Socket[bytes], until: int) -> list[int]:
+def reported_steps(link: RawLink, until: int) -> list[int]:
     """Every ``have`` the receiver sent, up to the first that reports ``until`` (messages keep their order)."""
     out: list[int] = []
     while until not in out:
-        assert acks.poll(5000), f"no report of step {until}; reports so far: {out}"
-        out.append(int(msgpack.unpackb(acks.recv())["have"]))
+        out.append(int(link.report()["have"]))
     return out
 
 
-def check_rejection(bad: Bad, receiver: BatchReceiver | SyncBatchReceiver, got: list[int], acks: zmq.Socket[bytes],
+def check_rejection(bad: Bad, receiver: BatchReceiver | SyncBatchReceiver, got: list[int], link: RawLink,
                     caplog: pytest.LogCaptureFixture) -> None:
     assert got == [0, 1]
     assert receiver.rejected == {bad.rejected: 1}
-    errors = [r.getMessage() for r in caplog.records if r.name == LINK_LOGGER and r.levelno == logging.ERROR]
+    errors = [r.getMessage() for r in caplog.records if r.name == RECEIVER_LOGGER and r.levelno == logging.ERROR]
     assert len(errors) == 1, errors
     assert errors[0].startswith("rejected a batch: "), errors[0]
     assert bad.reason in errors[0], errors[0]
-    assert set(reported_steps(acks, until=1)) <= {-1, 0, 1}  # a rejected message is never acknowledged
+    assert set(reported_steps(link, until=1)) <= {-1, 0, 1}  # a rejected message is never acknowledged
     assert receiver.acked == 1
 
 
 @pytest.mark.parametrize("bad", BAD, ids=[b.id for b in BAD])
-async def test_async_receiver_rejects_and_keeps_going(bad: Bad, raw_link: tuple[Any, Any, str],
+async def test_async_receiver_rejects_and_keeps_going(bad: Bad, link: RawLink,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    push, acks, address = raw_link
     ctx = zmq.asyncio.Context()
-    receiver = BatchReceiver(address, ctx)
+    receiver = BatchReceiver(link.address, ctx)
     try:
         for frames in (frames_of(0), bad.frames(), frames_of(1)):
-            push.send_multipart(frames)
+            link.send(receiver.id, frames)
         got = [(await asyncio.wait_for(receiver.recv(), 5)).step for _ in range(2)]
-        check_rejection(bad, receiver, got, acks, caplog)
+        check_rejection(bad, receiver, got, link, caplog)
     finally:
         receiver.close()
         ctx.term()
 
 
 @pytest.mark.parametrize("bad", BAD, ids=[b.id for b in BAD])
-def test_sync_receiver_rejects_and_keeps_going(bad: Bad, raw_link: tuple[Any, Any, str],
+def test_sync_receiver_rejects_and_keeps_going(bad: Bad, link: RawLink,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    push, acks, address = raw_link
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    receiver = SyncBatchReceiver(address, ctx)
+    receiver = SyncBatchReceiver(link.address, ctx)
     try:
         for frames in (frames_of(0), bad.frames(), frames_of(1)):
-            push.send_multipart(frames)
+            link.send(receiver.id, frames)
         got = [receiver.recv(timeout_s=5).step for _ in range(2)]
-        check_rejection(bad, receiver, got, acks, caplog)
+        check_rejection(bad, receiver, got, link, caplog)
     finally:
         receiver.close()
         ctx.term()
 
 
-def test_a_run_of_bad_messages_is_counted_by_type(raw_link: tuple[Any, Any, str]) -> None:
+def test_a_run_of_bad_messages_is_counted_by_type(link: RawLink) -> None:
     """Many rejections in a row, of both kinds, between two good steps: all counted, nothing lost."""
-    push, _acks, address = raw_link
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    receiver = SyncBatchReceiver(address, ctx)
+    receiver = SyncBatchReceiver(link.address, ctx)
     try:
-        push.send_multipart(frames_of(0))
+        link.send(receiver.id, frames_of(0))
         handled = BAD
         for bad in handled:
-            push.send_multipart(bad.frames())
-        push.send_multipart(frames_of(1))
+            link.send(receiver.id, bad.frames())
+        link.send(receiver.id, frames_of(1))
         assert [receiver.recv(timeout_s=5).step for _ in range(2)] == [0, 1]
         expected = {kind: sum(b.rejected == kind for b in handled) for kind in ("WireError", "DuplicateStep")}
         assert expected == {"WireError": 15, "DuplicateStep": 2}
@@ -221,19 +208,21 @@ BAD_ACKS = [
 async def test_sender_ignores_malformed_trainer_messages(message: bytes, tmp_path: Path,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     ctx = zmq.asyncio.Context()
-    trainer, channel = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    trainer, channel = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)  # a trainer's two sockets, by hand
+    trainer.setsockopt(zmq.ROUTING_ID, b"t1")
     for s in (trainer, channel):
         s.setsockopt(zmq.LINGER, 0)
     try:
         async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=1, warn_s=5.0) as sender:
             trainer.connect(sender.address)
             channel.connect(ckpt_address(sender.address))
+            await channel.send(msgpack.packb({"have": -1, "hello": True, "id": "t1"}))
             assert await asyncio.wait_for(sender.send(batch(0)), 5) is True
             assert decode(await asyncio.wait_for(trainer.recv_multipart(), 5)).step == 0
             await channel.send(message)
-            await channel.send(msgpack.packb({"have": 0, "checkpoint": 7}))  # a valid report right after
-            try:
-                await asyncio.wait_for(sender.wait_acked(), 2)
+            await channel.send(msgpack.packb({"have": 0, "checkpoint": 7, "id": "t1"}))  # a valid report right after
+            try:  # a hang guard: a sender that stopped reading never gets the report
+                await asyncio.wait_for(sender.wait_acked(), 60)
             except TimeoutError:
                 pytest.fail("the sender stopped reading the trainer channel after a malformed message")
             announced = sender.announcements()

@@ -22,7 +22,7 @@ servers = ["http://127.0.0.1:8000/v1"]
 batch_size = 16
 
 [[env]]
-taskset = "orchestrator.envs.arithmetic"
+taskset = "orchestrator-arithmetic"
 group_size = 4
 """
 
@@ -52,7 +52,7 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
     assert cfg.scheduler.token_budget is None
     assert cfg.scheduler.max_inflight == 64
     assert cfg.monitor.lag_interval_s == 0.1
-    assert cfg.env[0].label == "orchestrator.envs.arithmetic"
+    assert cfg.env[0].label == "orchestrator-arithmetic"
     assert cfg.env[0].sampling.max_tokens == 256
 
 
@@ -81,7 +81,7 @@ def test_include_appends_env_tables(tmp_path: Path) -> None:
     (tmp_path / "envs").mkdir()
     write(tmp_path, '[[env]]\nname = "b"\ntaskset = "x.y"\ngroup_size = 2\n', "envs/b.toml")
     cfg = load_config(write(tmp_path, 'include = ["envs/b.toml"]\n' + GOOD))
-    assert [e.label for e in cfg.env] == ["orchestrator.envs.arithmetic", "b"]
+    assert [e.label for e in cfg.env] == ["orchestrator-arithmetic", "b"]
 
 
 def test_error_in_included_file_names_that_file(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ BAD = [
      "inference.servers: missing required key"),
     ("missing inference", GOOD.replace('[inference]\nservers = ["http://127.0.0.1:8000/v1"]', ""),
      "inference: missing required key"),
-    ("missing taskset", GOOD.replace('taskset = "orchestrator.envs.arithmetic"', ""),
+    ("missing taskset", GOOD.replace('taskset = "orchestrator-arithmetic"', ""),
      "env[0].taskset: missing required key"),
     ("no env", GOOD[: GOOD.index("[[env]]")], "env: missing required key"),
     ("out of range", GOOD + "weight = 0\n", "env[0].weight: expected a value > 0"),
@@ -141,12 +141,27 @@ BAD = [
      "scheduler.max_off_policy_steps: must be >="),
     ("buffer below batch", GOOD.replace("batch_size = 16", "batch_size = 16\nmax_buffered_rollouts = 8"),
      "scheduler.max_buffered_rollouts: must be >="),
-    ("duplicate env names", GOOD + '\n[[env]]\ntaskset = "orchestrator.envs.arithmetic"\ngroup_size = 2\n',
-     "env[1].name: 'orchestrator.envs.arithmetic' is already used"),
+    ("duplicate env names", GOOD + '\n[[env]]\ntaskset = "orchestrator-arithmetic"\ngroup_size = 2\n',
+     "env[1].name: 'orchestrator-arithmetic' is already used"),
     ("not a URL", GOOD.replace("http://127.0.0.1:8000/v1", "127.0.0.1:8000"),
      "inference.servers[0]: expected an http:// or https:// URL"),
-    ("prime-rl without a tcp address", GOOD + '\n[transport]\nkind = "prime-rl"\ncheckpoint_source = "marker"\n'
-     'marker_dir = "m"\n', "transport.address: kind = 'prime-rl' needs the trainer's tcp://HOST:PORT"),
+    ("prime-rl without a tcp address", GOOD + '\n[transport]\nkind = "prime-rl"\ntrainer_dir = "t"\n',
+     "transport.address: kind = 'prime-rl' binds prime-rl's publisher at tcp://HOST:PORT (READY at PORT + 1)"),
+    ("prime-rl without its trainer's directory",
+     GOOD + '\n[transport]\nkind = "prime-rl"\naddress = "tcp://127.0.0.1:5555"\n',
+     "transport.trainer_dir: required when kind = 'prime-rl'"),
+    ("prime-rl with markers", GOOD + '\n[transport]\nkind = "prime-rl"\naddress = "tcp://127.0.0.1:5555"\n'
+     'trainer_dir = "t"\ncheckpoint_source = "marker"\n',
+     "transport.checkpoint_source: kind = 'prime-rl' reads checkpoints from transport.trainer_dir/broadcasts"),
+    ("prime-rl files with an address", GOOD + '\n[transport]\nkind = "prime-rl"\nprime_rl_layout = "filesystem"\n'
+     'address = "tcp://127.0.0.1:5555"\ntrainer_dir = "t"\n', "transport.address: unused with prime_rl_layout"),
+    ("prime-rl port without a next one",
+     GOOD + '\n[transport]\nkind = "prime-rl"\naddress = "tcp://127.0.0.1:65535"\ntrainer_dir = "t"\n',
+     "transport.address: kind = 'prime-rl' binds"),
+    ("prime-rl env named all", GOOD.replace("group_size = 4", 'group_size = 4\nname = "all"') + '\n[transport]\n'
+     'kind = "prime-rl"\naddress = "tcp://127.0.0.1:5555"\ntrainer_dir = "t"\n', "env[0].name: 'all' is reserved"),
+    ("trainer_dir without prime-rl", GOOD + '\n[transport]\ntrainer_dir = "t"\n',
+     "transport.trainer_dir: applies only to kind = 'prime-rl' (kind = 'zmq')"),
     ("filesystem without markers", GOOD + '\n[transport]\nkind = "filesystem"\ndirectory = "b"\n',
      "transport.checkpoint_source: must be 'marker' when kind = 'filesystem'"),
     ("marker without dir", GOOD + '\n[transport]\ncheckpoint_source = "marker"\n',
@@ -181,7 +196,7 @@ def test_bad_override_syntax_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_process_exit_status_is_2(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD + "bogus = 1\n")
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "check", str(path)],
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 2
     assert "env[0].bogus: unknown key" in proc.stderr
     assert proc.stdout == ""
@@ -216,8 +231,7 @@ def test_loopback_and_ipc_need_no_keys(address: str, tmp_path: Path) -> None:
 
 
 def test_prime_rl_on_another_host_needs_the_opt_in(tmp_path: Path) -> None:
-    text = GOOD + ('\n[transport]\nkind = "prime-rl"\naddress = "tcp://10.1.2.3:5555"\ncheckpoint_source = "marker"\n'
-                   'marker_dir = "m"\n')
+    text = GOOD + '\n[transport]\nkind = "prime-rl"\naddress = "tcp://10.1.2.3:5555"\ntrainer_dir = "t"\n'
     with pytest.raises(ConfigError, match="prime-rl's trainer has no CURVE support"):
         load_config(write(tmp_path, text))
     cfg = load_config(write(tmp_path, text + "\n[security]\nallow_unauthenticated_trainer = true\n"))

@@ -113,6 +113,7 @@ servers = ["http://127.0.0.1:8000/v1"]
 batch_size = 8
 [pipeline]
 dump_steps = {value}
+gates = []
 [[env]]
 taskset = "orchestrator.envs.arithmetic"
 group_size = 4

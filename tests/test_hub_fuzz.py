@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,8 @@ from orchestrator.worker.protocol import (
 
 FORGED_REWARD = 7.75
 FORGED_TOKEN = 4242  # no sampled token has this id in the built-in vocabulary
-WAIT_S = 30.0
+WAIT_S = 60.0  # a hang guard: every wait below ends on a message or a count
+FLOOD_BEFORE_TRAINING = 50  # rogue messages sent (its hello handled) before the trainer starts
 SETUP = Setup([EnvSpec("e", "orchestrator-arithmetic")], "sim-model", "unused")
 GROUP = Assign("g1", "e", 0, ["g1-0", "g1-1"], "http://127.0.0.1:9/v1", {}, 0)
 
@@ -196,6 +198,8 @@ servers = ["{url}"]
 [scheduler]
 batch_size = 8
 max_inflight = 8
+[pipeline]
+gates = []  # every finished group trains: gates are not what this test is about
 [[env]]
 taskset = "orchestrator-arithmetic"
 group_size = 4
@@ -204,19 +208,32 @@ sampling = {{ max_tokens = 4 }}
 """
 
 
-async def flood(address: str, stop: asyncio.Event, seed: int = 0) -> int:
-    """Send forged and random messages to the hub at ``address`` until ``stop``; returns how many."""
-    rng = random.Random(seed)
-    ctx = zmq.asyncio.Context()
-    rogue = ctx.socket(zmq.DEALER)
-    rogue.setsockopt(zmq.IDENTITY, b"rogue")
-    rogue.setsockopt(zmq.LINGER, 0)
-    rogue.connect(address)
-    sent = 0
-    try:
+@dataclass
+class Flood:
+    """A rogue that sends forged and random messages to the hub at ``address`` (``run``) until ``stop`` is set;
+    ``sent``: how many so far."""
+
+    address: str
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    sent: int = 0
+
+    async def run(self, seed: int = 0) -> None:
+        rng = random.Random(seed)
+        ctx = zmq.asyncio.Context()
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.IDENTITY, b"rogue")
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(self.address)
+        try:
+            await self._send(rogue, rng)
+        finally:
+            rogue.close()
+            ctx.term()
+
+    async def _send(self, rogue: zmq.asyncio.Socket, rng: random.Random) -> None:
         await rogue.send(pack(Hello("local-0", 1)))  # claims a local worker's name, with another pid
         await rogue.send(pack(Ready("rogue", {"orchestrator-arithmetic": 1000})))
-        while not stop.is_set():
+        while not self.stop.is_set():
             group = f"g{rng.randint(1, 20)}"
             forged = [header(f"{group}-{i}", "local-0", FORGED_REWARD) for i in range(4)]
             for h in forged:
@@ -232,16 +249,12 @@ async def flood(address: str, stop: asyncio.Event, seed: int = 0) -> int:
             else:
                 frames = [pack(Fatal("local-0", "I say stop"))]
             await rogue.send_multipart([bytes(f) for f in frames])
-            sent += 1
+            self.sent += 1
             await asyncio.sleep(0.002)
-    finally:
-        rogue.close()
-        ctx.term()
-    return sent
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 async def test_a_job_completes_while_a_rogue_floods_its_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     batches: list[Batch] = []
@@ -249,18 +262,27 @@ async def test_a_job_completes_while_a_rogue_floods_its_hub(tmp_path: Path, monk
         path = tmp_path / "job.toml"
         path.write_text(JOB.format(out=tmp_path / "out", url=servers[0].url))
         cfg = load_config(path)
-        stop = asyncio.Event()
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=3, on_batch=lambda b: batches.append(
                 Batch(b.run, b.step, {k: v.copy() for k, v in b.columns.items()}, b.offsets.copy(), dict(b.scalars))),
                 checkpoint_dir=tmp_path / "ckpt")
-            async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
-                tg.create_task(trainer.run())
-                flooding = tg.create_task(flood(orch.hub.address, stop))
+            rogue = Flood(orch.hub.address)
+
+            async def train_once_the_flood_is_on() -> None:
+                # the job cannot end before the trainer takes its steps (at most send_hwm = 2 of its 3 go out
+                # unacknowledged), so the flood is on, its hello refused, while the job runs, however fast either goes
+                await wait_until(lambda: rogue.sent >= FLOOD_BEFORE_TRAINING
+                                 and orch.hub.metrics["rejected:unknown_worker"] >= 1, WAIT_S,
+                                 "the flood to begin", poll_s=0.01)
+                await trainer.run()
+
+            async with asyncio.timeout(240), asyncio.TaskGroup() as tg:
+                tg.create_task(train_once_the_flood_is_on())
+                tg.create_task(rogue.run())
                 await orch.run()
-                stop.set()
+                rogue.stop.set()
             metrics = dict(orch.hub.metrics)
-    assert flooding.result() > 50
+    assert rogue.sent >= FLOOD_BEFORE_TRAINING
     assert metrics["rejected:unknown_worker"] >= 1  # its hellos: no remote worker was expected
     assert [b.step for b in batches] == [0, 1, 2]
     assert all(FORGED_TOKEN not in b.columns["token_ids"] for b in batches)

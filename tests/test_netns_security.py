@@ -26,7 +26,7 @@ from orchestrator.transport.trainer import read_journal
 
 PEER = str(Path(__file__).parent / "netns_peer.py")
 STEPS = 5
-WAIT_S = 30.0
+WAIT_S = 120.0  # a hang guard: every wait ends on a line, an exit or a state (processes start slowly on a busy host)
 Process = asyncio.subprocess.Process
 
 
@@ -85,7 +85,7 @@ async def stop_intruder(lines: Lines) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(400)
 async def test_only_the_authorized_trainer_on_another_host_is_served(tmp_path: Path) -> None:
     keys: KeySet = make_key_set(tmp_path / "keys")
     journal = tmp_path / "journal.jsonl"
@@ -144,7 +144,7 @@ async def test_the_network_is_torn_down_however_the_block_ends(tmp_path: Path) -
 
 def test_where_namespaces_cannot_be_made_the_reason_is_given() -> None:
     code = "from orchestrator.testing.netns import unavailable; print(unavailable())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True,
                           env={**os.environ, "PATH": "/nonexistent"})
     assert done.stdout.strip() == "no `ip` command (iproute2) on this machine"
 
@@ -173,6 +173,8 @@ address = "tcp://{orch}:5700"
 [security]
 server_key = "{keys.server_secret}"
 authorized_keys = "{keys.authorized_dir}"
+[pipeline]
+gates = []  # every finished group trains: gates are not what this test is about
 [[env]]
 taskset = "orchestrator-arithmetic"
 group_size = 4
@@ -183,7 +185,7 @@ sampling = {{ max_tokens = 4 }}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The orchestrator and the inference server on one host, an env worker on a second, the trainer on a third
@@ -213,7 +215,7 @@ async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_p
                       *client, "--client-key", str(keys.client_secret("worker")))
         await net.run("trainer", *orchestrator, "receive", f"tcp://{orch}:5700", "--journal", str(journal),
                       "--checkpoint-dir", str(ckpt), *client, "--client-key", str(keys.client_secret("trainer")))
-        assert await asyncio.wait_for(run.wait(), 200) == 0
+        assert await asyncio.wait_for(run.wait(), 300) == 0
         assert [await stop_intruder(lines) for lines in intruders] == [0, 0, 0, 0]
     assert [line["step"] for line in read_journal(journal)] == list(range(JOB_STEPS))  # once each, in order
     out = tmp_path / "out"

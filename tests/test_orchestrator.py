@@ -9,8 +9,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-import zmq
-import zmq.asyncio
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig, load_config
@@ -18,13 +16,15 @@ from orchestrator.errors import EnvironmentLoadError, TransportError
 from orchestrator.pipeline.dump import load_dump
 from orchestrator.sim.server import Faults
 from orchestrator.state import load_state
+from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.checkpoints import write_marker
 from orchestrator.transport.filesystem import FileBatchReceiver
-from orchestrator.transport.primerl import PrimeRLBatch, decode_primerl
 from orchestrator.transport.trainer import ReferenceTrainer
+from orchestrator.transport.wire import Batch
 
 pytestmark = pytest.mark.slow
+JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many times that with every core busy
 
 
 def job(tmp_path: Path, urls: list[str], extra: str = "", envs: str | None = None, steps: int = 3,
@@ -47,7 +47,7 @@ max_steps = {steps}
 servers = {orjson.dumps(urls).decode()}
 backend = "{backend}"
 {f'weights_path = "{weights_path}"' if weights_path else ""}
-request_timeout_s = 5.0
+request_timeout_s = 120.0  # slow replies on a busy host must not fail rollouts: only a hang would time out
 failures_to_evict = 3
 probe_interval_s = 0.2
 
@@ -61,14 +61,14 @@ max_buffered_rollouts = 16
 {envs}"""
     path = tmp_path / "job.toml"
     path.write_text(text)
-    return load_config(path)
+    return load_config(path, ["pipeline.gates=[]"])  # every finished group trains: not a test of gates
 
 
 async def run_job(cfg: JobConfig) -> tuple[Orchestrator, ReferenceTrainer]:
     async with Orchestrator.open(cfg) as orch:
         trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
                                    checkpoint_dir=Path(cfg.run.output_dir) / "ckpt")
-        async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
+        async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
             tg.create_task(trainer.run())
             await orch.run()
     return orch, trainer
@@ -168,11 +168,22 @@ taskset = "orchestrator-arithmetic"
 group_size = 4
 workers = 2
 sampling = { max_tokens = 4 }
-""""", steps=8)  # enough steps for the liveness check (every heartbeat) to see the death
+""""", steps=8)
         killed: list[int] = []
         async with Orchestrator.open(cfg) as orch:
-            trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
-                                       checkpoint_dir=tmp_path / "ckpt")
+
+            class WaitsForTheRestart(ReferenceTrainer):
+                """Trains no step after the kill until the hub has restarted the worker: a job of fast steps
+                could otherwise end first, whatever the machine's speed."""
+
+                async def train(self, batch: Batch) -> None:
+                    await super().train(batch)
+                    if killed:
+                        await wait_until(lambda: orch.hub.metrics["restarts"] >= 1, 120, "the worker restarted",
+                                         poll_s=0.05)
+
+            trainer = WaitsForTheRestart(orch.sender.address, max_steps=cfg.run.max_steps,
+                                         checkpoint_dir=tmp_path / "ckpt")
 
             def kill_after_first_step(metrics: dict[str, object]) -> None:
                 if not killed:
@@ -181,7 +192,7 @@ sampling = { max_tokens = 4 }
                     killed.append(pid)
 
             orch.on_step = kill_after_first_step
-            async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
+            async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
                 tg.create_task(trainer.run())
                 await orch.run()
             restarts, pids = orch.hub.metrics["restarts"], orch.hub.local_pids()
@@ -217,7 +228,7 @@ marker_dir = "{markers}"
                 (tmp_path / "ckpt" / f"step_{batch.step + 1}").mkdir(parents=True)  # the weights, saved
                 await asyncio.to_thread(write_marker, markers, batch.step + 1)  # no path: weights_path names it
 
-        async with Orchestrator.open(cfg) as orch, asyncio.timeout(150), asyncio.TaskGroup() as tg:
+        async with Orchestrator.open(cfg) as orch, asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
             tg.create_task(trainer())
             await orch.run()
         assert got == [0, 1, 2]
@@ -228,43 +239,3 @@ marker_dir = "{markers}"
         with pytest.raises(TransportError, match=r"steps \[7\] from an earlier run"):
             async with Orchestrator.open(cfg):
                 pass
-
-
-async def test_prime_rl_transport_feeds_a_bound_pull_socket(tmp_path: Path) -> None:
-    """A prime-rl trainer binds PULL and reads [run name, TrainingBatch]; checkpoints come as markers."""
-    markers = tmp_path / "markers"
-    ctx = zmq.asyncio.Context()
-    pull = ctx.socket(zmq.PULL)
-    try:
-        pull.bind("tcp://127.0.0.1:*")
-        address = pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        async with sim_servers(1, layers=2, top_k=2, profile="prime-rl") as servers:
-            cfg = job(tmp_path, [servers[0].url], backend="prime-rl", extra=f"""
-[transport]
-kind = "prime-rl"
-address = "{address}"
-checkpoint_source = "marker"
-marker_dir = "{markers}"
-""")
-            got: list[PrimeRLBatch] = []
-
-            async def trainer() -> None:
-                while len(got) < cfg.run.max_steps:
-                    sender_id, payload = await pull.recv_multipart()
-                    assert sender_id == b"t"
-                    got.append(decode_primerl([sender_id, payload]))
-                    weights = tmp_path / "ckpt" / str(got[-1].step + 1)
-                    weights.mkdir(parents=True)
-                    await asyncio.to_thread(write_marker, markers, got[-1].step + 1, str(weights))
-
-            async with Orchestrator.open(cfg) as orch, asyncio.timeout(150), asyncio.TaskGroup() as tg:
-                tg.create_task(trainer())
-                await orch.run()
-            assert servers[0].loads >= 1
-    finally:
-        pull.close()
-        ctx.term()
-    assert [b.step for b in got] == [0, 1, 2]
-    batch = got[1].to_batch()
-    assert batch.num_samples > 0
-    assert batch.columns["routed_experts"].shape[1:] == (2, 2)

@@ -32,6 +32,21 @@ def test_metrics_aggregate_per_env() -> None:
     assert m["lag"]["p99"] == 2.0
 
 
+def test_rows_of_dropped_groups_count_as_rollouts_and_failures_but_not_in_rewards() -> None:
+    dropped = [{"env": "a", "reward": 0.0, "ok": False, "filtered": False, "tokens": 0, "off_policy": 0,
+                "dropped": True, "failure": "env_error"},
+               {"env": "b", "reward": 1.0, "ok": True, "filtered": False, "tokens": 7, "off_policy": 3,
+                "dropped": True}]  # a group-scoring group's survivor: dropped with its group
+    m = step_metrics(3, ROWS + dropped, phase_s={}, lag=LAG, rss_mb=1.0, wall_s=2.0)
+    assert (m["rollouts"], m["failed"], m["dropped"], m["trained"], m["filtered"]) == (6, 2, 2, 2, 1)
+    assert m["reward_mean"] == {"a": 0.5, "b": 0.5}  # as without the dropped rows
+    assert m["off_policy"] == {"0": 2, "1": 1}
+    assert m["tokens"] == 30
+    assert "2 in dropped groups" in format_step_line(m)
+    assert "dropped groups" not in format_step_line(step_metrics(3, ROWS, phase_s={}, lag=LAG, rss_mb=1.0,
+                                                                 wall_s=2.0))
+
+
 def test_metrics_of_an_empty_step() -> None:
     m = step_metrics(0, [], phase_s={}, lag=LAG, rss_mb=1.0, wall_s=0.0)
     assert (m["rollouts"], m["failed"], m["tokens"], m["reward_mean"]) == (0, 0, 0, {})
@@ -43,6 +58,15 @@ def test_step_line_sorts_phases_by_cost() -> None:
     assert line.index("b=500ms") < line.index("c=10ms") < line.index("a=1ms")
     assert "lag p99=2.0ms max=3.0ms" in line
     assert "1 failed" in line
+    assert "worker max" not in line  # no env worker reported yet
+
+
+def test_step_line_names_the_largest_env_worker_rss() -> None:
+    workers = {"local-0": {"rollouts": 8, "rollouts_per_s": 4.0, "rss_mb": 301.2},
+               "local-1": {"rollouts": 8, "rollouts_per_s": 4.0, "rss_mb": 1534.6},
+               "remote-a": {"rollouts": 0, "rollouts_per_s": 0.0, "rss_mb": None}}  # no heartbeat yet
+    m = step_metrics(1, ROWS, phase_s={}, lag=LAG, rss_mb=250.0, wall_s=1.0, extra={"scheduler": {"workers": workers}})
+    assert format_step_line(m).endswith("rss=250MB worker max=1535MB")
 
 
 def test_outputs_append_jsonl(tmp_path: Path) -> None:

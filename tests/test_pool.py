@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 from collections.abc import AsyncIterator
 
 import orjson
@@ -15,7 +16,7 @@ import pytest
 
 from orchestrator.config import InferenceConfig
 from orchestrator.errors import CheckpointError, Failure, InferenceError, MalformedReply
-from orchestrator.inference.pool import InferencePool
+from orchestrator.inference.pool import PROBE_CACHE_SALT, InferencePool
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
@@ -195,3 +196,76 @@ def test_reply_parser_raises_only_malformed_reply() -> None:
         except MalformedReply:
             outcomes.add("malformed")
     assert "malformed" in outcomes
+
+
+async def test_a_server_whose_generate_hangs_stays_out_until_it_answers_again(caplog: pytest.LogCaptureFixture) -> None:
+    """Its /health answers, so without the probe's generate canary it would rejoin at once and take new groups
+    that hang until their request timeout, again and again."""
+    cfg = config(2, failures_to_evict=1, request_timeout_s=0.2)
+    fakes = [FakeInferenceServer(url) for url in cfg.servers]
+    pool = InferencePool(cfg, fakes, model="m")
+    hung, server = fakes[0], pool.servers[0]
+    hung.hang_paths.add("/inference/v1/generate")
+    with caplog.at_level(logging.INFO, logger="orchestrator"):
+        async with asyncio.TaskGroup() as tg:
+            prober = tg.create_task(pool.run())
+            pool.report_failure(server, Failure.TIMEOUT, "generate: Request timed out")
+            assert not server.in_rotation
+            # probes keep trying it (health, resume, canary), and it stays out while its generate hangs
+            await wait_until(lambda: [c[1] for c in hung.calls].count("/inference/v1/generate") >= 3, 20,
+                             "three probes", poll_s=0.01)
+            assert not server.in_rotation
+            hung.hang_paths.clear()
+            hung.release()
+            await wait_until(lambda: server.in_rotation, 20, "the probe to bring it back", poll_s=0.01)
+            prober.cancel()
+    probes = [c for c in hung.calls if c[1] == "/inference/v1/generate"]
+    assert all(body["cache_salt"] == PROBE_CACHE_SALT and body["model"] == "m" for _, _, _, body in probes)
+    assert [c[1] for c in hung.calls[:3]] == ["/health", "/resume", "/inference/v1/generate"]
+    assert (pool.metrics["evictions"], pool.metrics["rejoins"]) == (1, 1)
+    stays_out = [r for r in caplog.records if "stays out of rotation" in r.getMessage()]
+    assert len(stays_out) == 1  # once per eviction at INFO (then debug): a server may stay out for hours
+    assert "took more than 0.2 s" in stays_out[0].getMessage()
+
+
+async def test_after_a_call_with_no_answer_the_resume_is_best_effort_and_bounded(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A hung server holds a sync for one weight_sync_timeout_s plus at most RESUME_AFTER_FAILURE_S (not a second
+    full timeout), and the error named is the call that failed, not the resume after it."""
+    monkeypatch.setattr("orchestrator.inference.pool.RESUME_AFTER_FAILURE_S", 0.05)
+    async with pool_of(2, probe=False, weight_sync_timeout_s=0.3) as (pool, fakes):
+        fakes[0].hang_paths.update({"/pause", "/resume"})
+        with caplog.at_level(logging.WARNING, logger="orchestrator"):
+            result = await asyncio.wait_for(pool.update_weights(Checkpoint(1)), 20)
+        fakes[0].release()
+    assert result.updated == [fakes[1].url]
+    assert result.failed[fakes[0].url] == f"pause on {fakes[0].url} took more than 0.3 s"
+    assert [c[1] for c in fakes[0].calls] == ["/pause", "/resume"]
+    assert f"resume on {fakes[0].url} after a failed sync took more than 0.05 s" in caplog.text
+    assert not pool.servers[0].in_rotation
+
+
+async def test_a_server_whose_work_never_answers_is_checked_and_evicted(caplog: pytest.LogCaptureFixture) -> None:
+    """Rollouts on a hung server need not time out to tell: cancelled as stale while steps go on with the other
+    servers, they never answer at all. A server given work and silent for request_timeout_s must answer the
+    canary within request_timeout_s; one with long rollouts does, and stays."""
+    cfg = config(2, failures_to_evict=3, request_timeout_s=0.2)
+    fakes = [FakeInferenceServer(url) for url in cfg.servers]
+    pool = InferencePool(cfg, fakes, model="m")
+    fakes[0].hang_paths.add("/inference/v1/generate")
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        async with asyncio.TaskGroup() as tg:
+            prober = tg.create_task(pool.run())
+            hung, slow = await pool.acquire(4), await pool.acquire(4)  # one group each, never answered
+            assert (hung.url, slow.url) == (fakes[0].url, fakes[1].url)
+            await wait_until(lambda: not hung.in_rotation, 20, "the hung server checked and evicted", poll_s=0.01)
+            await wait_until(lambda: pool.metrics["liveness_checks"] >= 3, 20, "more checks", poll_s=0.01)
+            assert slow.in_rotation  # it answered every check: its rollouts are just long
+            pool.report_success(slow)  # a rollout came back: no check until it is waited on again
+            assert slow.waiting_since is None
+            fakes[0].release()
+            prober.cancel()
+    assert pool.metrics["evictions"] == 1
+    assert re.search(rf"inference server {re.escape(fakes[0].url)} leaves rotation: 1 failure\(s\) in a row, last: "
+                     r"timeout: its work waited 0 s with no answer, and a 2-token generate request to \S+ took "
+                     r"more than 0.2 s", caplog.text)

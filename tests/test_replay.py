@@ -17,7 +17,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(PERF / name), *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, str(PERF / name), *args], capture_output=True, text=True, timeout=180,
                           check=False)
 
 

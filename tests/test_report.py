@@ -57,8 +57,21 @@ def test_report_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> Non
     write_metrics(tmp_path, 1)
     code = ("import sys; sys.modules['matplotlib'] = None  # an install without the plots extra\n"
             "from orchestrator.cli import main; sys.exit(main(['report', sys.argv[1]]))")
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=180,
                          check=False)
     assert run.returncode == 1
     assert "pip install 'rollout-orchestrator[plots]'" in run.stderr
     assert not (tmp_path / "plots").exists()
+
+
+def test_eval_rows_get_their_own_plot_and_stay_out_of_the_step_plots(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    write_metrics(tmp_path, 3)
+    outputs = StepOutputs(tmp_path)
+    for step in (0, 2):  # evaluation rows, among the step rows as a run writes them
+        env = {"mean_reward": 0.1 * step, "pass@1": 0.1, "pass@2": 0.2, "pass^2": 0.0, "examples": 4, "errors": 0}
+        outputs.metrics.log({"at_step": step + 1, "policy": step, "envs": {"arith": env}}, step=step, prefix="eval")
+    assert main(["report", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(tmp_path / "plots" / f"{n}.png") for n in [*NAMES, "eval"]]
+    assert (tmp_path / "plots" / "eval.png").read_bytes()[:8] == PNG

@@ -15,11 +15,19 @@ import orjson
 import pytest
 
 from orchestrator.state import load_state
-from orchestrator.testing.procs import orchestrator_process, processes_mentioning, wait_until, write_job
+from orchestrator.testing.procs import (
+    orchestrator_process,
+    processes_mentioning,
+    unix_connections,
+    wait_until,
+    write_job,
+)
 from orchestrator.testing.sim import sim_process
 from orchestrator.transport.trainer import read_journal
+from orchestrator.transport.zmq_link import ckpt_address
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+HANG_GUARD_S = 240.0  # every wait ends on an event; this only stops one that never comes (a test took 146 s under load)
 
 
 def journal_steps(path: Path) -> list[int]:
@@ -43,14 +51,16 @@ async def test_sigkilled_orchestrator_resumes_and_the_trainer_gets_every_step_on
         async with orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--journal", str(journal),
                                         "--train-s", "0.3", "--checkpoint-dir", str(tmp_path / "ckpt")) as trainer:
             async with orchestrator_process("run", str(cfg)) as run:
-                await wait_until(lambda: len(journal_steps(journal)) >= 3, 150, "3 steps at the trainer", alive=run)
+                await wait_until(lambda: len(journal_steps(journal)) >= 3, HANG_GUARD_S, "3 steps at the trainer",
+                                 alive=run)
                 os.kill(run.pid, signal.SIGKILL)  # mid-run: no cleanup of any kind
                 await run.wait()
             # its env workers follow it (parent-death signal): nothing is left to talk to the next run
-            await wait_until(lambda: not processes_mentioning(f"{out}/workers.sock"), 10, "orphaned env workers")
+            await wait_until(lambda: not processes_mentioning(f"{out}/workers.sock"), HANG_GUARD_S,
+                             "orphaned env workers to end")
             killed_at = load_state(out, "resume").acked_step
             async with orchestrator_process("run", str(cfg), "--resume") as resumed:
-                code = await asyncio.wait_for(resumed.wait(), 150)
+                code = await asyncio.wait_for(resumed.wait(), HANG_GUARD_S)
             assert code == 0
             assert trainer.returncode is None, "the trainer must outlive both orchestrator runs"
     assert journal_steps(journal) == list(range(steps))  # no gap, no duplicate, in order
@@ -71,18 +81,24 @@ async def test_trainer_absent_at_start_then_killed_and_restarted(tmp_path: Path)
         cfg, out = write_job(tmp_path, server.url, steps, "resume")
         async with orchestrator_process("run", str(cfg)) as run:
             # no trainer: the first step waits in the send (with a warning), the run does not fail
-            await wait_until(lambda: bool(processes_mentioning(f"{out}/workers.sock")), 60, "env workers", alive=run)
-            await asyncio.sleep(8)
+            await wait_until(lambda: bool(processes_mentioning(f"{out}/workers.sock")), HANG_GUARD_S, "env workers",
+                             alive=run)
+            await asyncio.sleep(8)  # a check of absence (nothing fails, nothing is written): no event to wait for
             assert run.returncode is None
             assert not (out / "metrics.jsonl").exists() or file_steps(out / "metrics.jsonl") == []
             async with orchestrator_process("receive", address, "--journal", str(journal), "--checkpoint-dir",
                                             str(tmp_path / "ckpt")) as trainer:
-                await wait_until(lambda: len(journal_steps(journal)) >= 4, 150, "4 steps at the trainer", alive=run)
+                await wait_until(lambda: len(journal_steps(journal)) >= 4, HANG_GUARD_S, "4 steps at the trainer",
+                                 alive=run)
                 os.kill(trainer.pid, signal.SIGKILL)
                 await trainer.wait()
-            await asyncio.sleep(1)
+            # a trainer comes back after the run has dropped the dead one's connections (as a real one, which
+            # takes seconds to start, does); else ZMQ could deal resent steps to the dead connection
+            socks = [address.removeprefix("ipc://"), ckpt_address(address).removeprefix("ipc://")]
+            await wait_until(lambda: not any(map(unix_connections, socks)), HANG_GUARD_S,
+                             "the run to close the killed trainer's connections", alive=run)
             async with orchestrator_process("receive", address, "--journal", str(journal), "--checkpoint-dir",
                                             str(tmp_path / "ckpt")):
-                code = await asyncio.wait_for(run.wait(), 150)
+                code = await asyncio.wait_for(run.wait(), HANG_GUARD_S)
     assert code == 0
     assert journal_steps(journal) == list(range(steps))

@@ -11,24 +11,30 @@ import pytest
 
 from orchestrator.config import JobConfig, load_config
 from orchestrator.inference.pool import InferencePool
-from orchestrator.scheduler import Scheduler
+from orchestrator.scheduling.scheduler import EVAL_PREFIX, CheckpointSource, Scheduler, SchedulingError
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub, Outcome
 
 
-def config(tmp_path: Path, scheduler: str = "batch_size = 8\nmax_inflight = 8", envs: str | None = None) -> JobConfig:
+def config(tmp_path: Path, scheduler: str = "batch_size = 8\nmax_inflight = 8", envs: str | None = None,
+           pipeline: str = "gates = []", stall_warn_s: float = 30.0) -> JobConfig:
+    """A job config; no gates unless ``pipeline`` names some (the fake worker's rewards are all equal)."""
     envs = envs or '[[env]]\nname = "a"\ntaskset = "x"\ngroup_size = 4\n'
     path = tmp_path / "job.toml"
-    path.write_text(f'[inference]\nservers = ["http://127.0.0.1:9/v1"]\n[scheduler]\n{scheduler}\n{envs}')
+    path.write_text(f'[inference]\nservers = ["http://127.0.0.1:9/v1"]\n[scheduler]\n{scheduler}\n'
+                    f'[pipeline]\n{pipeline}\n[monitor]\nstall_warn_s = {stall_warn_s}\n{envs}')
     return load_config(path)
 
 
 @contextlib.asynccontextmanager
 async def running(cfg: JobConfig, outcome: Callable[[str, str], Outcome] = lambda e, r: 1.0,
-                  delay_s: float = 0.0, policy: int = 0) -> AsyncIterator[tuple[Scheduler, FakeWorkerHub]]:
-    hub = FakeWorkerHub({e.label: 50 for e in cfg.env}, outcome, delay_s)
+                  delay_s: float = 0.0, policy: int = 0, checkpoints: CheckpointSource | None = None
+                  ) -> AsyncIterator[tuple[Scheduler, FakeWorkerHub]]:
+    evals = cfg.eval.env if cfg.eval is not None else ()
+    hub = FakeWorkerHub({**{e.label: 50 for e in cfg.env}, **{EVAL_PREFIX + e.label: 50 for e in evals}}, outcome,
+                        delay_s)
     async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
-        sched = Scheduler(cfg, pool, hub, policy)  # type: ignore[arg-type]
+        sched = Scheduler(cfg, pool, hub, policy, checkpoints=checkpoints)  # type: ignore[arg-type]
         task = tg.create_task(sched.run())
         try:
             yield sched, hub
@@ -63,6 +69,34 @@ async def test_all_failed_group_is_dropped_and_counted(tmp_path: Path) -> None:
         counts = sched.take_counts()
     assert "g1" not in [g.gid for g in groups]
     assert counts["dropped_groups"] == 1
+
+
+async def test_dropped_groups_wait_for_the_next_step_to_write_their_rows(tmp_path: Path) -> None:
+    def outcome(env: str, rid: str) -> Outcome:
+        return "env_error: broken" if rid.startswith("g1-") else 1.0
+
+    async with running(config(tmp_path), outcome) as (sched, _):
+        groups = await asyncio.wait_for(sched.next_step(0), 5)  # g1's records came before the step filled
+        dropped = sched.take_dropped()
+        assert sched.take_dropped() == []  # taken once
+    assert "g1" not in [g.gid for g in groups]
+    assert [g.gid for g in dropped] == ["g1"]
+    assert len(dropped[0].records) == 4
+    assert not dropped[0].survivors
+
+
+async def test_dropped_groups_kept_for_rows_are_bounded(tmp_path: Path) -> None:
+    """Every group fails, so no step ever fills: only the newest max_buffered_rollouts rollouts' worth of
+    dropped groups wait for a step, the rest are counted as unwritten."""
+    cfg = config(tmp_path, scheduler="batch_size = 4\nmax_inflight = 4\nmax_buffered_rollouts = 8")
+    async with running(cfg, lambda e, r: "env_error: broken") as (sched, _):
+        await wait_until(lambda: sched.counts["dropped_rows_unwritten"] >= 8, 5, "dropped groups beyond the bound")
+        kept = sched.take_dropped()
+        counts = sched.take_counts()
+    assert 1 <= len(kept) <= 2
+    assert sum(len(g.records) for g in kept) <= 8
+    assert counts["dropped_groups"] * 4 >= counts["dropped_rows_unwritten"] + 4 * len(kept)
+    assert [int(g.gid[1:]) for g in kept] == sorted(int(g.gid[1:]) for g in kept)  # the newest, in order
 
 
 async def test_group_scoring_env_drops_on_any_failure(tmp_path: Path) -> None:
@@ -134,6 +168,44 @@ async def test_async_level_lets_one_batch_ahead_open(tmp_path: Path) -> None:
         for _ in range(50):
             await asyncio.sleep(0)
         assert len(hub.assigned) == 4
+
+
+class AskedCheckpoints:
+    """A CheckpointSource that records what it was asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def checkpoint_wanted(self, policy: int) -> str:
+        self.asked.append(policy)
+        return "the trainer was asked"
+
+
+async def test_a_step_waiting_for_weights_opens_no_group_asks_for_them_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Step 3 takes policy >= 2 (max_async_level 1) and the servers have 0: every group opened now would be
+    discarded as stale, and the step would wait in silence while the workers spin (issue #21, item 1)."""
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 1", stall_warn_s=0.2)
+    source = AskedCheckpoints()
+
+    def stalls() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 3 has 0 of 8")]
+
+    async with running(cfg, delay_s=0.01, checkpoints=source) as (sched, hub):
+        await asyncio.wait_for(sched.next_step(0), 10)
+        step3 = asyncio.ensure_future(sched.next_step(3))
+        await wait_until(lambda: len(stalls()) >= 1, 10, "a first stall line", poll_s=0.01)
+        opened = len(hub.assigned)
+        await wait_until(lambda: len(stalls()) >= 2, 10, "a second stall line", poll_s=0.01)
+        assert len(hub.assigned) == opened  # nothing opened between the two lines: training groups wait
+        assert not step3.done()
+        await sched.set_policy(2)  # the checkpoint arrives
+        groups = await asyncio.wait_for(step3, 10)
+    assert {g.policy for g in groups} == {2}
+    assert source.asked[0] == 2  # asked at once, then with every line
+    assert len(source.asked) >= 3
+    assert "without progress: waits for a checkpoint of policy >= 2 (the servers have policy 0; no training " \
+           "group opens until then): the trainer was asked" in stalls()[0]
 
 
 async def test_group_timeout_fails_missing_rollouts(tmp_path: Path) -> None:
@@ -211,10 +283,9 @@ async def test_provider_failures_reach_the_pool(tmp_path: Path) -> None:
     assert pool.metrics["failed:provider_error"] == 4
 
 
-async def test_a_step_that_cannot_fill_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("orchestrator.scheduler.STALL_WARN_S", 0.2)
-    async with running(config(tmp_path), lambda e, r: "provider_error: down", delay_s=0.01) as (sched, _):
+async def test_a_step_that_cannot_fill_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with running(config(tmp_path, stall_warn_s=0.2), lambda e, r: "provider_error: down",
+                       delay_s=0.01) as (sched, _):
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(1.0):
                 await sched.next_step(0)
@@ -222,3 +293,64 @@ async def test_a_step_that_cannot_fill_says_why(tmp_path: Path, caplog: pytest.L
     assert stalls, [r.getMessage() for r in caplog.records]
     assert "provider_error" in stalls[-1]
     assert "groups dropped" in stalls[-1]
+
+
+def varied(env: str, rid: str) -> Outcome:
+    """One rollout of each group gets 1, the others 0: every group has signal."""
+    return 1.0 if rid.endswith("-0") else 0.0
+
+
+async def test_gates_reject_groups_without_signal_and_the_step_refills(tmp_path: Path) -> None:
+    def outcome(env: str, rid: str) -> Outcome:  # g1 and g3: equal non-binary rewards (advantages ~1e-17)
+        return 0.3 if rid.split("-")[0] in ("g1", "g3") else varied(env, rid)
+
+    async with running(config(tmp_path, pipeline=""), outcome) as (sched, _):  # default gates: zero_advantage
+        groups = await asyncio.wait_for(sched.next_step(0), 60)
+        counts = sched.take_counts()
+    assert sum(len(g.survivors) for g in groups) == 8  # not a short step
+    assert {g.gid for g in groups}.isdisjoint({"g1", "g3"})
+    assert counts["gates"] == {"zero_advantage": {"a": 2}}
+    assert counts["rejected_groups"] == 2
+
+
+async def test_a_run_whose_gates_reject_everything_stops_past_the_bound(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_rejected_batches = 2", pipeline="")
+    async with running(cfg, lambda e, r: 1.0) as (sched, hub):
+        with pytest.raises(SchedulingError) as e:
+            await asyncio.wait_for(sched.next_step(0), 60)
+    assert "zero_advantage" in str(e.value)
+    assert "step 0 has 0 of 8" in str(e.value)
+    assert len(hub.assigned) >= 4  # 2 steps' worth of 4-rollout groups were tried before giving up
+
+
+EVAL = """[eval]
+interval = 2
+num_examples = 3
+group_size = 4
+max_inflight = 4
+[[eval.env]]
+name = "a"
+taskset = "x"
+"""
+
+
+async def test_evaluation_rounds_run_beside_training_at_their_steps(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 12", envs='[[env]]\nname = "a"\ntaskset = "x"\n'
+                 'group_size = 4\n' + EVAL)
+    async with running(cfg, varied) as (sched, hub):
+        rows = []
+        for step in range(4):
+            trained = await asyncio.wait_for(sched.next_step(step), 60)
+            assert all(g.eval_round is None for g in trained)
+            await sched.set_policy(step + 1)
+            if step in (0, 2):
+                rows.append(await asyncio.wait_for(sched.eval_rows.get(), 60))
+    evals = [m for m in hub.assigned if m.env.startswith(EVAL_PREFIX)]
+    assert [(m.task, m.train) for m in evals] == [(t, False) for t in (0, 1, 2)] * 2  # the first 3 tasks, twice
+    assert [row["step"] for row, _ in rows] == [0, 2]
+    for row, groups in rows:
+        assert [len(g.records) for g in groups] == [4, 4, 4]
+        m = row["envs"]["a"]  # one of 4 rollouts passes in every task
+        assert (m["pass@1"], m["pass@2"], m["pass@4"], m["pass^2"]) == (0.25, 0.5, 1.0, 0.0)
+    assert sched.evaluator is not None
+    assert sched.evaluator.state() == {"next_step": 4, "in_progress": None}

@@ -36,7 +36,7 @@ from orchestrator.security import (
 from orchestrator.testing.handshakes import failed_handshakes
 from orchestrator.testing.keys import make_key_set
 
-TIMEOUT_S = 10.0
+TIMEOUT_S = 60.0  # a hang guard: every wait ends on an event (a message, a failed handshake)
 S = TypeVar("S", bound=zmq.Socket[Any])
 
 
@@ -357,7 +357,7 @@ async def test_what_the_wire_carries(keys: Keys, curve: bool) -> None:
 
 def run_keys(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "orchestrator", "keys", *args], capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=180, check=False)
 
 
 def test_keys_command_makes_a_usable_pair_and_says_where_it_goes(tmp_path: Path) -> None:

@@ -2,23 +2,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
+import msgpack
 import pytest
 
-from orchestrator.state import STATE_FILE, OrchestratorState, StateError, load_state, save_state
+from orchestrator.scheduling.sampler import EnvDraws, TaskSampler
+from orchestrator.state import STATE_FILE, STATE_VERSION, OrchestratorState, StateError, load_state, save_state
 
 
-def test_round_trip_including_rng_state(tmp_path: Path) -> None:
-    rng = np.random.default_rng(7)
-    rng.random(10)
-    state = OrchestratorState(run="r", next_step=5, acked_step=4, policy_step=4,
-                              task_cursors={"a": 12, "b": 3}, rng_state=rng.bit_generator.state)
+def test_round_trip_of_the_sampler_state_draws_what_the_original_draws_next(tmp_path: Path) -> None:
+    envs = [EnvDraws("a", 7, 2.0), EnvDraws("b", 5, 1.0)]
+    sampler = TaskSampler(envs, seed=3)
+    for _ in range(11):  # past an epoch of both envs
+        sampler.take()
+    sampler.peek()  # a peeked, untaken draw is drawn again after resume
+    state = OrchestratorState(run="r", next_step=5, acked_step=4, policy_step=4, scheduler={"sampler": sampler.state()})
     save_state(tmp_path, state)
     back = load_state(tmp_path, "r")
     assert back == state
-    restored = np.random.default_rng()
-    restored.bit_generator.state = back.rng_state
-    assert restored.random() == rng.random()
+    resumed = TaskSampler(envs, seed=3, state=back.scheduler["sampler"])
+    assert [resumed.take() for _ in range(20)] == [sampler.take() for _ in range(20)]
+
+
+def test_a_state_file_of_another_version_is_refused_naming_both(tmp_path: Path) -> None:
+    (tmp_path / STATE_FILE).write_bytes(msgpack.packb({"version": 1, "run": "r"}))
+    with pytest.raises(StateError, match=f"version 1, this build reads {STATE_VERSION}"):
+        load_state(tmp_path, "r")
 
 
 def test_save_replaces_atomically_and_leaves_no_temp(tmp_path: Path) -> None:

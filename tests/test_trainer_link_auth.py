@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ import pytest
 from orchestrator.app import open_sender
 from orchestrator.cli import main
 from orchestrator.config import SecurityConfig
-from orchestrator.errors import TransportError
 from orchestrator.security import ClientKeys, ServerKeys
 from orchestrator.testing.handshakes import failed_handshakes
 from orchestrator.testing.keys import KeySet, make_key_set
@@ -31,7 +30,7 @@ from orchestrator.testing.steps import synthetic_config
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver
 from orchestrator.transport.trainer import read_journal
 
-TIMEOUT_S = 10.0
+TIMEOUT_S = 60.0  # a hang guard: every wait ends on an event (a message, a failed handshake)
 
 
 def make_batch(step: int) -> Batch:
@@ -50,17 +49,9 @@ def keys(tmp_path: Path) -> KeySet:
     return make_key_set(tmp_path / "keys")
 
 
-@contextlib.asynccontextmanager
-async def tcp_sender(server_keys: ServerKeys | None, hwm: int = 4) -> AsyncIterator[BatchSender]:
-    """A sender on a free loopback port (the trainer channel takes the next port: retried if that is busy)."""
-    for attempt in range(5):
-        try:
-            async with BatchSender.open("tcp://127.0.0.1:*", hwm, server_keys=server_keys) as sender:
-                yield sender
-                return
-        except TransportError:
-            if attempt == 4:
-                raise
+def tcp_sender(server_keys: ServerKeys | None, hwm: int = 4) -> contextlib.AbstractAsyncContextManager[BatchSender]:
+    """A sender on a free pair of loopback ports (the trainer channel takes the port after the batches')."""
+    return BatchSender.open("tcp://127.0.0.1:*", hwm, server_keys=server_keys)
 
 
 def refused(keys: KeySet, which: str) -> ClientKeys | None:
@@ -71,7 +62,7 @@ def refused(keys: KeySet, which: str) -> ClientKeys | None:
 @pytest.mark.parametrize("which", ["no-keys", "unlisted-key", "wrong-server-key"])
 async def test_only_the_authorized_trainer_gets_batches_and_is_heard(keys: KeySet, which: str) -> None:
     async with tcp_sender(keys.server()) as sender:
-        with failed_handshakes(sender.push) as to_push, failed_handshakes(sender.pull) as to_pull:
+        with failed_handshakes(sender.router) as to_push, failed_handshakes(sender.pull) as to_pull:
             intruder = BatchReceiver(sender.address, keys=refused(keys, which), auto_ack=False)
             try:
                 await intruder.ack(5)  # a forged "the trainer has steps up to 5": the sender would skip 0-5
@@ -93,7 +84,7 @@ async def test_only_the_authorized_trainer_gets_batches_and_is_heard(keys: KeySe
                     assert isinstance(announced, AsyncGenerator)
                     assert (await asyncio.wait_for(anext(announced), TIMEOUT_S)).step == 3  # not 42
                     await announced.aclose()
-                    assert not await intruder.pull.poll(0)
+                    assert not await intruder.batches.poll(0)
                     assert intruder.last_step is None
                 finally:
                     trainer.close()
@@ -150,7 +141,7 @@ async def test_open_sender_uses_the_configured_keys_on_tcp(keys: KeySet) -> None
     async with open_sender(cfg, "tcp://127.0.0.1:*", resume=False) as opened:
         assert isinstance(opened, BatchSender)
         sender = opened
-        with failed_handshakes(sender.push) as failures:
+        with failed_handshakes(sender.router) as failures:
             plain = BatchReceiver(sender.address)
             try:
                 await failures.next(TIMEOUT_S)
@@ -185,9 +176,9 @@ async def test_receive_command_with_keys(keys: KeySet, tmp_path: Path) -> None:
     async with tcp_sender(keys.server()) as sender:
         args = ["receive", sender.address, "--steps", "2", "--journal", str(journal),
                 "--server-key", str(keys.server_public), "--client-key", str(keys.client_secret("trainer"))]
-        async with orchestrator_process(*args) as proc:
-            assert await asyncio.wait_for(send_all(sender, range(2)), 60) == [True, True]
-            assert await asyncio.wait_for(proc.wait(), 60) == 0
+        async with orchestrator_process(*args) as proc:  # bounds: hang guards for a process start on a busy host
+            assert await asyncio.wait_for(send_all(sender, range(2)), 180) == [True, True]
+            assert await asyncio.wait_for(proc.wait(), 180) == 0
         await asyncio.wait_for(sender.wait_acked(), TIMEOUT_S)
     assert [line["step"] for line in read_journal(journal)] == [0, 1]
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -8,13 +9,22 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-import zmq
-import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.errors import DuplicateStep, WireError
-from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver, decode, encode, write_marker
+from orchestrator.errors import DuplicateStep, TrainerRefused, WireError
+from orchestrator.testing.links import raw_link
+from orchestrator.testing.procs import wait_until
+from orchestrator.transport import (
+    Batch,
+    BatchReceiver,
+    BatchSender,
+    Checkpoint,
+    SyncBatchReceiver,
+    decode,
+    encode,
+    write_marker,
+)
 
 
 def make_batch(step: int = 0, lengths: tuple[int, ...] = (3, 5, 2), routed: bool = True) -> Batch:
@@ -128,11 +138,12 @@ async def test_sender_refuses_a_gap_or_a_repeat(tmp_path: Path) -> None:
             receiver.close()
 
 
-async def test_absent_trainer_back_pressures(tmp_path: Path) -> None:
-    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=1) as sender:
+async def test_absent_trainer_back_pressures(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=1, warn_s=0.05) as sender:
         # nobody connected: ZMQ queues nothing for a PUSH without peers, so the first send already waits
         pending = asyncio.ensure_future(sender.send(make_batch(0)))
-        await asyncio.sleep(0.2)
+        with caplog.at_level(logging.WARNING, "orchestrator.transport"):
+            await wait_until(lambda: "step 0 waits" in caplog.text, 60, "the send's warning", poll_s=0.01)
         assert not pending.done()
         receiver = BatchReceiver(sender.address)
         try:
@@ -143,20 +154,16 @@ async def test_absent_trainer_back_pressures(tmp_path: Path) -> None:
 
 
 async def test_receiver_rejects_duplicates_and_keeps_running(tmp_path: Path) -> None:
-    ctx = zmq.asyncio.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.bind(f"ipc://{tmp_path}/raw.sock")
-    receiver = BatchReceiver(f"ipc://{tmp_path}/raw.sock")
-    try:
-        for frames in (encode(make_batch(0)), encode(make_batch(0)), [b"junk"], encode(make_batch(1))):
-            await push.send_multipart(frames)
-        assert (await asyncio.wait_for(receiver.recv(), 5)).step == 0
-        assert (await asyncio.wait_for(receiver.recv(), 5)).step == 1
-        assert receiver.rejected == {"DuplicateStep": 1, "WireError": 1}
-    finally:
-        receiver.close()
-        push.close()
-        ctx.term()
+    with raw_link(f"ipc://{tmp_path}/raw.sock") as link:
+        receiver = BatchReceiver(link.address)
+        try:
+            for frames in (encode(make_batch(0)), encode(make_batch(0)), [b"junk"], encode(make_batch(1))):
+                link.send(receiver.id, frames)
+            assert (await asyncio.wait_for(receiver.recv(), 5)).step == 0
+            assert (await asyncio.wait_for(receiver.recv(), 5)).step == 1
+            assert receiver.rejected == {"DuplicateStep": 1, "WireError": 1}
+        finally:
+            receiver.close()
 
 
 async def test_marker_file_announcements(tmp_path: Path) -> None:
@@ -171,7 +178,7 @@ async def test_marker_file_announcements(tmp_path: Path) -> None:
 
 def test_trainer_library_imports_without_verifiers() -> None:
     code = "import sys, orchestrator.transport; assert 'verifiers' not in sys.modules, 'verifiers imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
 
 
 async def test_unacknowledged_window_back_pressures_until_the_trainer_acks(tmp_path: Path) -> None:
@@ -181,7 +188,7 @@ async def test_unacknowledged_window_back_pressures_until_the_trainer_acks(tmp_p
             await asyncio.wait_for(send_all(sender, range(2)), 5)
             third = asyncio.ensure_future(sender.send(make_batch(2)))
             assert (await asyncio.wait_for(receiver.recv(), 5)).step == 0
-            await asyncio.sleep(0.1)
+            await wait_until(lambda: sender.waiting, 60, "the third send waiting at the bound", poll_s=0.005)
             assert not third.done()  # steps 0 and 1 unacknowledged: the window is full
             await receiver.ack(0)
             assert await asyncio.wait_for(third, 5) is True
@@ -237,5 +244,134 @@ async def test_sync_receiver(tmp_path: Path) -> None:
             announced = sender.announcements()
             assert (await asyncio.wait_for(anext(announced), 5)).step == 3
             await announced.aclose()
+        finally:
+            receiver.close()
+
+
+# ------------------------------------------------------------------------------ liveness of the link
+
+HANG_GUARD_S = 60.0  # every wait below ends on an event; this only bounds a hang
+
+
+async def test_a_second_trainer_on_the_address_is_refused_and_the_first_gets_every_step(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=2) as sender:
+        first = BatchReceiver(sender.address, name="first")
+        second = None
+        try:
+            await asyncio.wait_for(sender.send(make_batch(0)), HANG_GUARD_S)
+            assert (await asyncio.wait_for(first.recv(), HANG_GUARD_S)).step == 0
+            second = BatchReceiver(sender.address, name="second")
+            with pytest.raises(TrainerRefused, match="trainer first already receives this link's batches"):
+                await asyncio.wait_for(second.recv(), HANG_GUARD_S)
+            with pytest.raises(TrainerRefused):  # and on every later call
+                await second.recv()
+            sending = asyncio.ensure_future(send_all(sender, range(1, 4)))
+            got = [(await asyncio.wait_for(first.recv(), HANG_GUARD_S)).step for _ in range(3)]
+            await asyncio.wait_for(sending, HANG_GUARD_S)
+            assert got == [1, 2, 3]
+            assert second.last_step is None  # it never got a step
+        finally:
+            first.close()
+            if second is not None:
+                second.close()
+    assert any(r.getMessage().startswith("refused trainer second at ") for r in caplog.records)
+
+
+async def test_a_trainer_behind_its_acknowledged_step_is_refused_naming_the_steps_it_lacks(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=4) as sender:
+        first = BatchReceiver(sender.address)  # acknowledges on receipt, before anything is safe
+        await asyncio.wait_for(send_all(sender, range(4)), HANG_GUARD_S)
+        assert [(await asyncio.wait_for(first.recv(), HANG_GUARD_S)).step for _ in range(4)] == [0, 1, 2, 3]
+        await wait_until(lambda: sender.acked == 3, HANG_GUARD_S, "step 3 acknowledged", poll_s=0.01)
+        first.close()
+        behind = BatchReceiver(sender.address, last_step=1)  # its checkpoint is older than its acknowledgements
+        try:
+            with pytest.raises(TrainerRefused, match=r"holds steps up to 1, but steps 2\.\.3 were acknowledged"):
+                await asyncio.wait_for(behind.recv(), HANG_GUARD_S)
+        finally:
+            behind.close()
+        assert sender.holder is None  # nobody is fed; sends wait and say so
+        assert sender.acked == 3
+        later = BatchReceiver(sender.address, last_step=3)  # restarted from a checkpoint that has them
+        try:
+            await asyncio.wait_for(send_all(sender, range(4, 5)), HANG_GUARD_S)
+            assert (await asyncio.wait_for(later.recv(), HANG_GUARD_S)).step == 4
+        finally:
+            later.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "refused trainer" in r.getMessage()]
+    assert len(errors) == 1
+    assert "restart it from a checkpoint of step 3 or later" in errors[0]
+
+
+async def test_with_kept_steps_a_trainer_behind_gets_the_steps_it_lacks(tmp_path: Path) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=4, keep=4) as sender:
+        first = BatchReceiver(sender.address)
+        await asyncio.wait_for(send_all(sender, range(4)), HANG_GUARD_S)
+        assert [(await asyncio.wait_for(first.recv(), HANG_GUARD_S)).step for _ in range(4)] == [0, 1, 2, 3]
+        await wait_until(lambda: sender.acked == 3, HANG_GUARD_S, "step 3 acknowledged", poll_s=0.01)
+        first.close()
+        behind = BatchReceiver(sender.address, last_step=1)
+        try:
+            sending = asyncio.ensure_future(send_all(sender, range(4, 6)))
+            got = [(await asyncio.wait_for(behind.recv(), HANG_GUARD_S)).step for _ in range(4)]
+            await asyncio.wait_for(sending, HANG_GUARD_S)
+            assert got == [2, 3, 4, 5]  # once each, in order, no gap
+            assert behind.rejected == {}
+        finally:
+            behind.close()
+
+
+async def test_a_resumed_trainer_tells_its_checkpoint_at_once(tmp_path: Path) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=2, require_report=True) as sender:
+        receiver = BatchReceiver(sender.address, last_step=4, checkpoint=Checkpoint(5, "/ckpt/step_5"))
+        try:
+            announced = sender.announcements()
+            assert await asyncio.wait_for(anext(announced), HANG_GUARD_S) == Checkpoint(5, "/ckpt/step_5")
+            await announced.aclose()  # type: ignore[attr-defined]
+        finally:
+            receiver.close()
+
+
+async def test_the_sender_asks_for_a_checkpoint_and_a_trainer_without_one_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=2) as sender:
+        assert "no trainer is connected" in sender.checkpoint_wanted(3)
+        receiver = BatchReceiver(sender.address, name="t")
+        receiving = asyncio.ensure_future(receiver.recv())
+        try:
+            await wait_until(lambda: sender.holder is not None, HANG_GUARD_S, "the trainer heard", poll_s=0.01)
+            said = sender.checkpoint_wanted(3)
+            assert said.startswith("trainer t at ")
+            assert "has announced no checkpoint; asked it for its newest" in said
+            await wait_until(lambda: receiver.checkpoint_wanted == 3, HANG_GUARD_S, "the request", poll_s=0.01)
+            warnings = [r.getMessage() for r in caplog.records if "waits for weights of step >= 3" in r.getMessage()]
+            assert len(warnings) == 1
+            assert "this trainer has announced none" in warnings[0]
+        finally:
+            receiving.cancel()
+            receiver.close()
+
+
+async def test_a_wait_warns_on_time_while_the_trainer_keeps_reporting(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The trainer's status messages (every STATUS_S) wake the wait without changing anything: they must not
+    restart the warning's count (it used to restart on each, so a warn_s above STATUS_S never fired)."""
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=2, warn_s=1.5) as sender:
+        receiver = BatchReceiver(sender.address, auto_ack=False)
+        try:
+            await asyncio.wait_for(send_all(sender, range(2)), HANG_GUARD_S)
+            assert [(await asyncio.wait_for(receiver.recv(), HANG_GUARD_S)).step for _ in range(2)] == [0, 1]
+            held = asyncio.ensure_future(sender.send(make_batch(2)))
+            idle = asyncio.ensure_future(receiver.recv())  # idle: it reports every STATUS_S, acknowledges nothing
+            said = "step 2 waits: the trainer at "
+            await wait_until(lambda: any(said in r.getMessage() for r in caplog.records), HANG_GUARD_S,
+                             "the warning", poll_s=0.05)
+            assert not held.done()
+            assert any("has not acknowledged steps [0, 1]" in r.getMessage() for r in caplog.records)
+            idle.cancel()
+            await receiver.ack(1)
+            assert await asyncio.wait_for(held, HANG_GUARD_S) is True
         finally:
             receiver.close()

@@ -84,6 +84,21 @@ async def test_vllm_0_26_replies_parse_without_routed_experts(tmp_path: Path, mo
 
 
 @pytest.mark.slow
+async def test_the_built_in_harness_keeps_one_client_for_all_rollouts(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rollout has its own secret; the harness sends it per request, so its clients (and their connection
+    pools) do not pile up one per rollout in a long-running worker."""
+    from orchestrator.envs import harness
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    before = set(harness._clients)
+    async with sim_servers(1) as [srv]:
+        episodes = await run_group(srv.url, 4)
+    sampled_nodes(episodes)  # every rollout authenticated and scored
+    assert len(set(harness._clients) - before) == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("profile", "layers", "refusal"), [
     ("vllm-0.33", 0, "logprobs.content[0].token must be"),  # {"token_id": N} entries, no "token" string
     ("vllm-0.26", LAYERS, "string indices must be integers"),  # routed experts as a .npy string, not an object

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.errors import Failure
-from orchestrator.worker.process import LoadedEnv, Worker
+from orchestrator.worker.process import LoadedEnv, Worker, classify
 from orchestrator.worker.protocol import Assign, Records, decode_worker_message, split_records
 
 
@@ -50,3 +51,42 @@ async def test_a_group_whose_setup_raises_fails_each_rollout_and_the_worker_goes
         a.close()
         b.close()
         ctx.term()
+
+
+@dataclass
+class Recorded:
+    """An error as verifiers records it on a trace (``vf.Error``: type, message, status_code)."""
+
+    type: str
+    message: str
+    status_code: int | None = None
+
+
+@pytest.mark.parametrize(("error", "kind"), [
+    # verifiers surfaces a failed model call as the provider's own error, with the status it relayed
+    (Recorded("ProviderError", "Error code: 500 - {'error': 'injected'}", 500), Failure.PROVIDER),
+    (Recorded("ProviderError", "Connection error.", 503), Failure.PROVIDER),
+    (Recorded("ProviderError", "Request timed out.", 504), Failure.TIMEOUT),
+    # HarnessError is split: the harness died on a 5xx from the interception proxy, which answers 502 when the
+    # server's reply could not be used (bad JSON, token strings, NaN logprobs): the server's fault ...
+    (Recorded("HarnessError", "harness launch: InternalServerError: Error code: 502 - {'error': ...}"),
+     Failure.MALFORMED),
+    (Recorded("HarnessError", "harness 'null' exited 1: ... openai.InternalServerError: Error code: 502"),
+     Failure.MALFORMED),
+    # ... any other harness failure is the environment's (its program, its installs, its runtime)
+    (Recorded("HarnessError", "harness 'null' exited 1: error: Failed to download `openai`"), Failure.ENV),
+    (Recorded("InterceptionError", "harness 'null' model connection to interception failed: ..."), Failure.ENV),
+    (Recorded("SandboxError", "runtime died under harness 'null' (exit -9): <no output>"), Failure.ENV),
+    (Recorded("EnvError", "env run: KeyError: 'game'"), Failure.ENV),
+    (Recorded("TaskError", "task setup: ValueError: no word"), Failure.ENV),
+    (Recorded("TaskError", "task ArithmeticTask scoring: ZeroDivisionError: division by zero"), Failure.SCORING),
+    (Recorded("ValueError", "something verifiers did not type"), Failure.ENV),
+])
+def test_verifiers_errors_map_to_our_failure_kinds(error: Recorded, kind: Failure) -> None:
+    assert classify([error], is_timeout=False) is kind
+    assert classify([error], is_timeout=True) is Failure.TIMEOUT  # a rollout past its deadline, whatever broke
+    assert kind.server_fault == (kind in (Failure.PROVIDER, Failure.TIMEOUT, Failure.MALFORMED))
+
+
+def test_an_episode_failed_without_a_recorded_error_is_the_environments() -> None:
+    assert classify([], is_timeout=False) is Failure.ENV

@@ -16,11 +16,11 @@ import gc
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
@@ -30,15 +30,24 @@ from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.memory import malloc_trim, rss_mb
+from orchestrator.outdir import OutputDir
 from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
-from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_step_line, step_metrics
+from orchestrator.pipeline.outputs import (
+    StepOutputs,
+    eval_rollout_rows,
+    format_eval_line,
+    format_step_line,
+    step_metrics,
+)
 from orchestrator.pipeline.step import StepBuilder
-from orchestrator.scheduler import Scheduler
-from orchestrator.state import OrchestratorState, load_state, save_state
+from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
+from orchestrator.sinks import Sinks, open_sinks
+from orchestrator.sinks.samples import SampleTable
+from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
 from orchestrator.transport.primerl import PrimeRLSender
-from orchestrator.transport.wire import Batch
+from orchestrator.transport.sender import Sender
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.process import Worker
@@ -55,11 +64,12 @@ FLUSH_TIMEOUT_S = 10.0
 class RunSummary:
     steps: int = 0
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Orchestrator:
-    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: Sender,
-                 state: OrchestratorState) -> None:
+    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: Sender[Any],
+                 state: OrchestratorState, sinks: Sinks) -> None:
         self.cfg = cfg
         self.pool = pool
         self.hub = hub
@@ -69,7 +79,9 @@ class Orchestrator:
         m = cfg.monitor
         self.lag = LagMonitor(m.lag_interval_s, m.lag_window, m.lag_warn_ms, m.lag_error_ms)
         self.outputs = StepOutputs(self.out)
+        self.sinks = sinks  # step metrics (and, later, eval metrics under a prefix) go through these
         tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+        self.samples = SampleTable(tokenizer)
         vocab = vocab_size(tokenizer)
         if vocab is None:
             log.warning("cannot read the vocabulary size of %s; the gibberish filter assumes 2^17 tokens", tokenizer)
@@ -79,31 +91,25 @@ class Orchestrator:
         # open() waits for it before its own state save, also when a step was cancelled mid-way
         self.step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchestrator-step")
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
+        self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
+        self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: JobConfig, *, resume: bool = False) -> AsyncIterator[Orchestrator]:
-        out, state = await asyncio.to_thread(_prepare_output, cfg, resume)
-        workers = sum(e.workers for e in cfg.env)
-        tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
-        setup = Setup([EnvSpec(e.label, e.taskset, e.args) for e in cfg.env], cfg.model.name, str(tokenizer),
-                      cfg.inference.request_timeout_s, cfg.inference.api_key_env)
-        worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
+    async def open(cls, cfg: JobConfig, *, resume: bool = False, force: bool = False) -> AsyncIterator[Orchestrator]:
+        """``force``: resume even with a config that changes what is sampled (outdir.py)."""
+        outdir = await asyncio.to_thread(OutputDir.open, cfg, resume=resume, force=force)
+        out, state = outdir.path, outdir.state
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
-        env_vars = {"HOME": os.environ.get("HOME", str(out))}
         async with contextlib.AsyncExitStack() as stack:
-            pool = await stack.enter_async_context(InferencePool.open(cfg.inference))
-            if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
-                reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
-                                          model=cfg.model.name, tokenizer=tokenizer, resume=True)
-                log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(reports),
-                         sorted({r.max_model_len or 0 for r in reports}))
-            sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume))
-            hub = await stack.enter_async_context(WorkerHub.open(
-                worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
-                cfg.security.server_keys(worker_address)))
+            stack.callback(outdir.close)  # last out: the directory stays locked until everything else is done
+            sinks = await asyncio.to_thread(open_sinks, cfg, out, resume=resume)  # W&B starts its service here
+            stack.push_async_callback(asyncio.to_thread, sinks.close)
+            pool, hub = await open_engines(cfg, stack, out)
+            sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume, state.acked_step))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
-            orch = cls(cfg, pool, hub, sender, state)
+            orch = cls(cfg, pool, hub, sender, state, sinks)
+            orch.held = outdir.held
             try:
                 yield orch
             finally:
@@ -126,26 +132,24 @@ class Orchestrator:
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(self.lag.run()), tg.create_task(self.pool.run()),
                           tg.create_task(self.hub.run())]
-            local = sum(e.workers for e in cfg.env)
-            remote = cfg.scheduler.remote_workers
-            if local + remote == 0:  # debugging mode: environments run on this loop
-                log.warning("workers = 0: environments run inside the orchestrator process (debugging only)")
-                background.append(tg.create_task(_in_process_worker(self.hub.address)))
-            elif remote:
-                log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote,
-                         self.hub.address)
-            await self.hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
+            await start_workers(tg, self.hub, background)
             if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
                 await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
-            sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, self.state.task_cursors,
-                              first_step=self.state.acked_step + 1)
-            background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched))]
+            try:
+                sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None,
+                                  checkpoints=self.sender, first_step=self.state.acked_step + 1)
+            except (KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign state file
+                raise StateError(f"{self.out / STATE_FILE}: the scheduler's saved state is unusable ({e!r}); fix the "
+                                 "file or start fresh (without --resume)") from None
+            background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched)),
+                           tg.create_task(self._evaluations(sched))]
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
             # first: it held the loop for ~30 ms in bench_scheduler and found no garbage to free.
             gc.freeze()
             self.lag.reset()
             for step in range(self.state.acked_step + 1, cfg.run.max_steps):
                 await self._step(step, sched)
+            await self._last_evaluation(sched, cfg.run.max_steps - 1)
             await self._flush()
             for task in background:
                 task.cancel()
@@ -172,6 +176,13 @@ class Orchestrator:
         async for ckpt in self.sender.announcements(marker):
             if ckpt.step <= sched.policy:
                 continue
+            ev = sched.evaluator
+            if ev is not None and ev.cfg.hold_weights and not ev.idle.is_set():
+                log.info("weights of step %d wait for the evaluation round in progress", ckpt.step)
+                sched.loading = f"weights of step {ckpt.step} wait for the evaluation round in progress"
+                await ev.idle.wait()
+            sched.syncing = True  # no evaluation round starts until the new policy is in (set_policy)
+            sched.loading = f"weights of step {ckpt.step} are loading on the inference servers"
             t0 = time.monotonic()
             result = await self.pool.update_weights(ckpt)
             log.info("weights of step %d on %d/%d servers in %.1f s", ckpt.step, len(result.updated),
@@ -179,12 +190,44 @@ class Orchestrator:
             self.state.policy_path = ckpt.path
             await sched.set_policy(ckpt.step)
 
+    async def _evaluations(self, sched: Scheduler) -> None:
+        """Consumes finished evaluation rounds; produces their rows (metrics.jsonl, eval_rollouts.jsonl), a log
+        line and ``on_eval``. Runs until cancelled."""
+        while True:
+            row, groups = await sched.eval_rows.get()
+            row["at_step"] = self.state.next_step
+            await self._off_loop(self._write_eval, row, groups)
+            log.info("%s", format_eval_line(row))
+            self.summary.evals.append(row)
+            self.on_eval(row)
+            sched.eval_rows.task_done()
+
+    def _write_eval(self, row: dict[str, Any], groups: list[Any]) -> None:
+        """Blocking (the step thread): the round's rollouts to eval_rollouts.jsonl, its row to the sinks
+        (metrics.jsonl, marked ``"eval": true``; W&B's ``eval/...``)."""
+        self.outputs.write_eval_rollouts(eval_rollout_rows(row, groups))
+        self.sinks.log_eval(row, step=row["step"])
+
+    async def _last_evaluation(self, sched: Scheduler, last_step: int) -> None:
+        """The run's steps are done: the round in progress, and one still due by ``last_step``, finish (each
+        group bounded by group_timeout_s) and are written, so no evaluation a run owes is lost."""
+        ev = sched.evaluator
+        while ev is not None:
+            if not ev.idle.is_set():
+                log.info("steps done; waiting for the evaluation round in progress")
+                await ev.idle.wait()
+            await sched.eval_rows.join()
+            due = ev.due(last_step)
+            if due is None:
+                return
+            sched.start_evaluation(due)
+
     async def _step(self, step: int, sched: Scheduler) -> None:
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         groups = await sched.next_step(step)
         wait_s = time.perf_counter() - t0
-        result = await self._off_loop(self.builder.build, step, groups)
+        result = await self._off_loop(self.builder.build, step, groups, sched.take_dropped())
         t = time.perf_counter()
         sent = await self.sender.send(result.batch)  # False: a restarted trainer already had this step
         send_s = time.perf_counter() - t
@@ -192,7 +235,7 @@ class Orchestrator:
         self.state.next_step = step + 1
         self.state.acked_step = self.sender.acked
         self.state.policy_step = sched.policy
-        self.state.task_cursors = sched.cursors()
+        self.state.scheduler = sched.state()
         phase = {"wait": wait_s, **result.phase_s, "send": send_s}
         if dump_due(self.cfg.pipeline.dump_steps, step):  # a worker thread writes it; its size is logged
             t = time.perf_counter()
@@ -205,20 +248,21 @@ class Orchestrator:
                  "orch_cpu_ms_per_rollout": round((time.process_time() - cpu0) * 1e3 / max(len(result.rows), 1), 3),
                  "filters": result.filter_counts, "scheduler": counts, "pool": dict(self.pool.metrics),
                  "hub": dict(self.hub.metrics)}
-        if (shm := getattr(self.sender, "pool", None)) is not None:  # kind = shm: live MB and spans of the pool
-            extra.update(shm.metrics())
+        extra.update(self.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
         rows = result.rows
+        samples = (await self._off_loop(self.samples.rows, rows, groups, self.sinks.samples)
+                   if self.sinks.samples_due(step) else [])
         del groups, result  # the batch's column memory goes now, before the collection below
-        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra)
+        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra, samples)
         log.info("%s", format_step_line(metrics))
         self.summary.steps += 1
         self.summary.metrics.append(metrics)
         self.on_step(metrics)
 
     def _finish_step(self, step: int, rows: list[dict[str, Any]], phase: dict[str, float], lag: LagStats,
-                     t0: float, extra: dict[str, Any]) -> dict[str, Any]:
+                     t0: float, extra: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
         """Blocking (a worker thread): collect garbage, return memory to the OS, then the step's metrics
-        (pandas), both JSONL files and the state file."""
+        (pandas), rollouts.jsonl, the metrics sinks (metrics.jsonl, W&B) and the state file."""
         t = time.perf_counter()
         gc.collect()
         malloc_trim()
@@ -226,57 +270,97 @@ class Orchestrator:
         metrics = step_metrics(step, rows, phase_s=phase, lag=lag, rss_mb=rss_mb(),
                                wall_s=time.perf_counter() - t0, extra=extra)
         t = time.perf_counter()
-        self.outputs.write(rows, metrics)
+        self._write_rows(step, rows, metrics)
+        if samples:
+            self.sinks.log_samples(samples, step=step)
         save_state(self.out, self.state)
         metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
         return metrics
 
+    def _write_rows(self, step: int, rows: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
+        """A step regenerated after a resume that the trainer already had (not sent) keeps the rows written
+        when it was trained; one sent again gets the new rows (outdir.py)."""
+        held = self.held.pop(step, None)
+        if metrics.get("sent", True):
+            self.outputs.write_rows(rows)
+            self.sinks.log(metrics, step=step)
+        elif held is not None:
+            log.info("step %d: the trainer already had it; its rows from before the resume stay", step)
+            rollouts, old_metrics = held
+            self.outputs.write_lines(rollouts)
+            for line in old_metrics:
+                self.sinks.log(orjson.loads(line), step=step)
+        else:
+            self.outputs.write_rows([{**r, "regenerated": True} for r in rows])
+            self.sinks.log({**metrics, "regenerated": True}, step=step)
 
-class Sender(Protocol):
-    """What the orchestrator uses of a batch sender (``BatchSender``, ``FileBatchSender``, ``PrimeRLSender``)."""
 
-    @property
-    def address(self) -> str: ...
-    @property
-    def unacked(self) -> Mapping[int, Any]: ...  # sent, not yet acknowledged
-    @property
-    def acked(self) -> int: ...  # the last step acknowledged, -1 for none
-    async def send(self, batch: Batch) -> bool: ...  # False: skipped, the trainer already has it
-    async def wait_acked(self) -> None: ...
-    def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]: ...
-
-
-def open_sender(cfg: JobConfig, address: str, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender]:
-    """The batch sender ``[transport] kind`` names: ZMQ (default), files in a shared directory, or prime-rl.
-    A ZMQ sender on tcp:// with ``[security]`` keys accepts only the authorized trainers."""
+def open_sender(cfg: JobConfig, address: str, resume: bool, acked_before: int = -1
+                ) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
+    """The batch sender ``[transport] kind`` names: ZMQ (default; shm: columns through shared memory), files in
+    a shared directory, or prime-rl's own trainer. A ZMQ sender on tcp:// with ``[security]`` keys accepts only
+    the authorized trainers; prime-rl's link cannot authenticate (config.py refuses a non-loopback address
+    unless ``security.allow_unauthenticated_trainer``). ``acked_before``: the step the state says the trainer
+    acknowledged (a resumed run; a ZMQ trainer reporting less is behind). Every wait warns every
+    ``monitor.stall_warn_s``."""
     t = cfg.transport
+    warn_s = cfg.monitor.stall_warn_s
     if t.kind == "prime-rl":
-        assert t.address is not None  # config cross-check
-        if cfg.security.allow_unauthenticated_trainer:
+        assert t.trainer_dir is not None  # config cross-check
+        if cfg.security.allow_unauthenticated_trainer and t.prime_rl_layout == "zmq":
             log.warning("batches go to the prime-rl trainer at %s unauthenticated and unencrypted "
                         "(security.allow_unauthenticated_trainer)", t.address)
-        temperature = {e.label: e.sampling.temperature for e in cfg.env}
-        return PrimeRLSender.open(t.address, cfg.run.name.encode(), t.send_hwm, temperature=temperature)
+        return PrimeRLSender.open(
+            t.trainer_dir, data_ranks=t.data_ranks, seq_len=t.seq_len, pad_to_multiple_of=t.pad_to_multiple_of,
+            layout=t.prime_rl_layout, address=t.address, window=t.send_hwm, resume=resume,
+            temperature={e.label: e.sampling.temperature for e in cfg.env}, warn_s=warn_s)
     if t.kind == "filesystem":
         assert t.directory is not None  # config cross-check
-        return FileBatchSender.open(t.directory, t.send_hwm, resume=resume)
+        return FileBatchSender.open(t.directory, t.send_hwm, resume=resume, warn_s=warn_s)
     shm_bytes = t.shm_pool_mb << 20 if t.kind == "shm" else None  # shm: columns through a same-node pool
-    return BatchSender.open(address, t.send_hwm, require_report=resume, shm_bytes=shm_bytes,
-                            server_keys=cfg.security.server_keys(address))  # tcp:// with keys: CURVE
+    return BatchSender.open(address, t.send_hwm, warn_s, require_report=resume, shm_bytes=shm_bytes,
+                            server_keys=cfg.security.server_keys(address),  # tcp:// with keys: CURVE
+                            keep=t.keep_acked, acked_before=acked_before if resume else -1)
 
 
-def _prepare_output(cfg: JobConfig, resume: bool) -> tuple[Path, OrchestratorState]:
-    """The absolute output directory and the state to start from (a fresh run clears old outputs)."""
-    out = Path(cfg.run.output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    if resume:
-        state = load_state(out, cfg.run.name)
-        for name in ("rollouts.jsonl", "metrics.jsonl"):  # rows of the steps generated again go
-            drop_steps_from(out / name, state.acked_step + 1)
-        return out, state
-    for name in ("rollouts.jsonl", "metrics.jsonl"):
-        (out / name).unlink(missing_ok=True)
-    return out, OrchestratorState(cfg.run.name)
+async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *,
+                       evaluation_only: bool = False) -> tuple[InferencePool, WorkerHub]:
+    """The inference pool (checked by preflight unless turned off) and the env-worker hub, entered on
+    ``stack``; the hub's workers load the training environments and the ``[[eval.env]]`` ones (under
+    EVAL_PREFIX), or only the latter with ``evaluation_only``."""
+    tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+    train = () if evaluation_only else cfg.env
+    evals = cfg.eval.env if cfg.eval is not None else ()
+    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args, e.verifiers, e.select, f"env[{i}]")
+                     for i, e in enumerate(train)),
+                   *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args, e.verifiers, e.select, f"eval.env[{i}]")
+                     for i, e in enumerate(evals))],
+                  cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env)
+    worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
+    env_vars = {"HOME": os.environ.get("HOME", str(out))}
+    pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
+    if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
+        reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+                                  model=cfg.model.name, tokenizer=tokenizer, resume=True)
+        log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(reports),
+                 sorted({r.max_model_len or 0 for r in reports}))
+    workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
+    hub = await stack.enter_async_context(WorkerHub.open(
+        worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
+        cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s))
+    return pool, hub
+
+
+async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[asyncio.Task[Any]]) -> None:
+    """Wait until the hub's env workers are ready (with none local and none remote, one runs on this loop,
+    for debugging: its task joins ``background``)."""
+    local, remote = hub.local, hub.remote
+    if local + remote == 0:  # debugging mode: environments run on this loop
+        log.warning("workers = 0: environments run inside the orchestrator process (debugging only)")
+        background.append(tg.create_task(_in_process_worker(hub.address)))
+    elif remote:
+        log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote, hub.address)
+    await hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
 
 
 async def _in_process_worker(address: str) -> None:

@@ -26,10 +26,12 @@ COMMANDS = {
     "sim-inference": "sim_inference",
     "env-worker": "env_worker",
     "run": "run",
+    "eval": "eval",
     "demo": "demo",
     "receive": "receive",
     "report": "report",
     "keys": "keys",
+    "prepare-worker-host": "prepare_worker_host",
 }
 
 EXIT_CONFIG = 2

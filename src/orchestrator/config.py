@@ -12,34 +12,23 @@ once. The only conversion is TOML's integer to a float field (``1`` for ``1.0``)
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from orchestrator.configbase import opt
 from orchestrator.errors import ConfigError, KeyFileError
+from orchestrator.scheduling.curriculum import CurriculumConfig
+from orchestrator.scheduling.gates import DEFAULT_GATES, GateConfig
 
 if typing.TYPE_CHECKING:
     from orchestrator.security import ServerKeys
-
-
-def opt(
-    default: Any = dataclasses.MISSING,
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    doc: str = "",
-) -> Any:
-    """A config field with optional numeric bounds (checked, never clamped) and a one-line description."""
-    meta = {"ge": ge, "gt": gt, "le": le, "doc": doc}
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -111,18 +100,38 @@ class SchedulerConfig:
                               "worker_address) that must be ready before the first group")
     max_buffered_rollouts: int = opt(1024, ge=1, doc="finished rollouts not in a step yet; full: no new work")
     worker_nice: int = opt(5, ge=0, le=19, doc="niceness added to local env workers, so the loop gets a busy CPU first")
+    worker_silence_s: float = opt(10.0, ge=2, doc="an env worker that sends nothing (not even its heartbeat, every "
+                                  "second) this long is lost: its rollouts fail; a local one is killed and restarted, "
+                                  "a remote one re-admitted when it speaks again")
+    # 50 (groups of 4, steps of 8): with a quarter of groups passing the gates a step stops by chance with
+    # probability ~1e-11; with 2% passing, 40% of steps stop, after 50 steps' worth of inference
+    max_rejected_batches: int = opt(50, ge=0, doc="a step that has seen this many batches' worth of rollouts "
+                                    "rejected by gates without filling stops the run (0: never)")
 
 
 @dataclass(frozen=True)
 class TransportConfig:
     kind: Literal["zmq", "shm", "filesystem", "prime-rl"] = opt(
-        "zmq", doc="how batches reach the trainer; prime-rl: its TrainingBatch to a prime-rl trainer at address")
-    address: str | None = opt(None, doc="ZMQ address to bind; unset means ipc:// in output_dir")
-    send_hwm: int = opt(2, ge=1, doc="batches queued in ZMQ before sends wait (back-pressure)")
+        "zmq", doc="how batches reach the trainer; prime-rl: per-rank micro-batches to prime-rl's own trainer")
+    address: str | None = opt(None, doc="ZMQ address to bind; unset means ipc:// in output_dir (kind = prime-rl: "
+                              "tcp://HOST:PORT, READY on PORT + 1)")
+    send_hwm: int = opt(2, ge=1, doc="steps sent and not yet acknowledged before sends wait (back-pressure); "
+                        "kind = prime-rl: steps ahead of the trainer's newest weights + 1 (2 is prime-rl's rule)")
     checkpoint_source: Literal["zmq", "marker"] = opt("zmq", doc="how the trainer announces checkpoints")
     marker_dir: str | None = opt(None, doc="checkpoint marker files' directory (checkpoint_source = marker)")
     directory: str | None = opt(None, doc="batch directory (kind = filesystem)")
     shm_pool_mb: int = opt(4096, ge=1, doc="shared-memory pool size (kind = shm); a bigger step goes as frames")
+    trainer_dir: str | None = opt(None, doc="kind = prime-rl: the trainer's output_dir; weights are read from its "
+                                  "broadcasts/step_N/STABLE (prime_rl_layout = filesystem: batches go to rollouts/)")
+    prime_rl_layout: Literal["zmq", "filesystem"] = opt(
+        "zmq", doc="kind = prime-rl: its rollout_transport.type: zmq (PUB on address) or filesystem (files)")
+    data_ranks: int = opt(1, ge=1, doc="kind = prime-rl: the trainer's data-parallel ranks (its num_train_workers)")
+    seq_len: int = opt(2048, ge=1, doc="kind = prime-rl: micro-batch length; longer samples are truncated to it")
+    pad_to_multiple_of: int = opt(1, ge=1, doc="kind = prime-rl: micro-batches are padded to a multiple of this "
+                                  "(the trainer's context parallelism)")
+    keep_acked: int = opt(0, ge=0, doc="kind = zmq: acknowledged steps kept in memory to resend to a trainer that "
+                          "restarts behind them (it acknowledges before it checkpoints); 0: such a trainer is "
+                          "refused, naming the steps it lacks")
 
 
 @dataclass(frozen=True)
@@ -147,12 +156,33 @@ class SecurityConfig:
         return load_server_keys(self.server_key, self.authorized_keys)
 
 
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """Weights & Biases (``pip install 'rollout-orchestrator[wandb]'``); its API key comes from W&B's own
+    login or ``WANDB_API_KEY``, never from this file."""
+
+    project: str = opt(doc="W&B project")
+    entity: str | None = opt(None, doc="W&B entity (team or user); unset: your default entity")
+    name: str | None = opt(None, doc="run name; unset: run.name")
+    mode: Literal["online", "offline", "disabled"] = opt(
+        "online", doc="offline: write the run under output_dir/wandb, upload later with `wandb sync`")
+    tags: tuple[str, ...] = opt((), doc="run tags")
+    samples_every: int = opt(10, ge=0, doc="a table of sample rollouts (text, reward, advantage) every N steps; "
+                             "0: none")
+    samples: int = opt(8, ge=1, doc="rollouts in each samples table (the first rollout of the step's first groups)")
+
+
 @dataclass(frozen=True)
 class MonitorConfig:
     lag_interval_s: float = opt(0.1, gt=0, le=10, doc="event-loop-lag sampling interval")
     lag_window: int = opt(4096, ge=16, doc="lag samples kept per step (oldest dropped first)")
     lag_warn_ms: float = opt(50.0, gt=0, doc="a stall longer than this is logged as a warning")
     lag_error_ms: float = opt(500.0, gt=0, doc="a stall longer than this is logged as an error")
+    stall_warn_s: float = opt(30.0, gt=0, doc="liveness bound: a step that makes no progress for this long gets a "
+                              "line saying what it waits for (a checkpoint, the trainer, workers, servers), again "
+                              "every as long")
+    wandb: WandbConfig | None = opt(None, doc="[monitor.wandb]: also log to Weights & Biases; unset: metrics.jsonl "
+                                    "only")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +207,8 @@ class PipelineConfig:
     advantage_kwargs: dict[str, Any] = opt({}, doc="keyword arguments of the advantage function")
     std_normalize: bool = opt(False, doc="default advantage: divide by the group's reward std")
     filters: tuple[FilterConfig, ...] = opt(DEFAULT_FILTERS, doc="[[pipeline.filters]] tables, in order")
+    gates: tuple[GateConfig, ...] = opt(DEFAULT_GATES, doc="[[pipeline.gates]] tables: which completed groups count "
+                                        "toward a step (the step refills past rejected ones)")
     dump_steps: int | tuple[int, ...] = opt(0, ge=0, doc="step dumps in output_dir/dumps for offline replay: N dumps "
                                             "steps 0, N, 2N...; a list dumps those steps; 0 or [] dumps none")
 
@@ -209,7 +241,8 @@ class SamplingConfig:
 @dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     name: str | None = opt(None, doc="name in logs and metrics; unset means the taskset id")
-    taskset: str = opt(doc="verifiers taskset id or importable module, e.g. orchestrator.envs.arithmetic")
+    taskset: str = opt(doc="verifiers taskset id: an installed package exporting a Taskset (orchestrator-arithmetic "
+                       "is module orchestrator_arithmetic) or one of verifiers' own (textarena)")
     args: dict[str, Any] = opt({}, doc="arguments of the taskset")
     group_size: int = opt(8, ge=1, doc="rollouts per task (one group)")
     weight: float = opt(1.0, gt=0, doc="mixing weight among environments")
@@ -217,10 +250,35 @@ class EnvConfig:
     max_concurrent: int | None = opt(None, ge=1, doc="rollouts of this env running at once")
     group_scoring: bool = opt(False, doc="the env scores whole groups: any failure drops the group")
     sampling: SamplingConfig = opt(SamplingConfig(), doc="sampling parameters")
+    curriculum: CurriculumConfig | None = opt(None, doc="[env.curriculum]: draw tasks from pools by their recent "
+                                              "pass rate; unset: every task in turn, in a seeded order")
+    verifiers: dict[str, Any] = opt({}, doc="verifiers' [env] table without taskset, passed through: each seat "
+                                    "(agent, player...) with harness, runtime (unset: subprocess), max_turns, token "
+                                    "limits, timeout, retries; the env's timeout, retries... (checked by verifiers "
+                                    "in `orchestrator check` and the env workers)")
+    select: dict[str, Any] = opt({}, doc="which tasks, as verifiers' SelectConfig: limit, skip, include, exclude... "
+                                 "(an endless taskset needs limit)")
 
     @property
     def label(self) -> str:
         return self.name or self.taskset
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Online evaluation: every ``interval`` steps, the first ``num_examples`` tasks of each ``[[eval.env]]``,
+    ``group_size`` rollouts each, under one policy version, beside training."""
+
+    interval: int = opt(10, ge=1, doc="evaluate at steps 0 (see at_start), interval, 2*interval...")
+    num_examples: int = opt(32, ge=1, doc="tasks per environment: the first ones of its taskset, every time")
+    group_size: int = opt(4, ge=1, doc="rollouts per task (k): pass@k and pass^k for k = 1, 2, 4... up to it")
+    at_start: bool = opt(True, doc="evaluate the starting policy at step 0 too")
+    pass_threshold: float = opt(0.5, doc="a rollout passes when its reward is above this")
+    max_inflight: int | None = opt(None, ge=1, doc="evaluation rollouts at once, within scheduler.max_inflight "
+                                   "(default: half of it), so evaluation never starves training")
+    hold_weights: bool = opt(True, doc="a round keeps the policy it started with: a weight sync waits for it "
+                             "(training goes on meanwhile); false: record the versions that sampled it")
+    env: tuple[EnvConfig, ...] = opt(doc="[[eval.env]] tables, as [[env]] (group_size, weight, curriculum unused)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +290,8 @@ class JobConfig:
     transport: TransportConfig = opt(TransportConfig(), doc="batches to the trainer")
     security: SecurityConfig = opt(SecurityConfig(), doc="CURVE authentication of the tcp:// sockets we bind")
     monitor: MonitorConfig = opt(MonitorConfig(), doc="event-loop-lag monitor")
-    pipeline: PipelineConfig = opt(PipelineConfig(), doc="advantages and filters")
+    pipeline: PipelineConfig = opt(PipelineConfig(), doc="advantages, filters and gates")
+    eval: EvalConfig | None = opt(None, doc="[eval]: online evaluation; unset: none")
     sim: SimConfig = opt(SimConfig(), doc="simulated inference servers (demo and tests)")
     env: tuple[EnvConfig, ...] = opt(doc="one [[env]] table per environment")
 
@@ -267,6 +326,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     cfg = _build(JobConfig, raw, "", problems, source)
     if not problems:
         problems.extend(_cross_checks(typing.cast(JobConfig, cfg), source))
+        problems.extend(_section_problems(cfg, "", source))
     if not problems:
         problems.extend(_hook_problems(typing.cast(JobConfig, cfg), source))
     if problems:
@@ -289,12 +349,54 @@ def _hook_problems(cfg: JobConfig, source: Any) -> list[str]:
     return problems
 
 
+def _eval_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
+    ev, s = cfg.eval, cfg.scheduler
+    assert ev is not None
+    if not ev.env:
+        yield f"{source('eval.env')}: eval.env: [eval] needs at least one [[eval.env]] table"
+    cap = ev.max_inflight or max(s.max_inflight // 2, 1)
+    if ev.group_size > cap:
+        yield (f"{source('eval.group_size')}: eval.group_size: {ev.group_size} rollouts of a task must fit in "
+               f"eval.max_inflight ({cap}{'' if ev.max_inflight else ': half of scheduler.max_inflight'})")
+    if ev.max_inflight is not None and ev.max_inflight >= s.max_inflight:
+        yield (f"{source('eval.max_inflight')}: eval.max_inflight: must be below scheduler.max_inflight "
+               f"({ev.max_inflight} >= {s.max_inflight}), or evaluation could take every slot from training")
+    labels = [e.label for e in ev.env]
+    for i, label in enumerate(labels):
+        if label in labels[:i]:
+            yield (f"{source(f'eval.env[{i}].name')}: eval.env[{i}].name: {label!r} is already used by another "
+                   "[[eval.env]]; give each a distinct name")
+
+
+def _section_problems(obj: Any, key: str, source: Any) -> Iterable[str]:
+    """What each section that checks itself (``problems(key)``, see configbase) says, depth first."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    check = getattr(obj, "problems", None)
+    if check is not None:
+        yield from (f"{source(key)}: {p}" for p in check(key))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        sub = _join(key, f.name)
+        if isinstance(value, tuple):
+            for i, item in enumerate(value):
+                yield from _section_problems(item, f"{sub}[{i}]", source)
+        else:
+            yield from _section_problems(value, sub, source)
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError([f"{path}: file not found"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{path}: a directory, not a TOML file"]) from None
+    except OSError as e:
+        raise ConfigError([f"{path}: cannot read it ({e.strerror})"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{path}: not a text file (byte {e.start} is not UTF-8); expected TOML"]) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
 
@@ -530,6 +632,10 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         if env.max_concurrent is not None and env.group_size > env.max_concurrent:
             yield (f"{source(f'env[{i}].max_concurrent')}: env[{i}].max_concurrent: must be >= "
                    f"group_size ({env.max_concurrent} < {env.group_size})")
+        if env.group_size == 1 and cfg.pipeline.advantage == "default":
+            yield (f"{source(f'env[{i}].group_size')}: env[{i}].group_size: 1 with the default advantage (reward "
+                   "minus the group's mean) gives every sample advantage 0: nothing would train. Use group_size "
+                   ">= 2, or a pipeline.advantage with its own baseline")
         if env.label in labels:
             yield (f"{source(f'env[{i}].name')}: env[{i}].name: {env.label!r} is already used by "
                    f"env[{labels[env.label]}]; give each environment a distinct name")
@@ -546,6 +652,8 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         for key in sorted(set(sp.extra_body) & {f.name for f in dataclasses.fields(SamplingConfig)}):
             yield (f"{source(f'env[{i}].sampling.extra_body.{key}')}: env[{i}].sampling.extra_body.{key}: "
                    f"use env[{i}].sampling.{key}")
+    if cfg.eval is not None:
+        yield from _eval_checks(cfg, source)
     if not cfg.inference.servers:
         yield f"{source('inference.servers')}: inference.servers: at least one server URL is required"
     for i, url in enumerate(cfg.inference.servers):
@@ -561,12 +669,14 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                "checkpoint_source = 'marker'")
     if t.kind == "filesystem" and t.directory is None:
         yield f"{source('transport.directory')}: transport.directory: required when kind = 'filesystem'"
-    if t.kind == "prime-rl" and not (t.address or "").startswith("tcp://"):
-        yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' needs the trainer's "
-               f"tcp://HOST:PORT (its receiver binds; we connect), got {t.address!r}")
-    if t.kind in ("filesystem", "prime-rl") and t.checkpoint_source != "marker":
+    if t.kind == "filesystem" and t.checkpoint_source != "marker":
         yield (f"{source('transport.checkpoint_source')}: transport.checkpoint_source: must be 'marker' when "
-               f"kind = {t.kind!r} (there is no message channel back from the trainer)")
+               "kind = 'filesystem' (there is no message channel back from the trainer)")
+    yield from _prime_rl_checks(cfg, source)
+    if t.keep_acked and t.kind != "zmq":
+        yield (f"{source('transport.keep_acked')}: transport.keep_acked: applies only to kind = 'zmq' (kind = "
+               f"{t.kind!r}: shm reuses an acknowledged step's memory; files and prime-rl's trainer report no "
+               "steps to resend); remove it")
     if t.kind == "shm" and t.address is not None and not t.address.startswith("ipc://"):
         yield (f"{source('transport.address')}: transport.address: kind = 'shm' is same-node only and needs an "
                f"ipc://PATH address (or none: ipc:// in output_dir), got {t.address!r}; use kind = 'zmq' for tcp")
@@ -582,9 +692,44 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                 yield (f"{source(f'pipeline.dump_steps[{i}]')}: pipeline.dump_steps[{i}]: expected a step "
                        f"number >= 0, got {n}")
     m = cfg.monitor
+    if m.wandb is not None and importlib.util.find_spec("wandb") is None:
+        yield (f"{source('monitor.wandb')}: monitor.wandb: needs the wandb package: "
+               "pip install 'rollout-orchestrator[wandb]' (or remove [monitor.wandb])")
     if m.lag_error_ms < m.lag_warn_ms:
         yield (f"{source('monitor.lag_error_ms')}: monitor.lag_error_ms: must be >= monitor.lag_warn_ms "
                f"({m.lag_error_ms} < {m.lag_warn_ms})")
+
+
+def _prime_rl_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
+    """kind = 'prime-rl': where the trainer is, and nothing set that it would not use."""
+    t = cfg.transport
+    if t.kind != "prime-rl":
+        if t.trainer_dir is not None:
+            yield (f"{source('transport.trainer_dir')}: transport.trainer_dir: applies only to kind = 'prime-rl' "
+                   f"(kind = {t.kind!r}); remove it")
+        return
+    if t.trainer_dir is None:
+        yield (f"{source('transport.trainer_dir')}: transport.trainer_dir: required when kind = 'prime-rl' (the "
+               "trainer's output_dir, where it writes broadcasts/step_N)")
+    if t.prime_rl_layout == "zmq":
+        host, _, port = (t.address or "").removeprefix("tcp://").rpartition(":")
+        if not (t.address or "").startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65535:
+            yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' binds prime-rl's publisher "
+                   f"at tcp://HOST:PORT (READY at PORT + 1), e.g. 'tcp://0.0.0.0:5555', got {t.address!r}")
+    elif t.address is not None:
+        yield (f"{source('transport.address')}: transport.address: unused with prime_rl_layout = 'filesystem' (the "
+               "batches go to transport.trainer_dir/rollouts); remove it")
+    for key in ("marker_dir", "directory"):
+        if getattr(t, key) is not None:
+            yield (f"{source(f'transport.{key}')}: transport.{key}: unused with kind = 'prime-rl' (its weights come "
+                   "from transport.trainer_dir/broadcasts); remove it")
+    if t.checkpoint_source == "marker":
+        yield (f"{source('transport.checkpoint_source')}: transport.checkpoint_source: kind = 'prime-rl' reads "
+               "checkpoints from transport.trainer_dir/broadcasts/step_N/STABLE; remove it")
+    for i, env in enumerate(cfg.env):
+        if env.label == "all":
+            yield (f"{source(f'env[{i}].name')}: env[{i}].name: 'all' is reserved by prime-rl's trainer (its metrics "
+                   "aggregate); name the environment otherwise")
 
 
 def _security_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
@@ -615,11 +760,12 @@ def _security_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                    "security.authorized_keys = the directory of the clients' public .key files (README: "
                    "Security); or bind 127.0.0.1")
     trainer, opted_in = t.address or "", sec.allow_unauthenticated_trainer
-    if t.kind == "prime-rl" and trainer.startswith("tcp://") and not is_loopback(trainer) and not opted_in:
-        yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' sends batches to "
+    binds_trainer = t.kind == "prime-rl" and t.prime_rl_layout == "zmq" and trainer.startswith("tcp://")
+    if binds_trainer and not is_loopback(trainer) and not opted_in:
+        yield (f"{source('transport.address')}: transport.address: kind = 'prime-rl' publishes batches at "
                f"{trainer} unauthenticated and unencrypted (prime-rl's trainer has no CURVE support), so anyone on "
-               "that network can read them or take them in the trainer's place. Use a loopback address (e.g. "
-               "through an SSH tunnel), or set security.allow_unauthenticated_trainer = true if the network "
+               "that network can subscribe to them or send READY in a trainer's place. Use a loopback address "
+               "(e.g. through an SSH tunnel), or set security.allow_unauthenticated_trainer = true if the network "
                "between the two hosts is trusted")
     if sec.allow_unauthenticated_trainer and t.kind != "prime-rl":
         yield (f"{source('security.allow_unauthenticated_trainer')}: security.allow_unauthenticated_trainer: "

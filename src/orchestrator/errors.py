@@ -10,6 +10,8 @@
     ├── WireError                     a transport message that cannot be accepted
     │   └── DuplicateStep             a step already received (or out of order)
     ├── TransportError                the transport cannot start or go on as configured
+    │   └── TrainerRefused            the orchestrator refused this trainer (another holds the link, or it lacks
+    │                                 steps that are gone); raised by the trainer library's ``recv``
     ├── CheckpointError               a checkpoint that cannot be loaded (no weights path)
     ├── EnvironmentLoadError          an environment could not be loaded
     └── WorkerError                   env workers cannot serve the job (none became ready in time)
@@ -93,6 +95,10 @@ class DuplicateStep(WireError):
 
 class TransportError(OrchestratorError):
     """The transport cannot start or go on as configured (e.g. a batch directory holding another run)."""
+
+
+class TrainerRefused(TransportError):
+    """The orchestrator will not feed this trainer; the message says why and what to do."""
 
 
 class CheckpointError(OrchestratorError):

@@ -1,10 +1,12 @@
 """Orchestrator state, saved atomically so a killed run resumes at the next step.
 
 The state is a small msgpack map: format version, run name, the last step handed to the transport, the
-last step the trainer acknowledged, the policy step being sampled, the task cursor per environment and
-the scheduler's RNG state. Buffered (finished but untrained) rollouts are deliberately not saved: on
-resume they are sampled again, which costs a little inference and keeps the file small and the off-policy
-accounting exact.
+last step the trainer acknowledged, the policy step being sampled (and its weights' path), and the
+scheduler's state: everything that decides what is sampled next (the env-mixing generator, each env's task
+cursor or curriculum statistics, the number of draws) and the evaluation schedule. Buffered (finished but
+untrained) rollouts and groups in flight are deliberately not saved: they die with the run, and the
+resumed sampler goes on with the draws an uninterrupted run would have made after them. That costs a little
+inference and keeps the file small and the off-policy accounting exact.
 
 ``save_state`` writes a temp file in the same directory, fsyncs it and renames it over the old one, so a
 crash at any point leaves either the old state or the new one, never a torn file.
@@ -22,7 +24,7 @@ import msgpack
 
 from orchestrator.errors import OrchestratorError
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the scheduler's state replaces task cursors
 STATE_FILE = "orchestrator-state.msgpack"
 
 
@@ -37,8 +39,8 @@ class OrchestratorState:
     acked_step: int = -1  # the last step the trainer acknowledged
     policy_step: int = 0  # the weight version servers sample with
     policy_path: str | None = None  # where its weights are, as announced (None: inference.weights_path)
-    task_cursors: dict[str, int] = field(default_factory=dict)  # env -> tasks drawn so far
-    rng_state: dict[str, Any] = field(default_factory=dict)  # numpy bit generator state
+    scheduler: dict[str, Any] = field(default_factory=dict)  # what decides what is sampled next (Scheduler.state)
+    sampling: dict[str, Any] = field(default_factory=dict)  # the config's seed, step size, envs (outdir.py)
 
 
 def save_state(directory: Path, state: OrchestratorState) -> Path:
@@ -55,8 +57,11 @@ def save_state(directory: Path, state: OrchestratorState) -> Path:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
-    except BaseException:  # a full or read-only disk: no temp file left behind; the old state stays
+    except BaseException as e:  # a full or read-only disk: no temp file left behind; the old state stays
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise StateError(f"{path}: cannot save the run's state ({e.strerror}); the previous state stays. Free "
+                             "space or fix the directory's permissions, then continue with --resume") from None
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
@@ -105,6 +110,19 @@ def load_state(directory: Path, run: str) -> OrchestratorState:
     if raw.get("run") != run:
         raise StateError(f"{path}: saved by run {raw.get('run')!r}, not {run!r}; use another output_dir")
     try:
-        return OrchestratorState(**raw)
+        state = OrchestratorState(**raw)
     except TypeError as e:
         raise StateError(f"{path}: unexpected fields in state: {e}") from None
+    for name, kind in _FIELD_TYPES.items():  # a hand-edited file: wrong types fail here, by name, not later
+        value = getattr(state, name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise StateError(f"{path}: {name} = {value!r} is not {_TYPE_NAMES[name]}; fix the file or start fresh "
+                             "(without --resume)")
+    return state
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "run": str, "next_step": int, "acked_step": int, "policy_step": int, "policy_path": (str, type(None)),
+    "scheduler": dict, "sampling": dict}
+_TYPE_NAMES = {"run": "a string", "policy_path": "a string or nil", "scheduler": "a map", "sampling": "a map",
+               "next_step": "an integer", "acked_step": "an integer", "policy_step": "an integer"}

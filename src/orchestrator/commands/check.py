@@ -1,4 +1,5 @@
 """``orchestrator check FILE [--servers]``: validate a job config and print it resolved (defaults filled in);
+each environment's verifiers configuration is validated by verifiers itself (imported here, a few seconds);
 with ``--servers``, also run the preflight checks of every inference server it names (read-only)."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from orchestrator.config import JobConfig, load_config, to_toml
+from orchestrator.errors import ConfigError
 
 HELP = "validate a job config and print the resolved config"
 
@@ -26,13 +28,34 @@ def add_set_argument(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    envs = check_environments(cfg, args.config)  # ConfigError: exit 2 naming each key
     print(f"# {args.config}: OK ({len(cfg.env)} environment{'s' if len(cfg.env) != 1 else ''})")
+    print("\n".join(envs))
     print(to_toml(cfg), end="")
     if args.servers:
         from orchestrator.cli import run_async
 
         run_async(check_servers(cfg))  # a PreflightError exits 1 with every problem (cli.main)
     return 0
+
+
+def check_environments(cfg: JobConfig, source: str) -> list[str]:
+    """Resolve each ``[[env]]``'s verifiers configuration with verifiers; a line per environment saying what
+    runs (seats, harnesses, runtimes, tasks). ConfigError listing every problem, each with its key path."""
+    from orchestrator.envconfig import resolve_env
+
+    problems: list[str] = []
+    lines: list[str] = []
+    for i, env in enumerate(cfg.env):
+        try:
+            resolved = resolve_env(env.taskset, env.args, env.verifiers, env.select, f"env[{i}]")
+        except ConfigError as e:
+            problems += [f"{source}: {p}" for p in e.problems]
+            continue
+        lines.append(f"# env[{i}] {env.label}: {resolved.describe()}")
+    if problems:
+        raise ConfigError(problems)
+    return lines
 
 
 async def check_servers(cfg: JobConfig) -> None:

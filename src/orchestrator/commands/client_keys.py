@@ -15,6 +15,27 @@ from orchestrator.security import LOCAL_KEYS_ENV, ClientKeys, KeyPair
 T = TypeVar("T")
 
 
+def zmq_address(text: str) -> str:
+    """An argparse type: ``tcp://HOST:PORT`` or ``ipc://PATH``, else a usage error (exit 2) saying so."""
+    host, sep, port = text.removeprefix("tcp://").rpartition(":")
+    if text.startswith("tcp://") and sep and host and port.isdigit() and 0 < int(port) < 65536:
+        return text
+    if text.startswith("ipc://") and len(text) > len("ipc://"):
+        return text
+    raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH (as the orchestrator logs it at "
+                                     f"start), got {text!r}")
+
+
+def file_path(text: str) -> Path:
+    """An argparse type: a path for a file this command writes (not a directory, in a directory that exists)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file path, e.g. {path / 'journal.jsonl'}")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: its directory {path.parent} does not exist")
+    return path
+
+
 def add_key_arguments(p: argparse.ArgumentParser, who: str) -> None:
     p.add_argument("--server-key", type=Path, default=None, metavar="FILE",
                    help="the orchestrator's public key file NAME.key (for a tcp:// address it binds with "

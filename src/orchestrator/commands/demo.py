@@ -4,8 +4,8 @@ Starts simulated inference servers (subprocesses), env workers with the built-in
 reference trainer in its learning mode: it trains the tiny policy the simulated servers sample from
 (``orchestrator.policy``) on every batch and announces each new checkpoint, so weights sync every step and the
 reward climbs (``--no-learn``: it trains nothing and the reward stays where it started). Runs ``--steps`` steps
-with a progress bar, prints a summary table and renders the plots of ``orchestrator report`` (when matplotlib,
-the ``plots`` extra, is installed).
+with the progress bar of ``orchestrator run`` (orchestrator.progress), prints a summary table and renders the
+plots of ``orchestrator report`` (when matplotlib, the ``plots`` extra, is installed).
 """
 
 from __future__ import annotations
@@ -47,18 +47,15 @@ def main(args: argparse.Namespace) -> int:
 async def demo(cfg: JobConfig, *, learn: bool = True) -> None:
     import asyncio
 
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from orchestrator.app import Orchestrator
     from orchestrator.commands.report import render_report
     from orchestrator.errors import OrchestratorError
+    from orchestrator.progress import StepProgress
     from orchestrator.transport.learner import PolicyLearner
     from orchestrator.transport.trainer import ReferenceTrainer
 
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        console = Console(stderr=True, width=160)
+    progress = StepProgress(cfg.run.max_steps)  # the same bar (or plain lines) as `orchestrator run`
+    console = progress.console
     async with contextlib.AsyncExitStack() as stack:
         cfg = await stack.enter_async_context(with_sim_servers(cfg))
         console.print(f"[bold]demo[/]: {cfg.sim.servers} simulated inference servers: "
@@ -67,15 +64,7 @@ async def demo(cfg: JobConfig, *, learn: bool = True) -> None:
         trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
                                    checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints",
                                    learner=PolicyLearner() if learn else None)
-        progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                            TextColumn("{task.description}"), TimeElapsedColumn(), console=console)
-        bar = progress.add_task("starting env workers", total=cfg.run.max_steps)
-
-        def on_step(m: dict[str, Any]) -> None:
-            rewards = " ".join(f"{k}={v:.2f}" for k, v in m["reward_mean"].items())
-            progress.update(bar, advance=1, description=f"reward {rewards} | {m['rollouts_per_s']:.0f} rollouts/s")
-
-        orch.on_step = on_step
+        orch.on_step = progress.on_step
         with progress:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(trainer.run())

@@ -13,13 +13,13 @@ import os
 import socket
 
 from orchestrator.cli import run_async
-from orchestrator.commands.client_keys import add_key_arguments, client_keys
+from orchestrator.commands.client_keys import add_key_arguments, client_keys, zmq_address
 
 HELP = "run an env worker (verifiers environments) for an orchestrator"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--connect", required=True, metavar="ADDRESS",
+    p.add_argument("--connect", required=True, metavar="ADDRESS", type=zmq_address,
                    help="the orchestrator's worker address, e.g. tcp://10.0.0.1:5600 or ipc:///path/workers.sock")
     p.add_argument("--id", default=None, help="worker name in logs and metrics (default: host-pid)")
     p.add_argument("--nice", type=int, default=0, metavar="N",
@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from orchestrator.worker.quiet import quiet_libraries
+
+    quiet_libraries()  # before verifiers (and transformers) are imported, below
     from orchestrator.worker.process import Worker
 
     keys = client_keys(args, args.connect, "env worker")

@@ -8,17 +8,17 @@ import sys
 from pathlib import Path
 
 from orchestrator.cli import run_async
-from orchestrator.commands.client_keys import add_key_arguments, client_keys
+from orchestrator.commands.client_keys import add_key_arguments, client_keys, file_path, zmq_address
 
 HELP = "run the reference trainer: receive batches, print a line per step, announce checkpoints"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("address", help="the orchestrator's batch address, e.g. ipc://outputs/demo/trainer.sock")
+    p.add_argument("address", type=zmq_address, help="the orchestrator's batch address, e.g. ipc://outputs/demo/trainer.sock")
     p.add_argument("--train-s", type=float, default=0.0, help="seconds to 'train' per step before announcing")
     p.add_argument("--no-announce", action="store_true", help="never announce checkpoints")
     p.add_argument("--steps", type=int, default=None, help="exit after this many steps (default: run forever)")
-    p.add_argument("--journal", type=Path, default=None, metavar="FILE",
+    p.add_argument("--journal", type=file_path, default=None, metavar="FILE",
                    help="append a JSON line per step received; when restarted, resume after its last step")
     add_key_arguments(p, "trainer")
     p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",

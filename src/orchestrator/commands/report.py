@@ -2,13 +2,15 @@
 
 Writes ``reward.png`` (mean reward per environment), ``lag.png`` (loop lag p99 and max), ``rss.png``,
 ``phases.png`` (each step's phase times, stacked) and ``throughput.png`` (rollouts/s and tokens/s), all over
-steps, into ``OUTPUT_DIR/plots`` (or ``--out``). Needs matplotlib, the ``plots`` extra; renders with the Agg
+steps, and with online evaluation ``eval.png`` (per eval env: mean reward, pass@1 and pass@k over the steps
+evaluated), into ``OUTPUT_DIR/plots`` (or ``--out``). Needs matplotlib, the ``plots`` extra; renders with the Agg
 backend through matplotlib's object API (no pyplot state), so it runs in any thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +22,8 @@ from orchestrator.errors import OrchestratorError
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+log = logging.getLogger(__name__)
 
 HELP = "plot a run's metrics.jsonl (reward, lag, RSS, phases, throughput) as PNG files"
 INSTALL_HINT = "pip install 'rollout-orchestrator[plots]'"
@@ -52,12 +56,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     except OSError as e:
         raise OrchestratorError(f"{path}: cannot read the run's metrics ({e.strerror})") from None
     rows = []
-    for i, line in enumerate(data.splitlines(), 1):
+    lines = data.splitlines()
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = orjson.loads(line)
         except orjson.JSONDecodeError as e:
+            if i == len(lines) and not data.endswith(b"\n"):  # a run writing it now, or one that crashed mid-line
+                log.warning("%s:%d: skipping the last line, cut short (%d bytes)", path, i, len(line))
+                break
             raise OrchestratorError(f"{path}:{i}: not JSON: {e}") from None
         if not isinstance(row, dict) or "step" not in row:
             raise OrchestratorError(f"{path}:{i}: not a metrics row (no 'step')")
@@ -69,12 +77,18 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def render_report(output_dir: Path, plots_dir: Path | None = None) -> list[Path]:
     """Blocking (file I/O, rendering): write the PNG files; returns their paths."""
-    rows = read_metrics(output_dir / "metrics.jsonl")
+    every = read_metrics(output_dir / "metrics.jsonl")
     new_figure()  # fails early, before any directory is made, when matplotlib is missing
     plots_dir = plots_dir or output_dir / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
-    steps = [int(r["step"]) for r in rows]
-    return [_save(plots_dir / f"{name}.png", title, steps, rows, draw) for name, title, draw in PLOTS]
+    rows = [r for r in every if not r.get("eval")]
+    evals = [r for r in every if r.get("eval")]
+    paths = [_save(plots_dir / f"{name}.png", title, [int(r["step"]) for r in rows], rows, draw)
+             for name, title, draw in PLOTS]
+    if evals:
+        paths.append(_save(plots_dir / "eval.png", "online evaluation", [int(r["step"]) for r in evals], evals,
+                           _eval))
+    return paths
 
 
 def _save(path: Path, title: str, steps: list[int], rows: Sequence[dict[str, Any]],
@@ -142,6 +156,20 @@ def _throughput(ax: Axes, steps: list[int], rows: Sequence[dict[str, Any]]) -> N
     tok.set_ylabel("tokens/s")
     tok.set_ylim(bottom=0)
     tok.legend(fontsize=8, loc="lower right")
+
+
+def _eval(ax: Axes, steps: list[int], rows: Sequence[dict[str, Any]]) -> None:
+    """Per eval env: mean reward (solid), pass@1 (dashed) and pass@k for the largest k (dotted)."""
+    envs = sorted({e for r in rows for e in r.get("envs", {})})
+    for i, env in enumerate(envs):
+        got = [(s, r["envs"][env]) for s, r in zip(steps, rows, strict=True) if env in r.get("envs", {})]
+        xs = [s for s, _ in got]
+        k = max((int(key[5:]) for _, m in got for key in m if key.startswith("pass@")), default=1)
+        for key, style in {"mean_reward": "-", "pass@1": "--", f"pass@{k}": ":"}.items():  # k = 1: two lines
+            ax.plot(xs, [m.get(key, 0.0) for _, m in got], ls=style, marker="o", ms=3, color=f"C{i}",
+                    label=f"{env} {key}")
+    ax.set_ylabel("reward / pass rate")
+    ax.set_ylim(-0.02, 1.02)
 
 
 PLOTS: list[tuple[str, str, Callable[[Axes, list[int], Sequence[dict[str, Any]]], None]]] = [

@@ -2,21 +2,30 @@
 
 verifiers runs a harness's ``launch()`` per rollout; every model call must go through the rollout's
 interception ``endpoint`` so the trace records token ids, logprobs and routed experts. This harness makes
-those calls with one ``AsyncOpenAI`` client per (endpoint, process), sending each rollout's secret (verifiers
-makes one per rollout) as that request's bearer token: building a client per rollout costs ~53 ms of TLS
-setup (measured in VERIFIERS.md), and clients kept per secret would grow without bound. A subclass overrides
-``follow_up(data, reply, turn)`` to continue the conversation (multi-turn): it returns the next user message,
-or None to end the episode.
+those calls with one ``AsyncOpenAI`` client per endpoint and process, and sends the rollout's ``secret`` (its
+bearer token) with each call. The endpoint is the interception server's, shared by every rollout it
+multiplexes; only the secret is per rollout. A client per rollout (or per secret) costs ~53 ms of TLS setup
+(VERIFIERS.md) and ~0.8 MB of native memory (its SSL context: OpenSSL's copy of the CA bundle, invisible to
+tracemalloc) that a cache keeps for the life of the process: 0.8-0.9 MB of worker RSS per rollout, measured
+with scripts/perf/soak_workers.py.
+
+The client has no timeout of its own: its calls go to the interception server on this host, whose call to
+the inference server is the one bounded (``inference.request_timeout_s``, verifiers' client read timeout), so a
+hung server fails the rollout as a timeout of the provider, not of this harness.
+
+A subclass overrides ``follow_up(data, reply, turn)`` to continue the conversation (multi-turn): it returns the
+next user message, or None to end the episode.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import openai.resources.chat.completions  # noqa: F401 - the SDK imports it on first use: on the first rollout's loop
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
 
-_clients: dict[str, AsyncOpenAI] = {}  # by endpoint
+_clients: dict[str, AsyncOpenAI] = {}  # by endpoint: one per interception server, a handful per process
 
 
 def assistant_texts(trace: vf.Trace) -> list[str]:
@@ -27,10 +36,17 @@ def assistant_texts(trace: vf.Trace) -> list[str]:
 
 
 def _client(endpoint: str) -> AsyncOpenAI:
+    """The process's client for ``endpoint``; each call carries its rollout's secret (``_auth``)."""
     client = _clients.get(endpoint)
-    if client is None:  # the key is replaced per request (each rollout's secret)
-        client = _clients[endpoint] = AsyncOpenAI(base_url=endpoint, api_key="per-request", max_retries=0)
+    if client is None:  # the SDK insists on a key; every call overrides it with the rollout's
+        client = _clients[endpoint] = AsyncOpenAI(base_url=endpoint, api_key="per-rollout", max_retries=0,
+                                                  timeout=None)
     return client
+
+
+def _auth(secret: str) -> dict[str, str]:
+    """The header verifiers' interception server finds a rollout by (``Dialect.secret``)."""
+    return {"Authorization": f"Bearer {secret}"}
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
@@ -47,8 +63,7 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
         system, prompt = self.resolve_prompt(data)
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         messages += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt or ""}]
-        client = _client(endpoint)
-        auth = {"Authorization": f"Bearer {secret}"}
+        client, auth = _client(endpoint), _auth(secret)
         for turn in range(self.config.max_turns):
             reply = await client.chat.completions.create(model=ctx.model, messages=messages,  # type: ignore[arg-type]
                                                          extra_headers=auth)

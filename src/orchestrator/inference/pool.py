@@ -2,7 +2,7 @@
 
 Use (the orchestrator)::
 
-    async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
+    async with InferencePool.open(cfg.inference, cfg.model.name) as pool, asyncio.TaskGroup() as tg:
         tg.create_task(pool.run())                  # background probes: owned by the caller
         server = await pool.acquire(group_size)     # ... pool.release(server, group_size)
         result = await pool.update_weights(Checkpoint(step, path))  # WeightSyncResult(updated, failed)
@@ -11,16 +11,28 @@ Use (the orchestrator)::
   counts ``n`` more on it until ``release``: a group of ``n`` rollouts acquires once, so the whole group is
   pinned to one server (``server.url`` is what its env worker talks to).
 - **Health.** ``report_failure`` / ``report_success`` come from whoever talked to the server (the scheduler,
-  for env workers' calls). ``failures_to_evict`` consecutive failures take a server out of rotation;
-  ``run()`` probes servers out of rotation every ``probe_interval_s``: one whose ``/health`` answers 200 (any
-  body: real servers send none) is brought to the current weights first, then rejoins. With no server in
-  rotation, ``acquire`` waits (one warning per ``no_server_warn_interval_s`` for the whole pool) and resumes
-  when one returns. Every change is logged and counted in ``metrics`` (``evictions``, ``rejoins``,
-  ``failed:<kind>``, ``weight_sync_failed``).
+  for env workers' calls: an error, a malformed reply or a request timeout alike). ``failures_to_evict``
+  consecutive failures take a server out of rotation; ``run()`` probes servers out of rotation every
+  ``probe_interval_s``: one whose ``/health`` answers 200 (any body: real servers send none) is brought to the
+  current weights first (else only resumed), then (given the ``model``) must answer a 2-token generate
+  request that parses, each call within PROBE_TIMEOUT_S, and only then rejoins. The generate canary keeps
+  out a server whose health route answers while its generate route hangs, errs or returns garbage: without
+  it such a server would rejoin at once, take its share of new groups and hold them until they time out,
+  again and again. A server in rotation that was given work and has not answered (a success or a failure)
+  for ``request_timeout_s`` gets the same canary, under ``request_timeout_s``, and leaves rotation if it
+  does not answer: a hung server's rollouts do not always time out to say so (steps go on with the other
+  servers, and its groups are cancelled as stale first). So a hung server is out within about twice
+  ``request_timeout_s`` of its first unanswered request.
+  With no server in rotation, ``acquire`` waits (one warning per ``no_server_warn_interval_s`` for the whole
+  pool) and resumes when one returns. Every change is logged and counted in ``metrics`` (``evictions``,
+  ``rejoins``, ``failed:<kind>``, ``weight_sync_failed``, ``liveness_checks``).
 - **Weight sync.** ``update_weights(ckpt)`` runs the backend's pause / load / resume (weights.py) on every
-  server at once, each call under ``weight_sync_timeout_s``; a server that fails leaves rotation and is
-  synced again before it rejoins, so no server serves old weights unnoticed. No real server reports which
-  weights it serves, so ``server.version`` is what the last successful sync loaded.
+  server in rotation at once, each call under ``weight_sync_timeout_s`` and logged every SLOW_CALL_WARN_S
+  while it has no answer; after a failed call the resume waits at most RESUME_AFTER_FAILURE_S. So a hung
+  server holds one sync (and the new policy, which waits for it) for at most ``weight_sync_timeout_s`` +
+  that, then leaves rotation, named in the log; servers out of rotation are synced by the probe before they
+  rejoin, so no server serves old weights unnoticed and none is waited for while it is out. No real server
+  reports which weights it serves, so ``server.version`` is what the last successful sync loaded.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import aiohttp
 
 from orchestrator.config import InferenceConfig
 from orchestrator.errors import Failure, InferenceError
+from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
 from orchestrator.inference.weights import weight_sync, weights_dir
 from orchestrator.transport.checkpoints import Checkpoint
@@ -44,6 +57,10 @@ from orchestrator.transport.checkpoints import Checkpoint
 log = logging.getLogger(__name__)
 
 SLOW_CALL_WARN_S = 30.0
+RESUME_AFTER_FAILURE_S = 30.0  # a resume answers at once on a working server; after a failure it is best effort
+PROBE_TIMEOUT_S = 5.0  # each probe call (health, a 2-token generate); at most request_timeout_s
+CANARY_PROMPT = [1, 2, 3]  # token ids of the probe's generate request: any model's vocabulary has them
+PROBE_CACHE_SALT = "probe"  # the probe's generate requests carry it (tests tell them from rollouts' by it)
 
 
 @dataclass(eq=False)
@@ -56,6 +73,10 @@ class Server:
     failures: int = 0  # consecutive
     version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with)
     last_error: str = ""
+    probe_failures: int = 0  # since it last left rotation
+    waiting_since: float | None = None  # given work, and no answer (success or failure) from it since
+    answers: int = 0  # successes and failures reported
+    checking: bool = False  # a probe or liveness check of it is under way
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -71,10 +92,12 @@ class WeightSyncResult:
 
 
 class InferencePool:
-    def __init__(self, cfg: InferenceConfig, servers: Sequence[InferenceServer]) -> None:
+    def __init__(self, cfg: InferenceConfig, servers: Sequence[InferenceServer], model: str | None = None) -> None:
+        """``model``: the served model's name, for the probe's generate canary (None: probes check health only)."""
         if not servers:
             raise ValueError("an inference pool needs at least one server (inference.servers)")
         self.cfg = cfg
+        self.model = model
         self.servers = [Server(api) for api in servers]
         self.weights = weight_sync(cfg.backend)
         self._rotation_changed = asyncio.Event()
@@ -84,12 +107,12 @@ class InferencePool:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: InferenceConfig) -> AsyncIterator[InferencePool]:
+    async def open(cls, cfg: InferenceConfig, model: str | None = None) -> AsyncIterator[InferencePool]:
         """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit)."""
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         key = api_key(cfg.api_key_env)
         async with aiohttp.ClientSession(connector=connector) as session:
-            yield cls(cfg, [HttpInferenceServer(url, session, key) for url in cfg.servers])
+            yield cls(cfg, [HttpInferenceServer(url, session, key) for url in cfg.servers], model)
 
     # ------------------------------------------------------------------------------- choice and pinning
 
@@ -102,6 +125,8 @@ class InferencePool:
             if live:
                 server = min(live, key=lambda s: s.inflight)
                 server.inflight += n
+                if server.waiting_since is None:
+                    server.waiting_since = time.monotonic()
                 return server
             self._warn_no_server()
             self._rotation_changed.clear()
@@ -125,9 +150,13 @@ class InferencePool:
 
     def report_success(self, server: Server) -> None:
         server.failures = 0
+        server.waiting_since = None
+        server.answers += 1
 
     def report_failure(self, server: Server, kind: Failure, detail: str, *, evict: bool = False) -> None:
         """Count a failed request; evict the server after ``failures_to_evict`` in a row (or now: ``evict``)."""
+        server.waiting_since = None  # an answer, of a kind (a timeout is the pool's own verdict)
+        server.answers += 1
         server.failures += 1
         server.last_error = f"{kind}: {detail}"
         self.metrics[f"failed:{kind}"] += 1
@@ -138,6 +167,8 @@ class InferencePool:
         if server.in_rotation == on:
             return
         server.in_rotation = on
+        server.probe_failures = 0
+        server.waiting_since = None
         self.metrics["rejoins" if on else "evictions"] += 1
         if on:
             server.failures = 0
@@ -147,32 +178,92 @@ class InferencePool:
         self._rotation_changed.set()
 
     async def run(self) -> None:
-        """Probe servers out of rotation every ``probe_interval_s``; consumes nothing, produces rejoins.
+        """Every ``probe_interval_s``: probe each server out of rotation, and check each one in rotation that
+        has been waited on too long; consumes nothing, produces rejoins and evictions.
 
         Waits on a timer only. A server whose ``/health`` answers 200 is synced to the target weights (unless
-        it holds them already), then rejoins. Runs until cancelled (owned by the caller's TaskGroup)."""
-        while True:
-            await asyncio.sleep(self.cfg.probe_interval_s)
-            out = [s for s in self.servers if not s.in_rotation]
-            if out:
-                await asyncio.gather(*(self._probe(s) for s in out))
+        it holds them already), passes the generate canary (with a ``model``), then rejoins. A server in
+        rotation given work ``request_timeout_s`` ago with no answer since gets a liveness check (with a
+        ``model``). Each server has at most one check running, as a task owned here. Runs until cancelled
+        (owned by the caller's TaskGroup)."""
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                await asyncio.sleep(self.cfg.probe_interval_s)
+                now = time.monotonic()
+                for server in self.servers:
+                    if server.checking:
+                        continue
+                    if not server.in_rotation:
+                        check = self._probe(server)
+                    elif (self.model is not None and server.waiting_since is not None and not server.sync_lock.locked()
+                          and now - server.waiting_since >= self.cfg.request_timeout_s):
+                        check = self._check_live(server)
+                    else:
+                        continue
+                    server.checking = True
+                    tg.create_task(self._checking(server, check))
+
+    async def _checking(self, server: Server, check: Awaitable[None]) -> None:
+        try:
+            await check
+        finally:
+            server.checking = False
+
+    async def _check_live(self, server: Server) -> None:
+        """A server in rotation whose work has waited ``request_timeout_s`` with no answer must answer the
+        canary within ``request_timeout_s`` too, or leave rotation now. Rollouts on a hung server do not always
+        time out to say so: cancelled as stale (steps run on with the other servers) or with their group,
+        they never answer, and the server would keep taking its share of new groups."""
+        assert server.waiting_since is not None
+        waited, answers = time.monotonic() - server.waiting_since, server.answers
+        self.metrics["liveness_checks"] += 1
+        try:
+            await self._canary(server, self.cfg.request_timeout_s)
+        except InferenceError as e:
+            if server.answers == answers and server.in_rotation:  # nothing answered meanwhile
+                self.report_failure(server, e.kind, f"its work waited {waited:.0f} s with no answer, and {e}",
+                                    evict=True)
+            return
+        server.waiting_since = time.monotonic() if server.inflight else None  # alive: long rollouts
+
+    async def _canary(self, server: Server, timeout_s: float) -> None:
+        """A 2-token generate request that must answer and parse within ``timeout_s`` (InferenceError else)."""
+        body = {"model": self.model, "token_ids": CANARY_PROMPT, "cache_salt": PROBE_CACHE_SALT,
+                "sampling_params": {"max_tokens": 2, "logprobs": 1, "temperature": 1.0}}
+        raw = await self._timed(server.api.request("POST", "/inference/v1/generate", body=body),
+                                f"a 2-token generate request to {server.url}", timeout_s)
+        parse_generate_reply(raw, len(CANARY_PROMPT))
 
     async def _probe(self, server: Server) -> None:
+        """Health, weights, canary (the ``run`` docstring); the first failure ends the probe, logged once per
+        eviction (then at debug level: a server may stay out for hours)."""
+        timeout_s = min(self.cfg.request_timeout_s, PROBE_TIMEOUT_S)
         try:
-            probe_timeout_s = min(self.cfg.request_timeout_s, max(5 * self.cfg.probe_interval_s, 1.0))
-            await self._timed(server.api.request("GET", "/health"), f"/health of {server.url}", probe_timeout_s)
-            target = self.target
-            if server.version != target.step:
-                await self._sync_one(server, target)
+            await self._timed(server.api.request("GET", "/health"), f"/health of {server.url}", timeout_s)
+            if server.version == self.target.step:
+                # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped)
+                async with server.sync_lock:
+                    await self._timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
+            while server.version != self.target.step:  # newer weights may be announced while it loads
+                await self._sync_one(server, self.target)  # ends with a resume
+            if self.model is not None:
+                await self._canary(server, timeout_s)
             self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
         except InferenceError as e:
             server.last_error = str(e)
-            log.debug("probe of %s failed: %s", server.url, e)
+            level = logging.DEBUG if server.probe_failures else logging.INFO
+            server.probe_failures += 1
+            log.log(level, "inference server %s stays out of rotation: %s", server.url, e)
 
-    async def _timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None) -> bytes:
-        """``call`` under ``timeout_s`` (default ``weight_sync_timeout_s``), logging every SLOW_CALL_WARN_S
-        while it has no answer: a hung server holds a weight sync, and the job, for at most the timeout."""
-        timeout_s = self.cfg.weight_sync_timeout_s if timeout_s is None else timeout_s
+    async def _timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None, *,
+                     after_failure: bool = False) -> bytes:
+        """``call`` under ``timeout_s`` (default ``weight_sync_timeout_s``; ``after_failure``: at most
+        RESUME_AFTER_FAILURE_S), logging every SLOW_CALL_WARN_S while it has no answer: a hung server holds a
+        weight sync, and the job, for at most the timeout."""
+        if timeout_s is None:
+            timeout_s = self.cfg.weight_sync_timeout_s
+            if after_failure:
+                timeout_s = min(timeout_s, RESUME_AFTER_FAILURE_S)
         task = asyncio.ensure_future(call)
         t0 = time.monotonic()
         try:
@@ -193,15 +284,18 @@ class InferencePool:
     # ------------------------------------------------------------------------------------- weight sync
 
     async def update_weights(self, ckpt: Checkpoint) -> WeightSyncResult:
-        """Pause, load ``ckpt``'s weights and resume on every server at once.
+        """Pause, load ``ckpt``'s weights and resume on every server in rotation at once.
 
         A server that fails any call leaves rotation (and is counted in ``failed``); the probe in ``run()``
-        syncs it and brings it back. CheckpointError when there is no path for the weights."""
+        syncs it and brings it back. A server out of rotation is not waited for: the probe syncs it to the
+        newest weights before it rejoins, so a hung server holds one sync, not every sync while it hangs.
+        CheckpointError when there is no path for the weights."""
         weights_dir(ckpt, self.cfg.weights_path)  # no path: an error for the job, before any server is paused
         self.target = ckpt
         result = WeightSyncResult(ckpt.step)
-        outcomes = await asyncio.gather(*(self._sync_one(s, ckpt) for s in self.servers), return_exceptions=True)
-        for server, outcome in zip(self.servers, outcomes, strict=True):
+        live = [s for s in self.servers if s.in_rotation]
+        outcomes = await asyncio.gather(*(self._sync_one(s, ckpt) for s in live), return_exceptions=True)
+        for server, outcome in zip(live, outcomes, strict=True):
             if isinstance(outcome, InferenceError):
                 result.failed[server.url] = str(outcome)
                 self.metrics["weight_sync_failed"] += 1
@@ -221,6 +315,10 @@ class InferencePool:
         path = weights_dir(ckpt, self.cfg.weights_path)
         async with server.sync_lock:
             t0 = time.monotonic()
-            await self.weights.sync(server.api, ckpt, path, self._timed)
+            try:
+                await self.weights.sync(server.api, ckpt, path, self._timed)
+            finally:
+                if server.waiting_since is not None:  # the pause froze its requests: that time is not waiting
+                    server.waiting_since = min(time.monotonic(), server.waiting_since + time.monotonic() - t0)
             server.version = ckpt.step
             log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, time.monotonic() - t0)

@@ -22,11 +22,15 @@ routes do not exist (404) and full weights cannot be changed over HTTP at all.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Awaitable
+from typing import Protocol
 
-from orchestrator.errors import CheckpointError
+from orchestrator.errors import CheckpointError, InferenceError
 from orchestrator.inference.server import HttpStatusError, InferenceServer
 from orchestrator.transport.checkpoints import Checkpoint
+
+log = logging.getLogger(__name__)
 
 PAUSE_QUERY = {"mode": "keep", "clear_cache": "false"}
 
@@ -42,7 +46,11 @@ def weights_dir(ckpt: Checkpoint, template: str | None) -> str:
     return template.replace("{step}", str(ckpt.step))
 
 
-Timed = Callable[[Awaitable[bytes], str], Awaitable[bytes]]  # the pool's per-call timeout
+class Timed(Protocol):
+    """The pool's per-call timeout (``weight_sync_timeout_s``), logging a call that is slow to answer;
+    ``after_failure``: a shorter bound, for the resume that follows a failed call."""
+
+    def __call__(self, call: Awaitable[bytes], what: str, *, after_failure: bool = False) -> Awaitable[bytes]: ...
 
 
 class WeightSync:
@@ -53,12 +61,21 @@ class WeightSync:
     admin_fix = ""  # what to do when it does not
 
     async def sync(self, server: InferenceServer, ckpt: Checkpoint, path: str, timed: Timed) -> None:
-        """Pause, load ``path`` as the weights of step ``ckpt.step``, resume (also after a failed load)."""
+        """Pause, load ``path`` as the weights of step ``ckpt.step``, resume (also after a failed load, then
+        best effort: the error raised is the one that failed the sync)."""
         try:  # pause inside: a pause cut short (cancelled at shutdown) may still have paused the server
             await timed(server.request("POST", "/pause", query=PAUSE_QUERY), f"pause on {server.url}")
             await self.load(server, ckpt.step, path, timed)
-        finally:
-            await timed(server.request("POST", "/resume"), f"resume on {server.url}")
+        except BaseException:
+            # a hung server would hold the sync for a second full timeout here; one that failed leaves
+            # rotation and is synced again (resumed included) before it rejoins
+            try:
+                await timed(server.request("POST", "/resume"), f"resume on {server.url} after a failed sync",
+                            after_failure=True)
+            except InferenceError as e:
+                log.warning("%s (it may still be paused: it is resumed before it rejoins rotation)", e)
+            raise
+        await timed(server.request("POST", "/resume"), f"resume on {server.url}")
 
     async def load(self, server: InferenceServer, step: int, path: str, timed: Timed) -> None:
         raise NotImplementedError

@@ -4,7 +4,8 @@ Each ``[[pipeline.filters]]`` table names a filter, whether it is enforced (matc
 from the batch) or monitor-only (matched rollouts are counted and marked, and still trained on), and its
 arguments. Built in:
 
-- ``zero_advantage`` (enforced by default): the rollout's advantage is 0, so it carries no gradient.
+- ``zero_advantage`` (enforced by default): the rollout's advantage is within ``tolerance`` (1e-6) of 0, so
+  it carries no gradient (a group of equal non-binary rewards has advantages of about 1e-17, not 0).
 - ``gibberish`` (monitor-only by default): a sampled token with id > ``token_id_threshold`` (a rare token)
   sampled at logprob < -ln(vocab_size) - ``logprob_offset`` (below uniform: high entropy). The rule is the
   one prime-rl's gibberish detector uses; this is an independent vectorised implementation.
@@ -28,6 +29,7 @@ import numpy as np
 from orchestrator.config import FilterConfig
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline.imports import import_hook
+from orchestrator.scheduling.gates import take_by_name_and_env
 
 
 class Filterable(Protocol):
@@ -81,9 +83,10 @@ class FilterSet:
         key = f"pipeline.filters[{i}]"
         try:
             if f.name == "zero_advantage":
+                tolerance = float(args.pop("tolerance", 1e-6))
                 if args:
-                    raise TypeError(f"takes no arguments, got {sorted(args)}")
-                return lambda _r, adv: adv == 0.0
+                    raise TypeError(f"takes only tolerance, got {sorted(args)}")
+                return lambda _r, adv: abs(adv) <= tolerance
             if f.name == "gibberish":
                 args.setdefault("vocab_size", vocab_size)
                 is_gibberish(np.zeros(0, np.int32), np.zeros(0, np.float32), **args)  # checks the names
@@ -108,8 +111,5 @@ class FilterSet:
 
     def take_counts(self) -> dict[str, dict[str, int]]:
         """Counts since the last call, as {filter: {env: matched}}; resets them."""
-        out: dict[str, dict[str, int]] = {}
-        for (name, env), n in sorted(self.counts.items()):
-            out.setdefault(name, {})[env] = n
-        self.counts.clear()
-        return out
+        return take_by_name_and_env(self.counts)
+

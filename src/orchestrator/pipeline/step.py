@@ -39,8 +39,9 @@ class StepBuilder:
         self.vocab_size = vocab_size
         self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
 
-    def build(self, step: int, groups: Sequence[Any]) -> StepResult:
-        """All three phases in order, each timed in ``phase_s``."""
+    def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult:
+        """All three phases in order, each timed in ``phase_s``; the rows of ``dropped`` groups (none of whose
+        rollouts train) come after the step's own."""
         phase: dict[str, float] = {}
         t = time.perf_counter()
         advantages = self.advantages(groups)
@@ -48,6 +49,7 @@ class StepBuilder:
 
         t = time.perf_counter()
         rows, trained = self.filter(step, groups, advantages)
+        rows += dropped_rows(step, dropped)
         phase["filter"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -58,8 +60,13 @@ class StepBuilder:
     # The phases of ``build``, public so replay (scripts/perf) can run and time them one at a time.
 
     def advantages(self, groups: Sequence[Any]) -> list[np.ndarray]:
-        """Phase ``advantage``: one array per group, over its survivors."""
-        return [self.advantage(g.survivors) for g in groups]
+        """Phase ``advantage``: one array per group, over its survivors (the scheduler's, computed when the
+        group completed for its gates, when it has them)."""
+        out = []
+        for g in groups:
+            adv = getattr(g, "advantages", None)
+            out.append(adv if adv is not None else self.advantage(g.survivors))
+        return out
 
     def filter(self, step: int, groups: Sequence[Any], advantages: Sequence[np.ndarray]
                ) -> tuple[list[dict[str, Any]], list[tuple[RolloutRecord, float]]]:
@@ -68,21 +75,12 @@ class StepBuilder:
         rows: list[dict[str, Any]] = []
         trained: list[tuple[RolloutRecord, float]] = []
         for g, adv in zip(groups, advantages, strict=True):
-            rows += [{"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": r.rid,
-                      "reward": 0.0, "advantage": None, "ok": False, "filters": [], "filtered": False,
-                      "failure": r.header.failure, "error": r.header.error, "tokens": 0, "policy": g.policy,
-                      "off_policy": step - g.policy, "wall_s": r.header.wall_s, "worker": r.header.worker}
-                     for r in g.records if not r.ok]
+            rows += [failed_row(step, g, r) for r in g.records if not r.ok]
             for rec, a in zip(g.survivors, adv.tolist(), strict=True):
                 verdict = self.filters(rec, a)
                 if not verdict.filtered:
                     trained.append((rec, a))
-                h = rec.header
-                rows.append({"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": h.rid,
-                             "reward": rec.reward, "advantage": a, "ok": True, "filters": list(verdict.matched),
-                             "filtered": verdict.filtered, "failure": None, "error": None, "tokens": h.tokens,
-                             "samples": len(h.samples), "policy": g.policy, "off_policy": step - g.policy,
-                             "metrics": h.metrics, "stop": h.stop, "wall_s": h.wall_s, "worker": h.worker})
+                rows.append(survivor_row(step, g, rec, a, list(verdict.matched), verdict.filtered))
         return rows, trained
 
     def assemble(self, step: int, trained: Sequence[tuple[RolloutRecord, float]]) -> Batch:
@@ -112,3 +110,31 @@ class StepBuilder:
                 scalars["env"].append(rec.env)
                 scalars["rollout"].append(rec.rid)
         return Batch.from_columns(self.run, step, chunks, lengths, scalars)
+
+
+def failed_row(step: int, g: Any, r: RolloutRecord, dropped: bool = False) -> dict[str, Any]:
+    """The row of a failed rollout of group ``g``: why it failed (``failure``, ``error``), no reward."""
+    h = r.header
+    return {"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": r.rid, "reward": 0.0,
+            "advantage": None, "ok": False, "filters": [], "filtered": False, "dropped": dropped,
+            "failure": h.failure, "error": h.error, "tokens": 0, "policy": g.policy, "off_policy": step - g.policy,
+            "stop": h.stop, "wall_s": h.wall_s, "worker": h.worker}
+
+
+def survivor_row(step: int, g: Any, rec: RolloutRecord, advantage: float | None, filters: list[str],
+                 filtered: bool, dropped: bool = False) -> dict[str, Any]:
+    """The row of a rollout that came back with a reward (``advantage`` None: its group was dropped)."""
+    h = rec.header
+    return {"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": h.rid, "reward": rec.reward,
+            "advantage": advantage, "ok": True, "filters": filters, "filtered": filtered, "dropped": dropped,
+            "failure": None, "error": None, "tokens": h.tokens, "samples": len(h.samples), "turns": h.turns,
+            "policy": g.policy, "off_policy": step - g.policy, "metrics": h.metrics, "stop": h.stop,
+            "wall_s": h.wall_s, "worker": h.worker}
+
+
+def dropped_rows(step: int, groups: Sequence[Any]) -> list[dict[str, Any]]:
+    """Rows of dropped groups (all failed, or group scoring with a failure), ``"dropped": true``: nothing of
+    them trains, their failures say why."""
+    return [failed_row(step, g, r, dropped=True) if not r.ok
+            else survivor_row(step, g, r, None, [], filtered=False, dropped=True)
+            for g in groups for r in g.records]

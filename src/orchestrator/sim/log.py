@@ -19,7 +19,8 @@ grow without bound); ``Counters`` keep the totals.
 ``weight_version`` is vLLM 0.32+'s engine version string (null on other profiles). In a generate entry,
 ``weights_path`` and ``loads`` are those the reply was sampled with (for a refused or failed request: those
 when it was answered); ``pause_mode`` is the pause in force when the request arrived (null: running);
-``fault`` names an injected fault (``error``, ``drop``, ``down``, ``malformed:<kind>``) or is null. A server
+``fault`` names an injected fault (``error``, ``drop``, ``down``, ``malformed:<kind>``, ``hang``) or is null; a
+hung request is logged when it starts hanging, with status 0 (never answered). A server
 started with ``record_replies`` (``sim-inference --record-replies``) also keeps each reply's ``token_ids``
 (prompt, then completion) and its ``routed_experts`` as sent; otherwise both are null.
 """

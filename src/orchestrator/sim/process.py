@@ -47,8 +47,11 @@ class SimProcess:
 
 @contextlib.asynccontextmanager
 async def sim_process(args: Sequence[str] = (), *, profile: ProfileName | None = None, dev_mode: bool = True,
-                      timeout_s: float = 30.0) -> AsyncIterator[SimProcess]:
+                      timeout_s: float = 120.0) -> AsyncIterator[SimProcess]:
     """Run the simulated server as a subprocess on a free port; it is stopped (by its pid) on exit.
+
+    ``timeout_s`` bounds its start (until it prints its address): a hang guard, since an interpreter importing
+    aiohttp and numpy starts in a second or two on a quiet host and many times that with every core busy.
 
     ``args`` are more ``sim-inference`` flags; ``profile`` None leaves the profile to them (default vllm-0.26).
     """

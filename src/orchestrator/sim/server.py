@@ -256,7 +256,8 @@ class SimServer:
             self._log_generate(r.status, salt if isinstance(salt, str) else None, arrival,
                                fault="down" if self.faults.down else None)
             return r.response()
-        failed, delay_s = await self._fault(request)
+        failed, delay_s = await self._fault(
+            request, lambda: self._log_generate(0, req.cache_salt, arrival, fault="hang"))
         if failed is not None:
             self._log_generate(failed.status, req.cache_salt, arrival, fault=_fault_name(failed.status))
             return failed
@@ -330,8 +331,10 @@ class SimServer:
 
     # ------------------------------------------------------------------------------------------- faults
 
-    async def _fault(self, request: web.Request) -> tuple[web.Response | None, float]:
-        """Maybe a 500, a hang or a dropped connection (or None: go on), and the latency to add in seconds."""
+    async def _fault(self, request: web.Request, on_hang: Callable[[], None] | None = None
+                     ) -> tuple[web.Response | None, float]:
+        """Maybe a 500, a hang (``on_hang`` called as it starts) or a dropped connection (or None: go on), and the
+        latency to add in seconds."""
         f, rng = self.faults, self._fault_rng
         delay_s = 0.0
         if f.latency_ms or f.latency_max_ms:
@@ -344,6 +347,8 @@ class SimServer:
         roll -= f.error_rate
         if roll < f.hang_rate:
             self.counters.hangs += 1
+            if on_hang is not None:
+                on_hang()
             await self.gate.hang()  # answered never; released with an error at shutdown
         roll -= f.hang_rate
         if roll < f.drop_rate:

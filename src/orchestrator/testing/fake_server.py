@@ -2,14 +2,19 @@
 
 It answers the admin routes of both backends as the real servers do (``/pause``, ``/resume``, prime-rl's
 ``/update_weights {"weight_dir"}``, vLLM's ``/collective_rpc reload_weights`` and ``/update_weight_version``),
-``/health`` with an empty body, and records every call in ``calls``; ``fail_with`` makes every call raise it.
+``/health`` with an empty body, a 2-token ``/inference/v1/generate`` reply (what the pool's probe sends), and
+records every call in ``calls``; ``fail_with`` makes every call raise it, ``hang_paths`` makes calls to those
+paths wait until ``release()``.
 For HTTP-level fidelity use the simulated server (``orchestrator.testing.sim``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
+
+import orjson
 
 from orchestrator.errors import InferenceError
 from orchestrator.inference.server import HttpStatusError
@@ -22,12 +27,28 @@ class FakeInferenceServer:
         self.weights_path: str | None = None
         self.fail_with: InferenceError | None = None  # set: every call raises it
         self.calls: list[tuple[str, str, dict[str, str], Any]] = []  # method, path, query, body
+        self.hang_paths: set[str] = set()
+        self._released = asyncio.Event()
+
+    def release(self) -> None:
+        """End the hang of every call waiting on ``hang_paths`` (each then raises, as a cut connection does)."""
+        self._released.set()
+        self._released = asyncio.Event()
 
     async def request(self, method: str, path: str, *, query: Mapping[str, str] | None = None,
                       body: Any = None) -> bytes:
         self.calls.append((method, path, dict(query or {}), body))
         if self.fail_with is not None:
             raise self.fail_with
+        if path in self.hang_paths:
+            await self._released.wait()
+            raise InferenceError(f"{method} {path}: the connection was cut")
+        if path == "/inference/v1/generate":
+            n = len(body.get("token_ids") or []) if isinstance(body, dict) else 0
+            return orjson.dumps({"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length",
+                                              "logprobs": {"content": [{"token": "token_id:5", "logprob": -1.0},
+                                                                       {"token": "token_id:6", "logprob": -0.5}]}}],
+                                 "prompt_token_ids": list(range(n))})
         if path == "/pause":
             self.paused = True
         elif path == "/resume":

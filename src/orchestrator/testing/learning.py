@@ -76,7 +76,7 @@ def job_toml(directory: Path, url: str, seed: int, steps: int, envs: Sequence[st
              batch_size: int = 64) -> str:
     """The job: on-policy, ``batch_size`` rollouts a step, groups of 8, one env worker per environment, answers
     of one token (with longer replies a mask one token late still trains mostly sampled tokens, so that
-    control could not fail), the environments' arguments in ``ENV_ARGS``."""
+    control could not fail), no gates, the environments' arguments in ``ENV_ARGS``."""
     tables = "".join(f"""
 [[env]]
 name = "{env}"
@@ -104,6 +104,9 @@ max_inflight = {batch_size}
 max_async_level = 0
 max_off_policy_steps = 0
 group_timeout_s = 300.0
+
+[pipeline]
+gates = []  # every group trains: with gates, which tasks make a step would depend on which groups are rejected
 {tables}"""
 
 

@@ -13,16 +13,24 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 Process = asyncio.subprocess.Process
 
 
 @contextlib.asynccontextmanager
-async def orchestrator_process(*args: str, log_level: str | None = None) -> AsyncIterator[Process]:
+async def orchestrator_process(*args: str, log_level: str | None = None, log: Path | None = None,
+                               **popen: Any) -> AsyncIterator[Process]:
     """``python -m orchestrator --log-level LEVEL ARGS...``; killed by pid on exit if still running.
-    ``log_level`` defaults to $ORCHESTRATOR_TEST_LOG_LEVEL, else WARNING."""
+    ``log_level`` defaults to $ORCHESTRATOR_TEST_LOG_LEVEL, else WARNING; ``popen`` (``stdout``, ``stderr``,
+    ``env``...) goes to ``asyncio.create_subprocess_exec``. ``log``: its stderr (the log and any error) goes
+    to that file (appended), for a test to read (``logged``)."""
     log_level = log_level or os.environ.get("ORCHESTRATOR_TEST_LOG_LEVEL", "WARNING")
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "--log-level", log_level, *args)
+    with contextlib.ExitStack() as files:
+        if log is not None:
+            popen["stderr"] = files.enter_context(open(log, "ab"))  # noqa: ASYNC230 - a local file
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "--log-level", log_level,
+                                                    *args, **popen)
     try:
         yield proc
     finally:
@@ -45,6 +53,15 @@ async def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, 
         await asyncio.sleep(poll_s)
 
 
+def logged(log: Path, text: str) -> list[str]:
+    """The lines of ``log`` (an ``orchestrator_process(log=...)`` file) that contain ``text``."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    return [line for line in lines if text in line]
+
+
 def processes_mentioning(text: str) -> list[int]:
     """Pids of live processes whose command line contains ``text`` (e.g. a run's worker socket path)."""
     pids = []
@@ -59,6 +76,17 @@ def processes_mentioning(text: str) -> list[int]:
         if text.encode() in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":  # zombies have ended
             pids.append(int(d.name))
     return pids
+
+
+def unix_connections(path: str | Path) -> int:
+    """Connections to the Unix socket ``path`` (an ``ipc://`` address without its scheme) that the process which
+    bound it still holds open; 0 once it has closed every peer's connection (e.g. after the peer died)."""
+    held = 0
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()  # Num RefCount Protocol Flags Type St Inode [Path]; St 03: connected
+        if len(fields) == 8 and fields[7] == str(path) and fields[5] == "03":
+            held += 1
+    return held
 
 
 def write_job(directory: Path, url: str, steps: int, name: str) -> tuple[Path, Path]:
@@ -76,6 +104,8 @@ servers = ["{url}"]
 [scheduler]
 batch_size = 8
 max_inflight = 8
+[pipeline]
+gates = []  # every finished group trains: gates are not what this test is about
 [[env]]
 taskset = "orchestrator-arithmetic"
 group_size = 4

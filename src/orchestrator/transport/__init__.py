@@ -1,22 +1,36 @@
-"""Transport to trainers: the columnar wire format, the ZMQ link, and the trainer-side receiver.
+"""Transport to trainers: the columnar wire format, the senders, and the trainer-side library.
 
 This subpackage imports neither verifiers nor the orchestrator's scheduling code, so a trainer can use
 it on its own: ``BatchReceiver(address)``, ``await receiver.recv()`` -> ``Batch``, ``await
-receiver.announce(step, path)``; ``BatchReceiver(address, keys=load_client_keys(server_key, client_key))`` for an
-orchestrator that binds tcp:// with CURVE keys.
+receiver.announce(step, path)``; ``BatchReceiver(address, last_step=N, checkpoint=Checkpoint(K, path))`` for a
+trainer resuming from its checkpoint (it gets the steps after N; the orchestrator learns weights K at once);
+``BatchReceiver(address, keys=load_client_keys(server_key, client_key))`` for an orchestrator that binds tcp://
+with CURVE keys; ``pack()`` (per-rank micro-batches of at most ``seq_len``) or
+``pack_ranks()`` (prime-rl's packing: split, padded, balanced) to lay a batch out for data-parallel ranks.
+
+Orchestrator side, every sender (``BatchSender``: zmq and shm; ``FileBatchSender``; ``PrimeRLSender``) is a
+``Sender`` over one ``DeliveryWindow`` (order, bound, acknowledgement, skip on resume, resend); the zmq and shm
+link feeds one trainer at a time (``TrainerSeat``): a second one on the same address is refused.
 """
 
+from orchestrator.errors import TrainerRefused
 from orchestrator.security import ClientKeys, load_client_keys
-from orchestrator.transport.checkpoints import Checkpoint, write_marker
+from orchestrator.transport.balance import PackedMicroBatch, balanced_partition, pack_ranks
+from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, latest_broadcast, write_marker
+from orchestrator.transport.delivery import DeliveryWindow
 from orchestrator.transport.filesystem import CorruptBatchFile, FileBatchReceiver, FileBatchSender
 from orchestrator.transport.packing import MicroBatch, Packing, RankBatches, pack
-from orchestrator.transport.primerl import PrimeRLBatch, decode_primerl, encode_primerl
+from orchestrator.transport.primerl import PrimeRLSender
+from orchestrator.transport.primerl_wire import MICRO_BATCH_FIELDS, EncodedStep, encode_step
+from orchestrator.transport.receiver import BatchReceiver, SyncBatchReceiver
+from orchestrator.transport.seat import TrainerSeat
+from orchestrator.transport.sender import Sender
 from orchestrator.transport.wire import Batch, decode, encode
-from orchestrator.transport.zmq_link import BatchReceiver, BatchSender, SyncBatchReceiver
+from orchestrator.transport.zmq_link import BatchSender
 
-__all__ = ["Batch", "BatchReceiver", "BatchSender", "Checkpoint", "SyncBatchReceiver", "decode", "encode",
-           "write_marker"]
+__all__ = ["Batch", "BatchReceiver", "BatchSender", "Checkpoint", "CheckpointFeed", "DeliveryWindow", "Sender",
+           "SyncBatchReceiver", "decode", "encode", "latest_broadcast", "write_marker"]
 __all__ += ["CorruptBatchFile", "FileBatchReceiver", "FileBatchSender"]
-__all__ += ["MicroBatch", "Packing", "RankBatches", "pack"]
-__all__ += ["PrimeRLBatch", "decode_primerl", "encode_primerl"]
-__all__ += ["ClientKeys", "load_client_keys"]
+__all__ += ["MicroBatch", "PackedMicroBatch", "Packing", "RankBatches", "balanced_partition", "pack", "pack_ranks"]
+__all__ += ["MICRO_BATCH_FIELDS", "EncodedStep", "PrimeRLSender", "encode_step"]
+__all__ += ["ClientKeys", "TrainerRefused", "TrainerSeat", "load_client_keys"]

@@ -1,9 +1,20 @@
-"""Checkpoint announcements: the trainer says which weights are ready, and where they are.
+"""Checkpoint sources: how the trainer says which weights are ready, and where they are.
 
 A ``Checkpoint`` is a step and, optionally, the directory of its weights (else ``inference.weights_path``
-names it). The trainer announces one over the ZMQ link (``{"checkpoint": N, "path": P}``, see zmq_link.py)
-or as a marker file ``step_<N>.ready`` in a directory (``write_marker``; the file holds the path, UTF-8, or
-nothing). Importable without verifiers.
+names it). Three sources, one per kind of trainer:
+
+- **ZMQ announcements** (``{"checkpoint": N, "path": P}`` on the trainer channel, see zmq_link.py): the sender's
+  reader offers each to a ``CheckpointFeed``.
+- **Marker files** ``step_<N>.ready`` in a directory (``write_marker``; the file holds the path, UTF-8, or
+  nothing): ``marker_announcements`` yields each once, in increasing order.
+- **prime-rl broadcasts**: prime-rl's trainer writes the weights of its step N into
+  ``<trainer_dir>/broadcasts/step_N/`` and touches ``STABLE`` in it when the directory is complete
+  (``src/prime_rl/transports/weights/filesystem.py`` at prime-rl 559b447); ``latest_broadcast`` finds the
+  newest complete one, which becomes ``Checkpoint(N, that directory)``. The trainer deletes old ones (all but
+  the newest two), so a reader that falls behind jumps to the newest, as prime-rl's own watcher does.
+
+A ``CheckpointFeed`` keeps only the newest checkpoint offered: a weight sync that falls behind loads the newest
+weights next, never a backlog of older ones (whose directories may be gone). Importable without verifiers.
 """
 
 from __future__ import annotations
@@ -14,6 +25,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+BROADCASTS = "broadcasts"
+STABLE = "STABLE"
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -21,6 +35,32 @@ class Checkpoint:
 
     step: int
     path: str | None = None
+
+
+class CheckpointFeed:
+    """The newest checkpoint offered so far; ``updates()`` yields it each time a newer one arrives."""
+
+    def __init__(self) -> None:
+        self.latest: Checkpoint | None = None
+        self._offered = asyncio.Event()  # set on every newer offer; each waiter checks ``latest`` itself
+
+    def offer(self, ckpt: Checkpoint) -> bool:
+        """Keep ``ckpt`` if it is newer than the latest (a repeat or an older step is ignored); whether it was."""
+        if self.latest is not None and ckpt.step <= self.latest.step:
+            return False
+        self.latest = ckpt
+        self._offered.set()
+        return True
+
+    async def updates(self) -> AsyncIterator[Checkpoint]:
+        """The latest checkpoint now (if any), then each newer one; a slow consumer skips to the newest."""
+        seen = -1
+        while True:
+            while self.latest is None or self.latest.step <= seen:
+                self._offered.clear()
+                await self._offered.wait()
+            seen = self.latest.step
+            yield self.latest
 
 
 def write_marker(directory: Path, step: int, path: str | None = None) -> Path:
@@ -56,3 +96,27 @@ def _markers(marker_dir: Path, after: int) -> list[Checkpoint]:
                 path = None
             out.append(Checkpoint(int(digits), path))
     return sorted(out, key=lambda c: c.step)
+
+
+def broadcast_dir(trainer_dir: Path, step: int) -> Path:
+    """Where prime-rl's trainer writes the weights of its step ``step``."""
+    return trainer_dir / BROADCASTS / f"step_{step}"
+
+
+def broadcast_steps(trainer_dir: Path) -> list[int]:
+    """The steps of every ``broadcasts/step_N`` directory, complete or not, ascending (blocking: a listing)."""
+    try:
+        entries = list(os.scandir(trainer_dir / BROADCASTS))
+    except FileNotFoundError:
+        return []
+    steps = [e.name.removeprefix("step_") for e in entries if e.name.startswith("step_")]
+    return sorted(int(s) for s in steps if s.isdigit())
+
+
+def latest_broadcast(trainer_dir: Path) -> Checkpoint | None:
+    """The newest ``broadcasts/step_N`` holding ``STABLE``, as ``Checkpoint(N, absolute path)`` (blocking)."""
+    for step in reversed(broadcast_steps(trainer_dir)):
+        path = broadcast_dir(trainer_dir, step)
+        if (path / STABLE).exists():
+            return Checkpoint(step, str(path.resolve()))
+    return None

@@ -34,12 +34,13 @@ import os
 import re
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import DuplicateStep, TransportError, WireError
 from orchestrator.transport.checkpoints import Checkpoint, marker_announcements
+from orchestrator.transport.sender import Sender
 from orchestrator.transport.wire import Batch, decode, encode
 
 log = logging.getLogger(__name__)
@@ -156,37 +157,35 @@ def read_batch_file(path: Path) -> Batch:
         raise CorruptBatchFile(f"{path}: {e}") from None
 
 
-class FileBatchSender:
+class FileBatchSender(Sender[None]):
     """Orchestrator side: one file per step in ``directory``; at most ``max_pending`` un-consumed files.
 
-    It has the interface the orchestrator uses of ``BatchSender``: a step counts as acknowledged once its
-    file is durably in the directory (the trainer will find it there), so ``acked`` is the last step
-    written and nothing is kept in memory. With ``resume``, a step whose file is already there is skipped
-    (``send`` returns False); without it, leftover batch files are refused at start, as they belong to
-    another run. Checkpoints are announced with marker files (``marker_announcements``)."""
+    A step counts as acknowledged once its file is durably in the directory (the trainer will find it there),
+    so ``acked`` is the last step written and ``unacked`` is always empty: nothing is kept in memory. The bound
+    is the directory's: ``send`` waits while ``max_pending`` files are not consumed. With ``resume``, a step
+    whose file is already there is adopted, not written again (``send`` returns False); without it, leftover
+    batch files are refused at start, as they belong to another run. Checkpoints are announced with marker
+    files (``marker_announcements``)."""
+
+    kind = "filesystem"
 
     def __init__(self, directory: str | Path, *, max_pending: int = 2, warn_s: float = 30.0,
                  poll_s: float = 0.05, resume: bool = False) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        super().__init__(str(directory), max_pending, warn_s)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.max_pending, self.warn_s, self.poll_s = max_pending, warn_s, poll_s
+        self.max_pending, self.poll_s = max_pending, poll_s
         self.resume = resume
-        self.next_step: int | None = None
-        self.bytes_sent = 0
-        self.waiting = False  # true while send is held back by max_pending files
-        self.acked = -1  # the last step written
-        self.unacked: dict[int, Any] = {}  # always empty: a written file is durable
-        self.skipped: list[int] = []
-        self.on_ack: Callable[[int], None] = lambda _step: None
+        self.marker_dir: Path | None = None  # where checkpoints are announced (set by ``announcements``)
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, directory: str | Path, max_pending: int = 2, *, resume: bool = False
+    async def open(cls, directory: str | Path, max_pending: int = 2, *, resume: bool = False, warn_s: float = 30.0
                    ) -> AsyncIterator[FileBatchSender]:
         """A sender for the orchestrator; TransportError if ``directory`` holds another run's batch files."""
-        sender = cls(directory, max_pending=max_pending, resume=resume)
+        sender = cls(directory, max_pending=max_pending, resume=resume, warn_s=warn_s)
         leftover = await asyncio.to_thread(pending_steps, sender.directory)
         if leftover and not resume:
             raise TransportError(f"{sender.directory} holds batch files of steps {sorted(leftover)[:5]} from an "
@@ -196,31 +195,24 @@ class FileBatchSender:
         if pending:
             log.info("closing with %d batch files not yet read by the trainer in %s", len(pending), sender.directory)
 
-    @property
-    def address(self) -> str:
-        return str(self.directory)
-
-    async def wait_acked(self) -> None:
-        """Nothing to wait for: every step sent is on disk."""
-
     def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]:
         """Checkpoint steps from marker files (the filesystem transport has no message channel)."""
         if marker_dir is None:
             raise TransportError("the filesystem transport needs transport.checkpoint_source = 'marker'")
+        self.marker_dir = marker_dir
         return marker_announcements(marker_dir)
 
-    async def send(self, batch: Batch) -> bool:
-        """Write one step (True), or skip it (False) when resuming and its file is already there. Waits
-        (never drops) while ``max_pending`` files are not yet consumed, re-counting them every ``poll_s``;
-        the file is written in a worker thread."""
-        if self.next_step is not None and batch.step != self.next_step:
-            raise DuplicateStep(f"refusing to write step {batch.step}: the next step is {self.next_step}")
-        if self.resume and batch_path(self.directory, batch.step).exists():
-            log.info("step %d not written: %s already holds it", batch.step, self.directory)
-            self.skipped.append(batch.step)
-            self.next_step = self.acked = batch.step
-            self.next_step += 1
-            return False
+    def checkpoint_wanted(self, policy: int) -> str:
+        """No channel to ask on: says where the marker files are expected."""
+        return (f"the trainer announces checkpoints as marker files step_<N>.ready in {self.marker_dir} "
+                f"(write_marker); none of step >= {policy} has been read")
+
+    async def _delivered_before(self, step: int) -> bool:
+        return self.resume and await asyncio.to_thread(batch_path(self.directory, step).exists)
+
+    async def _wait_room(self, step: int) -> None:
+        """Wait (never drop) while ``max_pending`` files are not yet consumed, re-counting them every ``poll_s``
+        in a worker thread, warning every ``warn_s``."""
         started = warned = time.monotonic()
         try:
             while len(await asyncio.to_thread(pending_steps, self.directory)) >= self.max_pending:
@@ -230,14 +222,16 @@ class FileBatchSender:
                 if now - warned >= self.warn_s:
                     warned = now
                     log.warning("trainer has not consumed the %d batch files in %s for %.0f s; step %d waits",
-                                self.max_pending, self.directory, now - started, batch.step)
+                                self.max_pending, self.directory, now - started, step)
         finally:
             self.waiting = False
-        self.bytes_sent += await asyncio.to_thread(self._write, batch)
-        self.next_step = batch.step + 1
-        self.acked = batch.step
-        self.on_ack(batch.step)
-        return True
+
+    async def _deliver(self, batch: Batch) -> tuple[None, int]:
+        """The step's file, written in a worker thread; nothing to keep (the file is durable)."""
+        return None, await asyncio.to_thread(self._write, batch)
+
+    def _recorded(self, step: int) -> None:
+        self.window.acknowledge(step)  # durably in the directory: the trainer will find it
 
     def _write(self, batch: Batch) -> int:
         path = batch_path(self.directory, batch.step)

@@ -1,322 +1,369 @@
-"""prime-rl compatible batches: a step's ``Batch`` as the msgpack bytes of prime-rl's ``TrainingBatch``.
+"""prime-rl's trainer, fed unchanged: ``[transport] kind = "prime-rl"`` (prime-rl 559b447, 2026-08-21).
 
-prime-rl's trainer (``ZMQTrainingBatchReceiver``) pulls two-frame messages ``[sender_id, payload]``, where
-``payload`` is a msgspec-msgpack ``TrainingBatch``. Its structs are ``array_like``, so every struct is a
-msgpack array of all its fields in declaration order (msgspec writes ``nil`` for unset optional fields;
-``omit_defaults`` does not shorten array-like structs). ``encode_primerl`` writes the same bytes without
-msgspec: each per-token column is msgpack-encoded for the whole batch at once with numpy (no per-token
-Python objects; ~3x faster than packing Python lists), the small parts with ``msgpack``. It is still
-O(tokens) CPU work and one copy of the payload (~90 ms per million tokens on a shared 2-core machine), so
-call it in a worker thread, not on the event loop. ``decode_primerl`` reads a payload back, for tests and
-for users.
+prime-rl's trainer reads per-rank micro-batches that the orchestrator packs (``balance.pack_ranks``, encoded by
+``primerl_wire``), one message per data rank per step, and publishes its weights as files. Two layouts, as
+prime-rl's ``rollout_transport.type`` (``src/prime_rl/transports/rollouts/{zmq,filesystem}.py``):
 
-The layout is taken from prime-rl at ``PRIMERL_COMMIT`` (``src/prime_rl/transport/types.py``,
-``zmq.py``), the last commit before prime-rl moved packing into its orchestrator and removed
-``TrainingBatch`` (#3189). docs/wire-format.md, "prime-rl format", lists the fields.
+- **zmq**: we bind a publisher on ``address`` (``tcp://HOST:PORT``) and a PULL socket on ``PORT + 1``. Each
+  data rank r connects a SUB with topic ``data_rank|<r>|`` and pushes its rank (``b"<r>"``, READY) once when it
+  starts. Per step, rank r gets ``[b"data_rank|<r>|", msgpack(list[MicroBatch])]``. The publisher is an XPUB
+  (a PUB to the SUBs, which also hands us their subscriptions): a step goes out only when every rank has sent
+  READY *and* its subscription has reached us (PUB drops messages nobody is subscribed to; READY alone races
+  the subscription), and ``XPUB_NODROP`` makes a full queue wait instead of drop.
+- **filesystem**: ``<trainer_dir>/rollouts/step_<N>/rank_<R>.bin`` holds the same payload, written to
+  ``rank_<R>.bin.tmp`` (fsynced) and renamed: the trainer polls for the final name.
 
-Mapping from our batch: ``token_ids`` -> ``token_ids``; ``loss_mask`` -> ``mask`` (bools); ``logprobs`` ->
-``logprobs``; the sampling temperature repeated per token -> ``temperatures``; scalar ``env`` ->
-``env_name``; scalar ``advantage`` broadcast over the sample's trainable tokens (0.0 elsewhere) ->
-``advantages``, as prime-rl's own orchestrator does; ``routed_experts`` -> ``[bytes, shape, dtype]``.
-Scalars prime-rl has no field for (``reward``, ``rollout``, ...) are not sent. Importable without verifiers.
+**Steps.** prime-rl's trainer starts at step 1 (``Progress.step``; resumed from checkpoint R: R + 1) and counts
+messages: no step is on the wire. Our steps start at 0, so **our step k is the trainer's step k + 1**
+(``rollouts/step_<k+1>``). After training its step N the trainer writes ``<trainer_dir>/broadcasts/step_N/``
+and touches ``STABLE`` (at start, ``step_<R>``: ``step_0`` on a fresh run); so ``broadcasts/step_N`` is
+``Checkpoint(N, that directory)`` for the weight sync, and it **acknowledges our step N - 1**: ``acked`` is the
+newest complete broadcast minus one.
+
+**Gating.** prime-rl's orchestrator holds its batch s until the trainer has published v(s - 1 - TARGET_LAG),
+TARGET_LAG = 1 (``finalize_train_batch``), so at most 2 steps are sent and not yet trained. Here that is the
+delivery window with ``bound`` = ``transport.send_hwm`` (default 2, exactly prime-rl's rule): our step k waits
+for ``broadcasts/step_<k + 1 - bound>``. A rank's queue then never holds more than ``bound`` messages, below
+the publisher's high-water mark (``2 * bound + 1``, at least prime-rl's 10: libzmq counts a pipe's reads
+late by up to half its mark), so nothing is ever dropped there.
+
+**Restarts.** prime-rl's link has no acknowledgement but the broadcasts, and its trainer sends READY once.
+- *Orchestrator* (``--resume``): steps the trainer holds (<= newest broadcast - 1) are skipped; the next one
+  goes out as trainer step newest + 1, so the trainer must resume from checkpoint ``step_<newest>``
+  (filesystem layout: files already written for a step are kept, not written again). A prime-rl trainer
+  that kept running never sends READY again: restart it from that checkpoint too (the log says so).
+- *Trainer* (this process keeps running): a rank whose subscription goes away is lost; when it subscribes
+  again and sends READY, it gets every unacknowledged step again, in order; it must resume from checkpoint
+  ``step_<acked + 1>`` (the newest broadcast) for the count to line up.
+
+**No authentication.** prime-rl's sockets have no CURVE: anyone who reaches ``address`` can subscribe to the
+batches or send READY. Bind loopback (``security.allow_unauthenticated_trainer`` opts in to anything else).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
-import struct
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import msgpack
-import numpy as np
 import zmq
 import zmq.asyncio
 
-from orchestrator.errors import TransportError, WireError
-from orchestrator.transport.checkpoints import Checkpoint, marker_announcements
+from orchestrator.errors import TransportError
+from orchestrator.transport.balance import BinCost, token_count
+from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, broadcast_steps, latest_broadcast
+from orchestrator.transport.primerl_wire import EncodedStep, encode_step
+from orchestrator.transport.sender import Sender, stop_tasks
 from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import push_polling
 
 log = logging.getLogger(__name__)
 
-PRIMERL_COMMIT = "3ab5e04c4cb412ee5c19e49b9afc9f89261dce3d"
-SAMPLE_FIELDS = ("token_ids", "mask", "logprobs", "temperatures", "env_name", "ref_logprobs", "mm_kwargs",
-                 "routed_experts", "mm_token_type_ids", "rl_weights", "ce_weights", "ref_kl_weights",
-                 "advantages")
-REQUIRED_SAMPLE_FIELDS = 5  # token_ids .. env_name have no default
-BATCH_FIELDS = ("examples", "step", "run_idx")
-ROUTED_FIELDS = ("data", "shape", "dtype")
-_PER_TOKEN = {"token_ids": "int64", "mask": "bool", "logprobs": "float64", "temperatures": "float64",
-              "ref_logprobs": "float64", "mm_token_type_ids": "int64", "rl_weights": "float64",
-              "ce_weights": "float64", "ref_kl_weights": "float64", "advantages": "float64"}
+Layout = Literal["zmq", "filesystem"]
+PRIMERL_HWM = 10  # prime-rl's default rollout_transport.hwm
+ROLLOUTS = "rollouts"
 
 
-def encode_primerl(batch: Batch, sender_id: bytes, *, temperature: float | Mapping[str, float] = 1.0) -> list[bytes]:
-    """The two frames ``[sender_id, payload]`` prime-rl's trainer reads for ``batch``.
-
-    ``sender_id`` is how prime-rl's receiver tells orchestrators apart: the name of the run directory
-    (prime-rl uses ``output_dir.stem``). The temperature of sample ``i`` is ``batch.scalars["temperature"][i]``
-    if the batch has that scalar, else ``temperature`` (one value, or one per env name).
-    """
-    if not isinstance(sender_id, bytes):
-        raise TypeError(f"sender_id must be bytes, got {type(sender_id).__name__}")
-    for name in ("token_ids", "loss_mask", "logprobs"):
-        if name not in batch.columns:
-            raise WireError(f"prime-rl format needs column {name!r}; the batch has {sorted(batch.columns)}")
-    if "env" not in batch.scalars:
-        raise WireError(f"prime-rl format needs the per-sample scalar 'env'; the batch has {sorted(batch.scalars)}")
-    cols = batch.columns
-    mask = np.asarray(cols["loss_mask"]).astype(bool)
-    lengths = np.diff(batch.offsets)
-    advantages = batch.scalars.get("advantage", [None] * batch.num_samples)
-    per_token_adv = np.repeat(np.array([0.0 if a is None else float(a) for a in advantages]), lengths)
-    tokens, tok_at = _ints(np.asarray(cols["token_ids"]))
-    flags = np.where(mask, 0xC3, 0xC2).astype(np.uint8)  # msgpack true / false
-    logprobs = _floats(np.asarray(cols["logprobs"]))
-    adv = _floats(np.where(mask, per_token_adv, 0.0))
-    routed = cols.get("routed_experts")
-    temperatures = _temperatures(batch, temperature)
-    packer = msgpack.Packer(use_bin_type=True)
-    parts: list[Any] = [packer.pack_array_header(len(BATCH_FIELDS)), packer.pack_array_header(batch.num_samples)]
-    for i in range(batch.num_samples):
-        a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
-        head = packer.pack_array_header(b - a)
-        parts += [packer.pack_array_header(len(SAMPLE_FIELDS)),
-                  head, tokens[tok_at[a]:tok_at[b]],  # token_ids
-                  head, flags[a:b],  # mask
-                  head, logprobs[9 * a:9 * b],  # logprobs
-                  head, (b"\xcb" + struct.pack(">d", temperatures[i])) * (b - a),  # temperatures
-                  packer.pack(str(batch.scalars["env"][i])),  # env_name
-                  _NIL * 2]  # ref_logprobs, mm_kwargs
-        parts += _routed(packer, routed[a:b]) if routed is not None else [_NIL]
-        parts.append(_NIL * 4)  # mm_token_type_ids, rl_weights, ce_weights, ref_kl_weights
-        parts += [_NIL] if advantages[i] is None else [head, adv[9 * a:9 * b]]  # advantages
-    parts += [packer.pack(batch.step), _NIL]  # step; run_idx is set by prime-rl's receiver
-    return [sender_id, b"".join(parts)]
+def topic(rank: int) -> bytes:
+    """The SUB topic of data rank ``rank``; the trailing ``|`` keeps rank 1 from matching rank 10."""
+    return b"data_rank|%d|" % rank
 
 
-_NIL = b"\xc0"
+def trainer_step(step: int) -> int:
+    """The prime-rl trainer's step for our ``step`` (it counts from 1)."""
+    return step + 1
 
 
-def _floats(values: np.ndarray) -> np.ndarray:
-    """msgpack float64 encoding of every value, concatenated: 9 bytes each (0xcb, big-endian double)."""
-    out = np.empty((values.size, 9), dtype=np.uint8)
-    out[:, 0] = 0xCB
-    out[:, 1:] = values.astype(">f8").view(np.uint8).reshape(-1, 8)
-    return out.reshape(-1)
+def rank_file(trainer_dir: Path, step: int, rank: int) -> Path:
+    """Where the filesystem layout puts data rank ``rank``'s payload of our ``step``."""
+    return trainer_dir / ROLLOUTS / f"step_{trainer_step(step)}" / f"rank_{rank}.bin"
 
 
-def _ints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """msgpack encoding of every int in its smallest form (as msgpack and msgspec write them), concatenated,
-    and the byte offset of each value (``size + 1`` entries). Covers the int32 and uint32 ranges."""
-    v = values.astype(np.int64).reshape(-1)
-    if v.size and (v.min() < -(1 << 31) or v.max() >= 1 << 32):
-        raise WireError(f"token id out of the int32/uint32 range: {v.min()}..{v.max()}")
-    # kinds 0-3: fixint, uint8, uint16, uint32 (v >= 0); 4-7: int32, int16, int8, negative fixint
-    kind = np.where(v >= 0, np.searchsorted(_POS_LIMITS, v, side="right"),
-                    4 + np.searchsorted(_NEG_LIMITS, v, side="right"))
-    payload = _PAYLOAD[kind]  # bytes after the type byte
-    matrix = np.empty((v.size, 5), dtype=np.uint8)
-    matrix[:, 0] = np.where(payload == 0, v & 0xFF, _TYPE_BYTE[kind])
-    matrix[:, 1:] = (v & 0xFFFFFFFF).astype(">u4").view(np.uint8).reshape(-1, 4)
-    keep = np.arange(5) >= 5 - payload[:, None]  # the type byte and the last ``payload`` bytes
-    keep[:, 0] = True
-    at = np.zeros(v.size + 1, dtype=np.int64)
-    np.cumsum(payload + 1, out=at[1:])
-    return matrix[keep], at
+class RankPresence:
+    """Which data ranks can receive (no I/O): a rank is present once its topic is subscribed on our publisher
+    and it has sent READY since it (re)joined. A rank whose subscription goes away is lost; it needs READY
+    again, and when it is back it is in ``take_rejoined()`` (to get the unacknowledged steps again)."""
 
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.subscribed: set[int] = set()
+        self.ready: set[int] = set()
+        self.lost: set[int] = set()  # present once, gone since: back when subscribed and READY again
 
-_POS_LIMITS = np.array([1 << 7, 1 << 8, 1 << 16])
-_NEG_LIMITS = np.array([-(1 << 15), -(1 << 7), -32])
-_PAYLOAD = np.array([0, 1, 2, 4, 4, 2, 1, 0])
-_TYPE_BYTE = np.array([0, 0xCC, 0xCD, 0xCE, 0xD2, 0xD1, 0xD0, 0])
+    @property
+    def complete(self) -> bool:
+        return len(self.subscribed & self.ready) == self.ranks
 
+    def missing(self) -> str:
+        """Which ranks the trainer still lacks, in words."""
+        everyone = set(range(self.ranks))
+        parts = [f"READY from ranks {sorted(everyone - self.ready)}"] if everyone - self.ready else []
+        if everyone - self.subscribed:
+            parts.append(f"subscriptions of ranks {sorted(everyone - self.subscribed)}")
+        return "has not sent " + " and ".join(parts) if parts else "is present"
 
-def _temperatures(batch: Batch, temperature: float | Mapping[str, float]) -> list[float]:
-    if "temperature" in batch.scalars:
-        return [float(t) for t in batch.scalars["temperature"]]
-    if not isinstance(temperature, Mapping):
-        return [float(temperature)] * batch.num_samples
-    out = []
-    for env in batch.scalars["env"]:
-        if env not in temperature:
-            raise WireError(f"no temperature for env {env!r} (temperatures given for {sorted(temperature)})")
-        out.append(float(temperature[env]))
-    return out
+    def subscription(self, message: bytes) -> None:
+        """An XPUB message: ``\\x01`` + topic (subscribed) or ``\\x00`` + topic (its last subscriber left)."""
+        rank = _rank_of_topic(message[1:])
+        if rank is None or rank >= self.ranks:
+            return
+        if message[:1] == b"\x01":
+            self.subscribed.add(rank)
+        elif message[:1] == b"\x00" and rank in self.subscribed:
+            self.subscribed.discard(rank)
+            if rank in self.ready:
+                self.ready.discard(rank)
+                self.lost.add(rank)
+                log.warning("prime-rl trainer rank %d unsubscribed (its process ended?); steps wait until it "
+                            "subscribes and sends READY again", rank)
 
-
-def _routed(packer: msgpack.Packer, arr: np.ndarray) -> list[Any]:
-    """``[data, shape, dtype]``, with the array's bytes referenced rather than copied."""
-    arr = np.ascontiguousarray(arr)
-    n = arr.nbytes
-    bin_head = b"\xc4" + n.to_bytes(1, "big") if n < 1 << 8 else (
-        b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big"))
-    data = arr.reshape(-1).view(np.uint8)  # a flat byte view, also for zero-length arrays
-    return [packer.pack_array_header(len(ROUTED_FIELDS)), bin_head, data,
-            packer.pack(list(arr.shape)), packer.pack(str(arr.dtype))]
-
-
-@dataclass
-class PrimeRLBatch:
-    """A decoded prime-rl ``TrainingBatch``. Each sample is a dict keyed by prime-rl's field names;
-    per-token lists are numpy arrays and ``routed_experts`` is an array viewing the payload."""
-
-    sender_id: bytes
-    step: int
-    samples: list[dict[str, Any]]
-    run_idx: int | None = None
-
-    def to_batch(self, run: str | None = None) -> Batch:
-        """Our ``Batch`` for these samples (``run`` defaults to the sender id). Scalars: ``env``,
-        ``temperature`` (the first token's), and ``advantage`` (the mean of the non-zero per-token
-        advantages, as prime-rl reports it; None when a sample has none)."""
-        lengths = [int(s["token_ids"].size) for s in self.samples]
-        chunks: dict[str, list[np.ndarray]] = {
-            "token_ids": [s["token_ids"].astype(np.int32) for s in self.samples],
-            "loss_mask": [s["mask"].astype(np.uint8) for s in self.samples],
-            "logprobs": [s["logprobs"].astype(np.float32) for s in self.samples],
-        }
-        routed = [s.get("routed_experts") for s in self.samples]
-        if any(r is not None for r in routed):
-            if any(r is None for r in routed):
-                raise WireError("routed_experts is set on some samples but not all")
-            chunks["routed_experts"] = [r for r in routed if r is not None]
-        scalars: dict[str, list[Any]] = {
-            "env": [s["env_name"] for s in self.samples],
-            "temperature": [float(s["temperatures"][0]) if s["temperatures"].size else None for s in self.samples],
-            "advantage": [_scalar_advantage(s.get("advantages")) for s in self.samples],
-        }
-        return Batch.from_columns(run if run is not None else self.sender_id.decode(errors="replace"),
-                                  self.step, chunks, lengths, scalars)
-
-
-def _scalar_advantage(values: np.ndarray | None) -> float | None:
-    if values is None:
-        return None
-    nonzero = values[values != 0.0]
-    return float(nonzero.mean()) if nonzero.size else 0.0
-
-
-def decode_primerl(frames: Sequence[Any]) -> PrimeRLBatch:
-    """Read ``[sender_id, payload]`` as prime-rl's trainer would; WireError naming the cause if invalid."""
-    if len(frames) != 2:
-        raise WireError(f"prime-rl message has {len(frames)} frames, expected 2: [sender_id, payload]")
-    sender_id, payload = (bytes(getattr(f, "buffer", f)) for f in frames)
-    try:
-        raw = msgpack.unpackb(payload, raw=False, use_list=True)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise WireError(f"prime-rl payload is not msgpack: {e}") from None
-    if not isinstance(raw, list) or len(raw) < 2:
-        raise WireError(f"prime-rl TrainingBatch must be an array of {BATCH_FIELDS}, got {_kind(raw)}")
-    examples, step = raw[0], raw[1]
-    run_idx = raw[2] if len(raw) > 2 else None
-    if not isinstance(examples, list) or not isinstance(step, int) or not isinstance(run_idx, int | None):
-        raise WireError(f"prime-rl TrainingBatch fields {BATCH_FIELDS} have types "
-                        f"({_kind(examples)}, {_kind(step)}, {_kind(run_idx)}), expected (array, int, int|nil)")
-    return PrimeRLBatch(sender_id, step, [_decode_sample(i, s) for i, s in enumerate(examples)], run_idx)
-
-
-def _decode_sample(i: int, raw: Any) -> dict[str, Any]:
-    if not isinstance(raw, list) or len(raw) < REQUIRED_SAMPLE_FIELDS:
-        raise WireError(f"prime-rl sample {i} must be an array of at least {REQUIRED_SAMPLE_FIELDS} fields "
-                        f"{SAMPLE_FIELDS[:REQUIRED_SAMPLE_FIELDS]}, got {_kind(raw)}")
-    out: dict[str, Any] = dict(zip(SAMPLE_FIELDS, raw, strict=False))
-    for name in SAMPLE_FIELDS[len(raw):]:
-        out[name] = None
-    if not isinstance(out["env_name"], str):
-        raise WireError(f"prime-rl sample {i}: env_name is a {_kind(out['env_name'])}, not a string")
-    n = len(out["token_ids"]) if isinstance(out["token_ids"], list) else -1
-    for name, dtype in _PER_TOKEN.items():
-        value = out[name]
-        if value is None and name not in SAMPLE_FIELDS[:REQUIRED_SAMPLE_FIELDS]:
-            continue
-        if not isinstance(value, list) or len(value) != n:
-            raise WireError(f"prime-rl sample {i}: {name} is {_kind(value)}, expected {n} values like token_ids")
+    def on_ready(self, message: bytes) -> None:
+        """A READY message: the rank as ASCII decimal (prime-rl's ``str(data_rank).encode()``)."""
         try:
-            out[name] = np.asarray(value, dtype=dtype)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise WireError(f"prime-rl sample {i}: {name} is not a list of {dtype}: {e}") from None
-    if out["routed_experts"] is not None:
-        out["routed_experts"] = _decode_routed(i, out["routed_experts"], n)
-    return out
+            rank = int(message.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            log.warning("ignored a READY message that is not a rank number: %r", message[:32])
+            return
+        if not 0 <= rank < self.ranks:
+            log.warning("ignored READY from rank %d: transport.data_ranks is %d", rank, self.ranks)
+            return
+        self.ready.add(rank)  # a repeat (context-parallel peers share a rank) changes nothing
+
+    def take_rejoined(self) -> list[int]:
+        """Ranks that were lost and are present again (each returned once)."""
+        back = sorted(r for r in self.lost if r in self.subscribed and r in self.ready)
+        self.lost.difference_update(back)
+        return back
 
 
-def _decode_routed(i: int, raw: Any, tokens: int) -> np.ndarray:
-    try:
-        data, shape, dtype = raw
-        arr = np.frombuffer(data, dtype=np.dtype(dtype)).reshape([int(x) for x in shape])
-    except (TypeError, ValueError) as e:
-        raise WireError(f"prime-rl sample {i}: routed_experts is not [bytes, shape, dtype] that fit: {e}") from None
-    if arr.ndim < 1 or arr.shape[0] != tokens:
-        raise WireError(f"prime-rl sample {i}: routed_experts has shape {arr.shape} for {tokens} tokens")
-    return arr
+def _rank_of_topic(raw: bytes) -> int | None:
+    head, _, rest = raw.partition(b"|")
+    digits, bar, tail = rest.partition(b"|")
+    if head != b"data_rank" or not bar or tail or not digits.isdigit():
+        return None
+    return int(digits)
 
 
-def _kind(value: Any) -> str:
-    if isinstance(value, list):
-        return f"an array of {len(value)}"
-    return "nil" if value is None else type(value).__name__
+class PrimeRLSender(Sender[list[memoryview]]):
+    """Orchestrator side of prime-rl's rollout transport (see the module docstring). ``unacked`` keeps each
+    step's per-rank payloads (zmq: to resend to a restarted rank; filesystem: nothing, the files stay)."""
 
+    kind = "prime-rl"
 
-class PrimeRLSender:
-    """Orchestrator side of prime-rl's ZMQ batch transport (``[transport] kind = "prime-rl"``).
-
-    As prime-rl's own orchestrator did at commit 3ab5e04c: a PUSH socket *connected* to the trainer's bound
-    PULL at ``address`` (``tcp://TRAINER:PORT``), one ``[sender_id, TrainingBatch]`` message per step. prime-rl's
-    trainer sends nothing back, so a step counts as acknowledged once ZMQ has queued it (the high-water mark
-    back-pressures), a resumed run cannot learn which steps the trainer holds (it resends from the last
-    step queued before the crash), and checkpoints come as marker files (``checkpoint_source = "marker"``).
-    """
-
-    def __init__(self, push: zmq.asyncio.Socket, address: str, sender_id: bytes,
-                 temperature: float | Mapping[str, float], warn_s: float) -> None:
-        self.push, self._address, self.sender_id = push, address, sender_id
-        self.temperature, self.warn_s = temperature, warn_s
-        self._acked = -1
-        self.unacked: dict[int, Any] = {}
-        self.bytes_sent = 0
+    def __init__(self, trainer_dir: Path, address: str, layout: Layout, ranks: int, window: int,
+                 encode: Callable[[Batch], EncodedStep], resume: bool, warn_s: float) -> None:
+        super().__init__(address, window, warn_s)
+        self.trainer_dir, self.layout, self.ranks = trainer_dir, layout, ranks
+        self.encode, self.resume = encode, resume
+        self.presence = RankPresence(ranks)
+        self.last: EncodedStep | None = None  # the last step encoded, for metrics
+        self.xpub: zmq.asyncio.Socket | None = None  # zmq layout
+        self._broadcasts = CheckpointFeed()
+        self._publishing = asyncio.Lock()  # a resend and a new step never interleave their messages
+        self._resending = False
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, address: str, sender_id: bytes, hwm: int = 2, *,
-                   temperature: float | Mapping[str, float] = 1.0, warn_s: float = 30.0
-                   ) -> AsyncIterator[PrimeRLSender]:
-        ctx = zmq.asyncio.Context()
-        push = ctx.socket(zmq.PUSH)
-        try:
-            push.setsockopt(zmq.SNDHWM, hwm)
-            push.setsockopt(zmq.LINGER, 2000)
-            push.connect(address)
-            yield cls(push, address, sender_id, temperature, warn_s)
-        finally:
-            push.close()
-            ctx.term()
+    async def open(cls, trainer_dir: str | Path, *, data_ranks: int, seq_len: int, pad_to_multiple_of: int = 1,
+                   layout: Layout = "zmq", address: str | None = None, window: int = 2,
+                   temperature: float | Mapping[str, float] = 1.0, bin_cost: BinCost = token_count,
+                   resume: bool = False, warn_s: float = 30.0, poll_s: float = 0.2) -> AsyncIterator[PrimeRLSender]:
+        """Bind (zmq) and watch ``<trainer_dir>/broadcasts`` (every ``poll_s``) from tasks this context owns.
+        TransportError if the trainer directory holds an earlier run's steps and ``resume`` is not set, or the
+        address cannot be bound."""
+        trainer_dir = await asyncio.to_thread(Path(trainer_dir).resolve)
+        await asyncio.to_thread(_check_leftovers, trainer_dir, layout, resume)
+        encode = functools.partial(encode_step, seq_len=seq_len, ranks=data_ranks,
+                                   pad_to_multiple_of=pad_to_multiple_of, temperature=temperature, bin_cost=bin_cost)
+        async with contextlib.AsyncExitStack() as stack:
+            xpub = pull = None
+            if layout == "zmq":
+                if address is None:
+                    raise TransportError("the prime-rl zmq layout needs transport.address = 'tcp://HOST:PORT'")
+                ctx = zmq.asyncio.Context()
+                stack.callback(ctx.term)
+                xpub, pull = _bind(ctx, address, window)
+                stack.callback(xpub.close)
+                stack.callback(pull.close)
+            bound = xpub.getsockopt_string(zmq.LAST_ENDPOINT) if xpub is not None else str(trainer_dir / ROLLOUTS)
+            sender = cls(trainer_dir, bound, layout, data_ranks, window, encode, resume, warn_s)
+            sender.xpub = xpub
+            await sender._scan_broadcasts()
+            tasks = [asyncio.create_task(sender._watch_broadcasts(poll_s), name="prime-rl-broadcasts")]
+            if xpub is not None and pull is not None:
+                tasks.append(asyncio.create_task(sender._watch_ranks(xpub, pull), name="prime-rl-ranks"))
+            sender._log_start()
+            try:
+                yield sender
+            finally:
+                await stop_tasks(tasks)
+                if sender.unacked:
+                    log.warning("closing with steps %s not trained by the prime-rl trainer (no broadcast yet)",
+                                sorted(sender.unacked))
 
-    @property
-    def address(self) -> str:
-        return self._address
-
-    @property
-    def acked(self) -> int:
-        return self._acked
-
-    async def wait_acked(self) -> None:
-        """Nothing to wait for: prime-rl's trainer does not acknowledge."""
+    def _log_start(self) -> None:
+        first = self.acked + 1
+        log.info("prime-rl trainer (%s layout, %d data ranks) at %s; weights from %s/broadcasts; our step %d is "
+                 "its step %d%s", self.layout, self.ranks, self.address, self.trainer_dir, first, trainer_step(first),
+                 f" (resume the trainer from checkpoint step_{first})" if self.resume else "")
 
     def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]:
-        if marker_dir is None:
-            raise TransportError("kind = 'prime-rl' needs transport.checkpoint_source = 'marker'")
-        return marker_announcements(marker_dir)
+        """The newest complete ``broadcasts/step_N`` each time there is a newer one (``marker_dir`` unused)."""
+        return self._broadcasts.updates()
 
-    async def send(self, batch: Batch) -> bool:
-        """Queue one step for the trainer; waits (polling, never blocking the loop) while ZMQ's queue is full
-        or no trainer is connected, warning every ``warn_s``."""
-        frames = encode_primerl(batch, self.sender_id, temperature=self.temperature)
-        await push_polling(self.push, frames, f"step {batch.step} (prime-rl)", self._address, self.warn_s)
-        self._acked = batch.step
-        self.bytes_sent += sum(len(f) for f in frames)
-        return True
+    def checkpoint_wanted(self, policy: int) -> str:
+        """prime-rl's trainer cannot be asked: says where its weights appear and what it is known to lack."""
+        latest = self._broadcasts.latest
+        newest = f"the newest is step_{latest.step}" if latest is not None else "there is none yet"
+        missing = "" if self.layout != "zmq" or self.presence.complete else f"; the trainer {self._missing()}"
+        return (f"prime-rl's trainer publishes {self.trainer_dir}/broadcasts/step_N/STABLE after training our step "
+                f"N - 1 ({newest}){missing}")
+
+    def metrics(self) -> dict[str, Any]:
+        out = super().metrics()
+        if self.last is not None:
+            out["transport"].update(micro_batches_per_rank=self.last.micro_batches, pad_tokens=self.last.pad_tokens,
+                                    dummy_micro_batches=self.last.dummies, truncated_samples=self.last.truncated)
+        return out
+
+    # ------------------------------------------------------------------------------------------ delivery
+
+    async def _delivered_before(self, step: int) -> bool:
+        if self.layout != "filesystem" or not self.resume:
+            return False
+        paths = [rank_file(self.trainer_dir, step, r) for r in range(self.ranks)]
+        return await asyncio.to_thread(lambda: all(p.exists() for p in paths))
+
+    async def _deliver(self, batch: Batch) -> tuple[list[memoryview] | None, int]:
+        """Encode in a worker thread, then publish one message per rank (zmq, once every rank is present) or
+        write one file per rank (filesystem, in a worker thread)."""
+        encoded = await asyncio.to_thread(self.encode, batch)
+        self.last = encoded
+        if batch.num_samples == 0:
+            log.warning("step %d has no samples: each prime-rl rank gets one micro-batch of pad tokens and no loss, "
+                        "so the trainer's step count stays ours + 1", batch.step)
+        if self.layout == "filesystem":
+            await asyncio.to_thread(_write_rank_files, self.trainer_dir, batch.step, encoded.messages)
+            return None, encoded.nbytes
+        if not self.presence.complete:
+            log.info("step %d waits for the prime-rl trainer at %s, which %s", batch.step, self.address,
+                     self.presence.missing())
+        await self._wait(lambda: self.presence.complete and not self._resending, batch.step, self._missing)
+        async with self._publishing:
+            await self._publish(batch.step, encoded.messages, range(self.ranks))
+        return encoded.messages, encoded.nbytes
+
+    def _missing(self) -> str:
+        why = self.presence.missing()
+        if not self.presence.ready and self.resume:
+            why += ("; a prime-rl trainer that kept running while the orchestrator restarted never sends READY "
+                    f"again: restart it from checkpoint step_{self.acked + 1}")
+        return why
+
+    async def _publish(self, step: int, messages: list[memoryview], ranks: range | list[int]) -> None:
+        assert self.xpub is not None
+        for r in ranks:
+            await push_polling(self.xpub, [topic(r), messages[r]], f"step {step} (rank {r})", self.address,
+                               self.warn_s)
+
+    # ------------------------------------------------------------------------------------------ the trainer
+
+    async def _scan_broadcasts(self) -> None:
+        """Acknowledge through the newest complete broadcast and offer it for the weight sync."""
+        latest = await asyncio.to_thread(latest_broadcast, self.trainer_dir)
+        if latest is not None and self._broadcasts.offer(latest):
+            self.window.acknowledge(latest.step - 1)  # broadcast N: the trainer trained our step N - 1
+            self._notify()
+
+    async def _watch_broadcasts(self, poll_s: float) -> None:
+        """Consumes ``broadcasts/step_N/STABLE`` (polled every ``poll_s``); produces acknowledgements and
+        checkpoints. Runs until cancelled."""
+        while True:
+            await asyncio.sleep(poll_s)
+            await self._scan_broadcasts()
+
+    async def _watch_ranks(self, xpub: zmq.asyncio.Socket, pull: zmq.asyncio.Socket) -> None:
+        """Consumes subscriptions (XPUB) and READY messages (PULL); produces rank presence, and resends to
+        ranks that came back. Runs until cancelled."""
+        poller = zmq.asyncio.Poller()
+        poller.register(xpub, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        while True:
+            events = dict(await poller.poll())
+            if xpub in events:
+                self.presence.subscription(await xpub.recv())
+            if pull in events:
+                self.presence.on_ready(await pull.recv())
+            rejoined = self.presence.take_rejoined()
+            if rejoined and self.window.unacked:
+                await self._resend(rejoined)
+            self._notify()
+
+    async def _resend(self, ranks: list[int]) -> None:
+        self._resending = True  # before any await: a send woken now publishes after the resend
+        try:
+            async with self._publishing:
+                log.info("prime-rl trainer ranks %s are back: resending steps %s (the trainer must have resumed "
+                         "from checkpoint step_%d)", ranks, sorted(self.window.unacked), self.acked + 1)
+                for step, messages in list(self.window.unacked.items()):
+                    assert messages is not None  # the zmq layout keeps every step's messages
+                    await self._publish(step, messages, ranks)
+        finally:
+            self._resending = False
+
+
+def _bind(ctx: zmq.asyncio.Context, address: str, window: int) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+    """XPUB on ``address`` and PULL on its port + 1 (port 0: the first free pair). TransportError if not."""
+    host, _, port_text = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not port_text.isdigit():
+        raise TransportError(f"the prime-rl trainer needs a tcp://HOST:PORT address, got {address!r}")
+    port = int(port_text)
+    error: zmq.ZMQError | None = None
+    for _attempt in range(20 if port == 0 else 1):
+        xpub, pull = ctx.socket(zmq.XPUB), ctx.socket(zmq.PULL)
+        xpub.setsockopt(zmq.SNDHWM, max(PRIMERL_HWM, 2 * window + 1))
+        xpub.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue makes the send wait (EAGAIN), never drops
+        xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, repeats included
+        xpub.setsockopt(zmq.LINGER, 2000)
+        pull.setsockopt(zmq.LINGER, 0)
+        try:
+            xpub.bind(f"tcp://{host}:{port or '*'}")
+            bound = int(xpub.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
+            pull.bind(f"tcp://{host}:{bound + 1}")
+            return xpub, pull
+        except zmq.ZMQError as e:
+            xpub.close(linger=0)
+            pull.close(linger=0)
+            error = e
+    raise TransportError(f"cannot bind the prime-rl trainer's address {address} and the port after it: {error}")
+
+
+def _check_leftovers(trainer_dir: Path, layout: Layout, resume: bool) -> None:
+    """A fresh run refuses a trainer directory holding another run's steps (the trainer would read them)."""
+    if resume:
+        return
+    stale = [s for s in broadcast_steps(trainer_dir) if s > 0]
+    if stale:
+        raise TransportError(f"{trainer_dir}/broadcasts holds weights of steps {stale[:5]} from an earlier run: "
+                             "remove them (prime-rl's launcher does on a fresh start), or pass --resume")
+    rollouts = trainer_dir / ROLLOUTS
+    if layout == "filesystem" and rollouts.is_dir() and any(rollouts.glob("step_*")):
+        raise TransportError(f"{rollouts} holds steps from an earlier run: remove them, or pass --resume")
+
+
+def _write_rank_files(trainer_dir: Path, step: int, messages: list[memoryview]) -> None:
+    """Blocking: each rank's payload to ``rank_<R>.bin.tmp``, fsynced, renamed to ``rank_<R>.bin``."""
+    for r, payload in enumerate(messages):
+        path = rank_file(trainer_dir, step, r)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)

@@ -191,13 +191,14 @@ class ShmPool:
         self._released.set()
 
     async def _allocate(self, step: int, nbytes: int) -> int:
-        t0 = time.monotonic()
+        t0 = warned = time.monotonic()
         while (start := self._ring.place(step, nbytes)) is None:
             self._released.clear()
-            try:
-                async with asyncio.timeout(self.warn_s):
+            try:  # a release that frees too little does not restart the warning's count
+                async with asyncio.timeout(max(warned + self.warn_s - time.monotonic(), 0.0)):
                     await self._released.wait()
             except TimeoutError:
+                warned = time.monotonic()
                 log.warning("step %d waits for %d MB of the shared-memory pool: %d MB held by %d unreleased "
                             "steps (%.0f s so far)", step, nbytes >> 20, self.live_bytes >> 20, self.spans,
                             time.monotonic() - t0)

@@ -8,8 +8,9 @@ it the orchestrator's ``inference.weights_path`` must name them). With a ``learn
 and saves it into that directory before announcing it, so the servers sample from what it learned; without
 one it trains nothing and the directory stays empty (the servers keep their weights).
 With a ``journal`` file it appends one JSON line per step received and, when started again, tells the
-orchestrator the last step in it (as a real trainer restarting from its checkpoint would), so tests can
-check delivery across crashes of either side: every step once, in order.
+orchestrator the last step in it and the checkpoint after it (as a real trainer restarting from its checkpoint
+would: weights ``last + 1``, the ones it trained on that step), so tests can check delivery across crashes of
+either side: every step once, in order, and no wait for weights that were announced before the crash.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import orjson
 
 from orchestrator.policy import Policy
 from orchestrator.security import ClientKeys
+from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.learner import LearnStats, PolicyLearner
+from orchestrator.transport.receiver import BatchReceiver
 from orchestrator.transport.wire import Batch
-from orchestrator.transport.zmq_link import BatchReceiver
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +67,13 @@ class ReferenceTrainer:
         """Consumes batches; produces checkpoint announcements. Ends after ``max_steps`` or when cancelled."""
         done = read_journal(self.journal)
         last = int(done[-1]["step"]) if done else None
+        resumed = None
         if last is not None:
             log.info("trainer: journal %s ends at step %d; asking for the steps after it", self.journal, last)
             self._resume_policy(last + 1)
-        receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys)
+            if self.announce:  # the weights it would have resumed from: trained on step ``last``
+                resumed = Checkpoint(last + 1, await asyncio.to_thread(self._save, last + 1))
+        receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys, checkpoint=resumed)
         # a line per step, on the loop: the reference trainer does nothing else meanwhile
         journal = open(self.journal, "ab") if self.journal else None  # noqa: SIM115, ASYNC230 - closed below
         try:
@@ -92,8 +97,7 @@ class ReferenceTrainer:
                 log.info("trainer: step %d: %d samples, %d tokens (%d trained), routed experts %s%s",
                          info.step, info.samples, info.tokens, info.trained_tokens, info.routed_shape,
                          "" if learned is None else f" | {learned}")
-                if self.train_s:
-                    await asyncio.sleep(self.train_s)
+                await self.train(batch)
                 if self.announce:
                     await receiver.announce(batch.step + 1, path)
         finally:
@@ -108,6 +112,12 @@ class ReferenceTrainer:
             if policy is not None:
                 self.learner.policy = policy
                 log.info("trainer: learning on from the policy of checkpoint %d", step)
+
+    async def train(self, batch: Batch) -> None:
+        """Training on ``batch``, after it is acknowledged and before its weights are announced: ``train_s`` of
+        waiting. A subclass may wait for something else (a test holding the trainer)."""
+        if self.train_s:
+            await asyncio.sleep(self.train_s)
 
     def _save(self, step: int) -> str | None:
         """The directory of checkpoint ``step`` (created; the learner's policy saved in it), or None."""

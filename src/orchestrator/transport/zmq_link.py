@@ -1,60 +1,85 @@
-"""The ZMQ link between orchestrator and trainer: batches one way; acknowledgements and checkpoints back.
+"""The ZMQ link between orchestrator and trainer, orchestrator side: batches one way; reports and checkpoints back.
 
-Orchestrator side, ``BatchSender``: binds a PUSH socket for batches and a PULL socket for the trainer's
-messages (``address`` + ``.ckpt`` for ipc, port + 1 for tcp). Every step is sent once and in order (a
-step that is not the next one is refused) and kept until the trainer acknowledges it: at most ``hwm``
-steps are unacknowledged, and ``send`` waits (warning every ``warn_s``) while that many are, so an absent
-or slow trainer back-pressures the pipeline and memory stays bounded by ``hwm`` batches. A trainer that
-(re)connects says which step it has (``hello``) and gets every kept step after it again. After a restart
-(``require_report=True``) the sender waits for the trainer's report before sending anything and skips
-the steps the trainer already has, so the trainer sees no step twice and no gap.
-``announcements()`` yields the checkpoints the trainer announces (step and weights path), over ZMQ or as marker files
-(``step_<N>.ready``) in a directory. With ``shm_bytes`` (same node, ipc:// only) the columns go through a
-shared-memory pool of that size (``orchestrator.transport.shm``) and the ZMQ message is the header alone;
-a step's span is freed when the trainer acknowledges (releases) it. With ``server_keys`` both sockets are
-CURVE servers (``orchestrator.security``): only trainers whose public keys are authorized connect, and the
-traffic is encrypted; an unauthorized peer receives nothing and its acknowledgements or announcements never
-arrive.
+``BatchSender`` binds a ROUTER socket for batches at ``address`` and a PULL socket for the trainers' messages
+(``address`` + ``.ckpt`` for ipc, port + 1 for tcp). Trainers (``receiver.BatchReceiver``) connect a DEALER
+whose routing id is their ``id``, and name themselves by that id in every message they send back, so the
+sender feeds exactly one trainer (``seat.TrainerSeat``): the first to report; another one is refused while
+it is connected (two trainers on one address would split the steps between them), and takes over once its
+connection is gone (a restarted trainer). Only the holder's acknowledgements and checkpoints count.
 
-Trainer side, ``BatchReceiver`` (asyncio) and ``SyncBatchReceiver`` (plain threads): connect PULL and
-PUSH, decode batches without copies, reject a corrupt, duplicate or out-of-order step with a WireError
-(counted in ``rejected``; the receiver keeps running), acknowledge each accepted step (``auto_ack``; or
-call ``ack`` after training on it), report the last step held every STATUS_S while idle, and
-``announce(step, path)`` tells the orchestrator that weights ``step`` are ready. Shared-memory batches are mapped
-on arrival (see the receivers' docstrings for when they are released). ``keys`` (``ClientKeys``: the
-orchestrator's public key and the trainer's key pair) makes both sockets CURVE clients, for an orchestrator
-that binds tcp:// with keys. Importable without verifiers.
+Every step is sent once and in order (a step that is not the next one is refused) and kept until the trainer
+acknowledges it: at most ``hwm`` steps are unacknowledged, and ``send`` waits (warning every ``warn_s``)
+while that many are, so an absent or slow trainer back-pressures the pipeline and memory stays bounded by
+``hwm`` batches (plus ``keep`` acknowledged ones). A trainer that takes the seat says which step it holds and
+gets every kept step after it again; one behind what was acknowledged (its checkpoint older than its
+acknowledgements) gets the ``keep`` acknowledged steps it lacks, or is refused with the steps it lacks when
+they are gone. After a restart (``require_report=True``) the sender waits for the trainer's report before
+sending anything and skips the steps the trainer already has; ``acked_before`` (the state's acknowledged
+step) tells a trainer that is behind it apart. ``checkpoint_wanted`` asks the holder for its newest checkpoint
+(a control message; the receiver answers with its status).
 
-Trainer -> orchestrator messages (msgpack maps): ``{"have": N}`` (acknowledges every step <= N; -1 for
-none), ``{"have": N, "hello": true}`` (a receiver started: resend what follows N), ``{"checkpoint": N,
-"path": P}`` (weights N are ready in directory P; ``path`` may be absent). Status messages repeat the last
-checkpoint announced, so an orchestrator restarted after the announcement still loads those weights instead
-of waiting for ones that were already announced.
+``announcements()`` yields the checkpoints the trainer announces (step and weights path), over ZMQ or as
+marker files (``step_<N>.ready``) in a directory. With ``shm_bytes`` (same node, ipc:// only) the columns go
+through a shared-memory pool of that size (``orchestrator.transport.shm``) and the ZMQ message is the header
+alone; a step's span is freed when the trainer acknowledges (releases) it. With ``server_keys`` both sockets
+are CURVE servers (``orchestrator.security``): only trainers whose public keys are authorized connect, and the
+traffic is encrypted; an unauthorized peer receives nothing and its messages never arrive.
+
+Trainer -> orchestrator messages (msgpack maps): ``{"have": N, "id": ID, "name": NAME}`` (acknowledges every
+step <= N; -1 for none), with ``"hello": true`` when a receiver starts, and ``"checkpoint": K, "path": P``
+(the newest weights it announced or resumed from) when it has one. Orchestrator -> trainer: batches
+(``wire.encode``), and control messages ``[b"ctl", msgpack map]``: ``{"ctl": "refused", "why": ...}``,
+``{"ctl": "checkpoint", "min": N}``, ``{"ctl": "ping"}``. See docs/wire-format.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
-from orchestrator.errors import DuplicateStep, TransportError, WireError
-from orchestrator.security import ClientKeys, RefusalWatch, ServerKeys, curve_server, secure_client
-from orchestrator.transport.checkpoints import Checkpoint, marker_announcements
-from orchestrator.transport.shm import PoolNotMapped, ShmAttachment, ShmPool, pool_socket_path, serve_pool
-from orchestrator.transport.wire import Batch, decode, encode
+from orchestrator import ipc
+from orchestrator.errors import TransportError
+from orchestrator.security import ServerKeys, curve_server
+from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, marker_announcements
+from orchestrator.transport.seat import Peer, TrainerSeat, Verdict
+from orchestrator.transport.sender import Sender, stop_tasks
+from orchestrator.transport.shm import ShmPool, pool_socket_path, serve_pool
+from orchestrator.transport.wire import Batch, encode
 
 log = logging.getLogger(__name__)
 
 STATUS_S = 1.0  # an idle receiver reports the step it holds this often
+CONTROL = b"ctl"  # frame 0 of a control message (a batch's frame 0 is a msgpack map, never these bytes)
+SEAT_GRACE_S = 2.0  # a second trainer is refused if the first is still connected this long after it appeared
+
+
+def _bind_pair(out: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str) -> str:
+    """Bind ``out`` (the batch socket) at ``address`` and ``pull`` at its ``ckpt_address``; the address ``out``
+    got. A tcp:// port of ``*`` or 0 asks for any free pair: when the port after the one ``out`` got is taken,
+    another is tried (as the prime-rl sender does), so a busy host's other sockets do not fail the bind."""
+    tries = 20 if address.startswith("tcp://") and address.rpartition(":")[2] in ("*", "0") else 1
+    while True:
+        out.bind(address)
+        bound = out.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for any
+        try:
+            pull.bind(ckpt_address(bound))
+            return bound
+        except zmq.ZMQError:
+            tries -= 1
+            if tries == 0:
+                raise
+            out.unbind(bound)
 
 
 def ckpt_address(address: str) -> str:
@@ -65,10 +90,15 @@ def ckpt_address(address: str) -> str:
     return address + ".ckpt"
 
 
+def control_frames(msg: dict[str, Any]) -> list[bytes]:
+    """A control message to a trainer: ``[b"ctl", msgpack(msg)]``."""
+    return [CONTROL, msgpack.packb(msg)]
+
+
 async def push_polling(sock: zmq.asyncio.Socket, frames: Sequence[Any], what: str, address: str, warn_s: float
                        ) -> None:
-    """Queue one message on a PUSH socket without blocking the loop: poll every 10 ms while its queue is full
-    or no peer is connected, warning every ``warn_s`` that nobody takes ``what``."""
+    """Queue one message on a PUSH-like socket without blocking the loop: poll every 10 ms while its queue is
+    full or no peer is connected, warning every ``warn_s`` that nobody takes ``what``."""
     t0 = last = time.monotonic()
     while True:
         try:
@@ -81,387 +111,304 @@ async def push_polling(sock: zmq.asyncio.Socket, frames: Sequence[Any], what: st
                 log.warning("no trainer takes %s at %s (%.0f s so far); waiting", what, address, last - t0)
 
 
-class BatchSender:
-    def __init__(self, push: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str, window: int,
-                 warn_s: float, require_report: bool) -> None:
-        self.push, self.pull = push, pull
-        self.address = address
-        self.window = window
-        self.warn_s = warn_s
-        self.next_step: int | None = None
-        self.bytes_sent = 0
-        self.trainer_has: int | None = None  # the last step the trainer reported holding
+@dataclass(frozen=True)
+class Report:
+    """One message from a trainer, decoded."""
+
+    have: int | None
+    checkpoint: Checkpoint | None
+    peer: bytes | None  # its id (None: a sender that does not name itself, e.g. an announcer of checkpoints)
+    name: str
+    hello: bool
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Report:
+        """ValueError, KeyError, TypeError, ... (the caller logs and ignores) for anything malformed."""
+        msg = msgpack.unpackb(raw, raw=False)
+        ckpt = msg.get("checkpoint")
+        checkpoint = None if ckpt is None else Checkpoint(int(ckpt), _path(msg.get("path")))
+        have = None if msg.get("have") is None else int(msg["have"])
+        if checkpoint is None and have is None:
+            raise KeyError("neither 'have' nor 'checkpoint'")
+        peer = msg.get("id")
+        if peer is not None and (not isinstance(peer, str) or not 0 < len(peer) <= 64 or not peer.isascii()):
+            raise TypeError(f"id must be a short ASCII string, got {peer!r}")
+        name = msg.get("name", peer)
+        return cls(have, checkpoint, None if peer is None else peer.encode(), str(name)[:200], bool(msg.get("hello")))
+
+
+class BatchSender(Sender[list[Any]]):
+    """Orchestrator side of the ZMQ link (see the module docstring); ``unacked`` keeps each step's frames."""
+
+    kind = "zmq"
+
+    def __init__(self, router: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str, window: int,
+                 warn_s: float, require_report: bool, keep: int = 0, acked_before: int = -1) -> None:
+        super().__init__(address, window, warn_s, keep=keep, acked_before=acked_before)
+        self.router, self.pull = router, pull
+        self._router_now: zmq.Socket[bytes] = zmq.Socket.shadow(router.underlying)  # control: now or never
         self.require_report = require_report
-        self.unacked: dict[int, list[Any]] = {}  # step -> frames, in send order, at most ``window``
-        self.skipped: list[int] = []  # steps not sent because the trainer already had them
         self.on_ack: Callable[[int], None] = lambda _step: None  # e.g. release a step's shared memory
         self.pool: ShmPool | None = None  # set by open(shm_bytes=...): columns go through shared memory
-        self._changed = asyncio.Event()  # set on every trainer report
-        self._sending = asyncio.Lock()  # concurrent sends go one at a time, in call order
-        self._checkpoints: asyncio.Queue[Checkpoint] = asyncio.Queue()
+        self.seat = TrainerSeat(SEAT_GRACE_S)
+        self.marker_dir: Path | None = None
+        self._sent_to_holder = -1  # the last step the holder has been sent (or held when it took the seat)
+        self._unreachable = ""  # why the holder does not take the next step, while that lasts
+        self._checkpoints = CheckpointFeed()
+        self._told_anonymous = False
 
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, address: str, hwm: int = 2, warn_s: float = 30.0, *, require_report: bool = False,
-                   shm_bytes: int | None = None, server_keys: ServerKeys | None = None) -> AsyncIterator[BatchSender]:
-        """Bind; the trainer channel is read by a task this context owns. ``hwm``: unacknowledged steps kept.
-        ``shm_bytes``: send columns through a shared-memory pool of that size, served next to ``address``.
-        ``server_keys``: both sockets are CURVE servers that accept only the authorized trainers (receivers
-        given the matching ``ClientKeys``); any other peer gets no batch and nothing it sends is read."""
+                   shm_bytes: int | None = None, server_keys: ServerKeys | None = None, keep: int = 0,
+                   acked_before: int = -1) -> AsyncIterator[BatchSender]:
+        """Bind; the trainer channel and the sends to the trainer run in tasks this context owns. ``hwm``:
+        unacknowledged steps kept; ``keep``: acknowledged ones kept for a trainer that comes back behind them
+        (not with shared memory, whose spans are reused once acknowledged); ``acked_before``: the step an
+        earlier run saw acknowledged. ``shm_bytes``: send columns through a shared-memory pool of that size,
+        served next to ``address``. ``server_keys``: both sockets are CURVE servers that accept only the
+        authorized trainers (receivers given the matching ``ClientKeys``)."""
         if shm_bytes is not None:
             pool_socket_path(address)  # TransportError for tcp://, before anything starts
+            if keep:
+                raise TransportError("acknowledged steps cannot be kept with shared memory (their spans are "
+                                     "reused): transport.keep_acked must be 0 with kind = 'shm'")
         async with contextlib.AsyncExitStack() as stack:
             pool = None if shm_bytes is None else stack.enter_context(contextlib.closing(ShmPool(shm_bytes, warn_s)))
-            sender = await stack.enter_async_context(cls._open(address, hwm, warn_s, require_report, server_keys))
+            sender = await stack.enter_async_context(cls._open(address, hwm, warn_s, require_report, server_keys,
+                                                               keep, acked_before))
             if pool is not None:  # served once the batch address is ours; closed before the pool is
                 await stack.enter_async_context(serve_pool(pool, pool_socket_path(sender.address)))
-                sender.pool, sender.on_ack = pool, pool.release_through
+                sender.pool, sender.on_ack, sender.kind = pool, pool.release_through, "shm"
             yield sender
 
     @classmethod
     @contextlib.asynccontextmanager
     async def _open(cls, address: str, hwm: int, warn_s: float, require_report: bool,
-                    server_keys: ServerKeys | None) -> AsyncIterator[BatchSender]:
+                    server_keys: ServerKeys | None, keep: int, acked_before: int) -> AsyncIterator[BatchSender]:
         ctx = zmq.asyncio.Context()
         auth = contextlib.ExitStack()
-        push = ctx.socket(zmq.PUSH)
+        router = ctx.socket(zmq.ROUTER)
         pull = ctx.socket(zmq.PULL)
+        files: list[str] = []  # endpoints bound: ours to remove
         try:
             if server_keys is not None:
                 server = auth.enter_context(curve_server(ctx, server_keys))
-                server.secure(push)
+                server.secure(router)
                 server.secure(pull)
-            push.setsockopt(zmq.SNDHWM, hwm)
-            push.setsockopt(zmq.LINGER, 2000)
+            router.setsockopt(zmq.SNDHWM, hwm)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or missing peer is an error (EAGAIN,
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # EHOSTUNREACH), never a silent drop; a reconnect takes over
+            router.setsockopt(zmq.LINGER, 2000)
             pull.setsockopt(zmq.LINGER, 0)
-            if address.startswith("ipc://"):
-                Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+            ipc.prepare(address)
             try:
-                push.bind(address)
-                bound = push.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when address asked for 0
-                pull.bind(ckpt_address(bound))
+                bound = _bind_pair(router, pull, address)
+                files += [bound, ckpt_address(bound)]
             except zmq.ZMQError as e:
                 raise TransportError(f"cannot bind the trainer's address {address}: {e}") from None
-            sender = cls(push, pull, bound, hwm, warn_s, require_report)
-            reader = asyncio.create_task(sender._read_trainer(), name="trainer-channel")
+            sender = cls(router, pull, bound, hwm, warn_s, require_report, keep, acked_before)
+            tasks = [asyncio.create_task(sender._read_trainer(), name="trainer-channel"),
+                     asyncio.create_task(sender._send_to_holder(), name="trainer-sends")]
             try:
                 yield sender
             finally:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reader
+                await stop_tasks(tasks)
                 if sender.unacked:
                     log.warning("closing with steps %s not acknowledged by the trainer", sorted(sender.unacked))
         finally:
-            push.close()
+            router.close()
             pull.close()
             auth.close()  # the authenticator's sockets close too, or term() would wait for them for ever
             ctx.term()
+            for endpoint in files:  # libzmq leaves ipc:// files behind (orchestrator.ipc)
+                ipc.remove(endpoint)
 
     @property
-    def acked(self) -> int:
-        """The last step the trainer acknowledged (-1 for none)."""
-        return -1 if self.trainer_has is None else self.trainer_has
+    def trainer_has(self) -> int | None:
+        """The last step the trainer reported holding (None: no report yet)."""
+        return self.window.peer_has
 
-    async def send(self, batch: Batch) -> bool:
-        """Send one step, or skip it (False) when the trainer already has it; waits, never drops, while
-        ``hwm`` steps are unacknowledged or (``require_report``) the trainer has not reported yet, and (shared
-        memory) while the pool has no room for the step's columns."""
-        async with self._sending:
-            return await self._send(batch)
+    @property
+    def holder(self) -> Peer | None:
+        """The trainer this link feeds (None: none yet, or it was refused)."""
+        return self.seat.holder
 
-    async def _send(self, batch: Batch) -> bool:
-        if self.next_step is not None and batch.step != self.next_step:
-            raise DuplicateStep(f"refusing to send step {batch.step}: the next step is {self.next_step}")
-        if self.require_report:
-            await self._wait(lambda: self.trainer_has is not None, batch.step, "has not reported its last step")
-        if self.trainer_has is not None and batch.step <= self.trainer_has:
-            log.info("step %d not sent: the trainer already has steps up to %d", batch.step, self.trainer_has)
-            self.skipped.append(batch.step)
-            self.next_step = batch.step + 1
-            return False
-        await self._wait(lambda: len(self.unacked) < self.window, batch.step,
-                         f"has not acknowledged steps {sorted(self.unacked)}")
-        frames = encode(batch) if self.pool is None else await self.pool.frames(batch)
+    def checkpoint_wanted(self, policy: int) -> str:
+        holder = self.seat.holder
+        if holder is None:
+            return self._no_trainer()
+        self._tell(holder.id, {"ctl": "checkpoint", "min": policy})
+        latest = self._checkpoints.latest
+        said = f"checkpoint {latest.step}" if latest is not None else "no checkpoint"
+        return f"trainer {holder.name} at {self.address} has announced {said}; asked it for its newest"
+
+    async def _before_send(self, step: int) -> None:
+        if self.require_report:  # after a restart: learn what the trainer has before sending anything
+            await self._wait(lambda: self.window.peer_has is not None, step,
+                             lambda: f"has not reported its last step ({self._no_trainer()})")
+
+    async def _wait_room(self, step: int) -> None:
+        self.waiting = True
         try:
-            await self._push(frames, batch.step)
-        except BaseException:
-            if self.pool is not None:  # never sent: its span is free again
-                self.pool.drop(batch.step)
-            raise
-        self.unacked[batch.step] = frames
-        self.next_step = batch.step + 1
-        self.bytes_sent += sum(len(f) for f in frames)
-        return True
+            await self._wait(lambda: not self.window.full, step,
+                             lambda: f"has not acknowledged steps {sorted(self.window.unacked)}{self._link_state()}")
+        finally:
+            self.waiting = False
 
-    async def wait_acked(self) -> None:
-        """Wait until the trainer has acknowledged every step sent (warning every ``warn_s``)."""
-        if self.unacked:
-            await self._wait(lambda: not self.unacked, max(self.unacked), "has not acknowledged the last steps")
+    async def _deliver(self, batch: Batch) -> tuple[list[Any], int]:
+        """The step's frames (the header alone when the columns went into shared memory; waits while the pool
+        has no room); ``_send_to_holder`` sends them once the step is in the window."""
+        frames = encode(batch) if self.pool is None else await self.pool.frames(batch)
+        return frames, sum(len(f) for f in frames)
 
-    async def _wait(self, ready: Callable[[], bool], step: int, why: str) -> None:
-        t0 = time.monotonic()
-        while not ready():
-            self._changed.clear()
-            try:
-                async with asyncio.timeout(self.warn_s):
-                    await self._changed.wait()
-            except TimeoutError:
-                log.warning("step %d waits: the trainer at %s %s (%.0f s so far)", step, self.address, why,
-                            time.monotonic() - t0)
+    async def _handed_over(self, step: int) -> None:
+        self._notify()
+        await self._wait(lambda: self._sent_to_holder >= step or step not in self.window.unacked, step,
+                         lambda: f"has not taken it: {self._link_state().removeprefix('; ') or 'sending'}")
 
-    async def _push(self, frames: Sequence[Any], step: int) -> None:
-        await push_polling(self.push, frames, f"step {step}", self.address, self.warn_s)
-
-    async def _read_trainer(self) -> None:
-        """Consumes the trainer's messages; produces acknowledgements, resends and checkpoint steps."""
-        while True:
-            raw = await self.pull.recv()
-            try:
-                msg = msgpack.unpackb(raw, raw=False)
-                checkpoint = None if msg.get("checkpoint") is None else Checkpoint(int(msg["checkpoint"]),
-                                                                                  _path(msg.get("path")))
-                have = None if msg.get("have") is None else int(msg["have"])
-                if checkpoint is None and have is None:
-                    raise KeyError("neither 'have' nor 'checkpoint'")
-            except (ValueError, KeyError, TypeError, AttributeError, OverflowError, msgpack.UnpackException) as e:
-                log.warning("ignored a malformed message from the trainer (%d bytes): %s", len(raw), e)
-                continue
-            if checkpoint is not None:  # repeats are harmless: the weight sync skips what it has loaded
-                self._checkpoints.put_nowait(checkpoint)
-            if have is not None:
-                await self._report(have, bool(msg.get("hello")))
-
-    async def _report(self, have: int, hello: bool) -> None:
-        if hello and self.trainer_has is not None and have < self.trainer_has:
-            log.warning("trainer restarted holding step %d; steps up to %d were acknowledged before and are "
-                        "not kept, so it continues after them", have, self.trainer_has)
-        self.trainer_has = have if self.trainer_has is None else max(have, self.trainer_has)
-        for step in [s for s in self.unacked if s <= have]:
-            del self.unacked[step]
-            self.on_ack(step)
-        if hello and self.unacked:
-            log.info("trainer (re)connected holding step %d: resending steps %s", have, sorted(self.unacked))
-            for step, frames in list(self.unacked.items()):
-                await self._push(frames, step)
-        self._changed.set()
+    def metrics(self) -> dict[str, Any]:
+        out = super().metrics()
+        if self.pool is not None:  # kind = shm: live MB and spans of the pool
+            out.update(self.pool.metrics())
+        return out
 
     async def announcements(self, marker_dir: Path | None = None) -> AsyncIterator[Checkpoint]:
         """Checkpoints announced by the trainer (ZMQ, or marker files when ``marker_dir`` is set)."""
         if marker_dir is not None:
+            self.marker_dir = marker_dir
             async for ckpt in marker_announcements(marker_dir):
                 yield ckpt
+        async for ckpt in self._checkpoints.updates():
+            yield ckpt
+
+    # --------------------------------------------------------------------------------- sends to the holder
+
+    async def _send_to_holder(self) -> None:
+        """Consumes the window's unacknowledged steps; produces sends to the trainer holding the seat, each
+        once, in order (all of them again to a trainer that takes the seat). Waits for a holder, and polls
+        (every 10-100 ms) while the holder is not connected or its queue is full; wakes on ``_notify``."""
         while True:
-            yield await self._checkpoints.get()
+            holder = self.seat.holder
+            todo = [(s, f) for s, f in self.window.unacked.items() if s > self._sent_to_holder]
+            if holder is None or not todo:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            step, frames = todo[0]
+            assert frames is not None  # every step this sender records keeps its frames
+            if await self._route(holder, frames) and self.seat.holder is holder:
+                self._sent_to_holder = step
+                self._notify()
 
+    async def _route(self, holder: Peer, frames: Sequence[Any]) -> bool:
+        """Send one message to ``holder``: True once queued, False if it lost the seat meanwhile."""
+        pause = 0.01
+        while self.seat.holder is holder:
+            try:
+                await self.router.send_multipart([holder.id, *frames], flags=zmq.NOBLOCK, copy=False)
+                self._unreachable = ""
+                return True
+            except zmq.Again:
+                self._unreachable = f"trainer {holder.name} does not take more (its queue is full)"
+            except zmq.ZMQError as e:
+                if e.errno != errno.EHOSTUNREACH:
+                    raise
+                self._unreachable = f"trainer {holder.name} is not connected"
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        return False
 
-_S = TypeVar("_S", bound=zmq.Socket[Any])
-
-
-def _connect(ctx: zmq.Context[_S], address: str, keys: ClientKeys | None) -> tuple[_S, _S]:
-    """A receiver's sockets: PULL from ``address`` (batches), PUSH to its ``.ckpt`` twin (acks, checkpoints);
-    both CURVE clients with ``keys``."""
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 1000)
-    if keys is not None:
-        secure_client(pull, keys)
-        secure_client(push, keys)
-    pull.connect(address)
-    push.connect(ckpt_address(address))
-    return pull, push
-
-
-class _ReceiverCore:
-    """What both receivers share: validation, ordering, counts, the shared-memory mapping and the messages
-    back."""
-
-    def __init__(self, address: str, last_step: int | None, auto_ack: bool) -> None:
-        self.last_step = last_step  # the last step accepted (a trainer resuming from a checkpoint sets it)
-        self.acked = last_step  # the last step acknowledged: what the status messages report
-        self.announced: Checkpoint | None = None  # the last checkpoint announced, repeated in status messages
-        self.auto_ack = auto_ack
-        self.rejected: dict[str, int] = {}
-        self.shm = ShmAttachment(address)  # maps the sender's pool when a shared-memory batch arrives
-        self._unreleased: int | None = None  # auto_ack: a shared-memory step released by the next recv
-
-    def _due_release(self) -> int | None:
-        """The step a ``recv`` call releases first (auto_ack, shared memory): the previous batch is done."""
-        step, self._unreleased = self._unreleased, None
-        return step
-
-    def _acks_now(self, batch: Batch) -> bool:
-        """Whether ``recv`` acknowledges ``batch`` before returning it: auto_ack and not shared memory (a
-        shared-memory batch is acknowledged, i.e. released, by the next ``recv``)."""
-        if self.auto_ack and batch.shm_pool is not None:
-            self._unreleased = batch.step
-            return False
-        return self.auto_ack
-
-    def _set_acked(self, step: int) -> None:
-        self.acked = step
-        if self._unreleased is not None and self._unreleased <= step:
-            self._unreleased = None
-
-    def _accept(self, frames: Sequence[Any]) -> Batch | None:
-        """The batch in ``frames``, or None (rejected and counted); PoolNotMapped: call ``_fetch``, then again."""
+    def _tell(self, peer: bytes, msg: dict[str, Any]) -> bool:
+        """A control message to ``peer``, if it can take one now: whether it is connected."""
         try:
-            batch = decode(frames, self.shm.region)
-            if self.last_step is not None and batch.step != self.last_step + 1:
-                kind = "duplicate" if batch.step <= self.last_step else "out of order"
-                raise DuplicateStep(f"step {batch.step} is {kind}: the last step received was {self.last_step}")
-        except WireError as e:
-            self._reject(e)
-            return None
-        self.last_step = batch.step
-        return batch
-
-    def _fetch(self, need: PoolNotMapped) -> bool:
-        """Blocking, briefly: map the pool a header named; False (counted) if it cannot be had."""
-        try:
-            self.shm.fetch(need.pool_id, need.size)
-        except WireError as e:
-            self._reject(e)
+            self._router_now.send_multipart([peer, *control_frames(msg)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return True  # connected, its queue full
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
             return False
         return True
 
-    def _reject(self, e: WireError) -> None:
-        key = type(e).__name__
-        self.rejected[key] = self.rejected.get(key, 0) + 1
-        log.error("rejected a batch: %s", str(e))  # not e: its traceback would keep the batch's views alive
+    def _link_state(self) -> str:
+        """``"; <why the trainer does not get steps>"``, or "" when nothing stands in the way."""
+        if self.seat.holder is None:
+            return f"; {self._no_trainer()}"
+        return f"; {self._unreachable}" if self._unreachable else ""
 
-    def _status(self, hello: bool = False) -> bytes:
-        msg: dict[str, Any] = {"have": -1 if self.acked is None else self.acked}
-        if hello:
-            msg["hello"] = True
-        if self.announced is not None:  # a restarted orchestrator learns the newest weights from this
-            msg["checkpoint"] = self.announced.step
-            if self.announced.path is not None:
-                msg["path"] = self.announced.path
-        return msgpack.packb(msg)
+    def _no_trainer(self) -> str:
+        refused = "; ".join(f"refused one: {why}" for why in list(self.seat.refused.values())[-2:])
+        return f"no trainer is connected to {self.address}" + (f" ({refused})" if refused else "")
 
-    def _announcement(self, step: int, path: str | None) -> bytes:
-        self.announced = Checkpoint(step, path)
-        return msgpack.packb({"checkpoint": step, **({"path": path} if path is not None else {})})
+    # ------------------------------------------------------------------------------------ the trainers' messages
 
-
-class BatchReceiver(_ReceiverCore):
-    """Trainer side on asyncio. ``recv()`` returns the next valid batch; invalid ones are counted in
-    ``rejected``.
-
-    Shared memory (the orchestrator runs ``transport.kind = "shm"``): the batch's columns are read-only views
-    of the orchestrator's pool, mapped on the first such batch (and again after the orchestrator restarts).
-    Acknowledging a step *releases* it: the orchestrator then reuses its bytes for later steps, so the
-    trainer must not touch the batch's arrays (or views of them) after the release; copy what it keeps.
-    With ``auto_ack`` a batch is released when ``recv()`` is called again (or by ``release(batch)`` /
-    ``ack(step)`` earlier); without it, by ``release`` / ``ack``. A trainer that holds a step longer
-    (e.g. several steps in flight) holds the pool's space: the orchestrator waits for room, memory stays
-    bounded. Frame batches (kind = "zmq") are acknowledged on receipt with ``auto_ack``, as before.
-    Fetching the pool's fd is a brief blocking call on a local socket (at most FETCH_TIMEOUT_S).
-    """
-
-    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, *, last_step: int | None = None,
-                 auto_ack: bool = True, keys: ClientKeys | None = None) -> None:
-        super().__init__(address, last_step, auto_ack)
-        self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.pull, self.push = _connect(self.ctx, address, keys)
-        self.refusals = RefusalWatch(self.pull, address, keys, "trainer")  # checked while idle
-        # queued until the orchestrator is there; sent on a sync view so no loop is needed yet
-        zmq.Socket.shadow(self.push.underlying).send(self._status(hello=True), flags=zmq.NOBLOCK)
-
-    async def recv(self) -> Batch:
-        if (done := self._due_release()) is not None:
-            await self.ack(done)
+    async def _read_trainer(self) -> None:
+        """Consumes the trainers' messages; produces acknowledgements, the seat's holder and checkpoints."""
         while True:
-            if not await self.pull.poll(int(STATUS_S * 1000)):
-                self.refusals.check()
-                await self.push.send(self._status())
-                continue
-            frames = await self.pull.recv_multipart(copy=False)
+            raw = await self.pull.recv()
             try:
-                batch = self._accept(frames)
-            except PoolNotMapped as need:  # off the loop: the sender may be on this very loop
-                batch = self._accept(frames) if await asyncio.to_thread(self._fetch, need) else None
-            if batch is not None:
-                if self._acks_now(batch):
-                    await self.ack(batch.step)
-                return batch
-
-    async def ack(self, step: int) -> None:
-        """Tell the orchestrator that every step up to ``step`` is in hand (sent by ``recv`` with auto_ack;
-        without it, call this once the step is safe, e.g. trained or journalled). Shared memory: this
-        releases those steps' arrays."""
-        self._set_acked(step)
-        await self.push.send(self._status())
-
-    async def release(self, batch: Batch) -> None:
-        """Done with ``batch`` (and every earlier one): ``ack(batch.step)``."""
-        await self.ack(batch.step)
-
-    async def announce(self, step: int, path: str | None = None) -> None:
-        """Tell the orchestrator that weights ``step`` are ready to load (repeated in later status messages)."""
-        await self.push.send(self._announcement(step, path))
-
-    def close(self) -> None:
-        """Close the sockets and drop the pool's mapping (unmapped once no batch views it)."""
-        self.refusals.close()
-        self.pull.close()
-        self.push.close()
-        self.shm.close()
-
-
-class SyncBatchReceiver(_ReceiverCore):
-    """Trainer side without asyncio: the same behaviour as ``BatchReceiver`` with blocking calls, shared
-    memory included: with ``auto_ack`` a shared-memory batch is released by the next ``recv()`` (or by
-    ``release(batch)`` / ``ack(step)``); do not touch its arrays after that."""
-
-    def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
-                 last_step: int | None = None, auto_ack: bool = True, keys: ClientKeys | None = None) -> None:
-        super().__init__(address, last_step, auto_ack)
-        self.ctx = ctx or zmq.Context.instance()
-        self.pull, self.push = _connect(self.ctx, address, keys)
-        self.refusals = RefusalWatch(self.pull, address, keys, "trainer")  # checked while idle
-        self.push.send(self._status(hello=True), flags=zmq.NOBLOCK)
-
-    def recv(self, timeout_s: float | None = None) -> Batch:
-        """The next valid batch; TimeoutError after ``timeout_s`` (None: wait for ever)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        if (done := self._due_release()) is not None:
-            self.ack(done)
-        while True:
-            wait = STATUS_S if deadline is None else min(STATUS_S, deadline - time.monotonic())
-            if wait <= 0:
-                raise TimeoutError(f"no batch within {timeout_s} s")
-            if not self.pull.poll(int(wait * 1000)):
-                self.refusals.check()
-                self.push.send(self._status())
+                report = Report.parse(raw)
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError, msgpack.UnpackException) as e:
+                log.warning("ignored a malformed message from the trainer (%d bytes): %s", len(raw), e)
                 continue
-            frames = self.pull.recv_multipart(copy=False)
-            try:
-                batch = self._accept(frames)
-            except PoolNotMapped as need:
-                batch = self._accept(frames) if self._fetch(need) else None
-            if batch is not None:
-                if self._acks_now(batch):
-                    self.ack(batch.step)
-                return batch
+            self._heard(report)
 
-    def ack(self, step: int) -> None:
-        self._set_acked(step)
-        self.push.send(self._status())
+    def _heard(self, r: Report) -> None:
+        if r.peer is None:  # no id: it cannot receive batches (an older receiver, or an announcer only)
+            if r.checkpoint is not None:
+                self._checkpoints.offer(r.checkpoint)
+            if r.have is not None and not self._told_anonymous:
+                self._told_anonymous = True
+                log.warning("a trainer that does not send an id reports step %d at %s; it cannot receive batches "
+                            "from this orchestrator: update its orchestrator.transport", r.have, self.address)
+            return
+        verdict = self.seat.hear(r.peer, r.name, time.monotonic(), lambda: self._holder_connected())
+        if verdict in (Verdict.REFUSED, Verdict.IGNORED):
+            why = self.seat.refused[r.peer]
+            if verdict is Verdict.REFUSED:
+                log.warning("refused trainer %s at %s: %s", r.name, self.address, why)
+            self._tell(r.peer, {"ctl": "refused", "why": why})  # again to an ignored one: it may have missed it
+            return
+        if verdict is Verdict.WAIT:
+            return
+        if verdict is Verdict.ADMITTED and not self._admit(r):
+            return
+        if r.checkpoint is not None:  # repeats are harmless: the feed keeps only newer ones
+            self._checkpoints.offer(r.checkpoint)
+        if r.have is not None:
+            done = self.window.acknowledge(r.have)
+            if done:
+                self.on_ack(done[-1])
+        self._notify()
 
-    def release(self, batch: Batch) -> None:
-        self.ack(batch.step)
+    def _holder_connected(self) -> bool:
+        holder = self.seat.holder
+        return holder is not None and self._tell(holder.id, {"ctl": "ping"})
 
-    def announce(self, step: int, path: str | None = None) -> None:
-        self.push.send(self._announcement(step, path))
+    def _admit(self, r: Report) -> bool:
+        """``r``'s trainer took the seat: it gets every kept step after what it holds, or is refused when it
+        lacks steps that are gone. Whether it stays."""
+        have = -1 if r.have is None else r.have
+        gone = self.window.rejoin(have)
+        if gone:
+            why = (f"it holds steps up to {have}, but steps {_span(gone)} were acknowledged before (by this "
+                   f"trainer or the one before it) and are no longer kept (transport.keep_acked = {self.window.keep}); "
+                   f"restart it from a checkpoint of step {gone[-1]} or later")
+            log.error("refused trainer %s at %s: %s", r.name, self.address, why)
+            self.seat.refuse(r.peer or b"", why)
+            self._tell(r.peer or b"", {"ctl": "refused", "why": why})
+            self._notify()
+            return False
+        self._sent_to_holder = have
+        resend = [s for s in self.window.unacked if s > have]
+        log.info("trainer %s at %s holds steps up to %d%s", r.name, self.address, have,
+                 f"; sending it steps {_span(resend)}" if resend else "")
+        return True
 
-    def close(self) -> None:
-        self.refusals.close()
-        self.pull.close()
-        self.push.close()
-        self.shm.close()
+
+def _span(steps: Sequence[int]) -> str:
+    return str(steps[0]) if len(steps) == 1 else f"{steps[0]}..{steps[-1]}"
 
 
 def _path(value: object) -> str | None:

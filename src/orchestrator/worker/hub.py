@@ -21,9 +21,12 @@ Only the processes this hub started are admitted, by name and pid, unless ``sche
 remote workers are expected (then anyone who can connect may register: over tcp:// that is only holders of
 an authorized CURVE key, over ipc:// whoever may open the socket file).
 
-Supervision: a ready worker silent for DEAD_AFTER_S (one still loading its environments: LOAD_TIMEOUT_S) is
-lost (a local one is killed and restarted); a remote one that speaks again is sent ``setup`` and re-admitted
-when it answers ``ready``.
+Supervision: a ready worker silent for ``scheduler.worker_silence_s`` (one still loading its environments:
+LOAD_TIMEOUT_S) is lost: its rollouts fail with ``worker_died`` at once, and the log names it. A local one is
+killed (SIGKILL, which also ends a stopped process) and restarted under its name, at once unless restarts keep
+failing before ready (then backing off, RESTART_BACKOFF_S). A remote one is not ours to kill: when it speaks
+again (e.g. after SIGCONT) it is sent ``setup`` and re-admitted when it answers ``ready``; the records it had
+in flight when it was lost count as ``late``, not as invalid messages.
 
 ``events`` is bounded by construction: a record is admitted only for a rollout in flight on its worker (at
 most ``scheduler.max_inflight`` at once), and a worker is lost once.
@@ -47,11 +50,11 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import zmq
 
+from orchestrator import ipc
 from orchestrator.errors import EnvironmentLoadError, Failure, TransportError, WireError, WorkerError
 from orchestrator.procs import child_env, terminate
 from orchestrator.security import LOCAL_KEYS_ENV, ServerKeys, curve_server
@@ -75,12 +78,12 @@ from orchestrator.worker.protocol import (
 
 log = logging.getLogger(__name__)
 
-DEAD_AFTER_S = 10 * HEARTBEAT_S
 LOAD_TIMEOUT_S = 300.0  # a worker that said hello loads its environments (importing verifiers, ...) within this
 DRAIN_MAX = 16  # messages handled per reader wake-up before other callbacks get the loop
 MAX_STRIKES = 20  # invalid messages after which a worker is dropped
 LATE_KEPT = 4096  # cancelled rollout ids remembered per worker, so their stragglers count as late, not forged
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # local restarts after consecutive failures
+LOST_KEPT = 64  # lost workers whose in-flight rollout ids are remembered, so their stragglers count as late
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum cost
 
 
@@ -120,12 +123,14 @@ class WorkerState:
 
 class WorkerHub:
     def __init__(self, sock: zmq.Socket[bytes], address: str, setup: Setup, local: int, remote: int = 0,
-                 env_vars: dict[str, str] | None = None, nice: int = 0) -> None:
+                 env_vars: dict[str, str] | None = None, nice: int = 0, silence_s: float = 10 * HEARTBEAT_S) -> None:
         """Use ``open``; ``env_vars`` go to local workers (with their CURVE keys when the socket has some)."""
         self.sock = sock
+        self.silence_s = silence_s
         self.address = address
         self.setup = setup
         self.local = local
+        self.remote = remote
         self.expected = max(local + remote, 1)
         self.env_vars = dict(env_vars or {})
         self.nice = nice
@@ -135,6 +140,8 @@ class WorkerHub:
         self.metrics: Counter[str] = Counter()  # rejected:<why>, late, dropped, lost, fatal, restarts
         self._procs: dict[str, asyncio.subprocess.Process] = {}  # local workers by name
         self._restart_at: dict[str, float] = {}  # local worker slots waiting to be restarted -> when
+        self._became_ready: set[str] = set()  # local workers whose current process reached ready
+        self._lost: dict[bytes, deque[str]] = {}  # lost workers -> their rollout ids that will come back late
         self._failures_in_a_row = 0  # local workers that exited before becoming ready
         self._load_failures = 0  # fatal reports while no worker was ready
         self._banned: set[bytes] = set()
@@ -146,9 +153,11 @@ class WorkerHub:
     @contextlib.asynccontextmanager
     async def open(cls, address: str, setup: Setup, local: int, remote: int = 0,
                    env_vars: dict[str, str] | None = None, nice: int = 0,
-                   server_keys: ServerKeys | None = None) -> AsyncIterator[WorkerHub]:
+                   server_keys: ServerKeys | None = None, silence_s: float = 10 * HEARTBEAT_S
+                   ) -> AsyncIterator[WorkerHub]:
         """Bind ``address`` (a CURVE server with ``server_keys``: only their authorized clients get in) and
-        start ``local`` worker processes (niceness + ``nice``); on exit stop them (by pid) and close.
+        start ``local`` worker processes (niceness + ``nice``); on exit stop them (by pid) and close. A ready
+        worker silent for ``silence_s`` is lost (module docstring).
 
         Local workers of a CURVE hub get a key pair made for the run (never on disk), through their
         environment."""
@@ -167,12 +176,12 @@ class WorkerHub:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             try:
-                if address.startswith("ipc://"):
-                    Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+                ipc.prepare(address)
                 sock.bind(address)
             except zmq.ZMQError as e:
                 raise TransportError(f"cannot bind the env workers' address {address}: {e}") from None
-            hub = cls(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), setup, local, remote, env, nice)
+            stack.callback(ipc.remove, address)  # libzmq leaves the file (orchestrator.ipc); after sock.close
+            hub = cls(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), setup, local, remote, env, nice, silence_s)
             try:
                 for _ in range(local):
                     await hub._spawn()
@@ -189,6 +198,7 @@ class WorkerHub:
             "--id", name, "--nice", str(self.nice), env=child_env(self.env_vars),
         )
         self._procs[name] = proc
+        self._became_ready.discard(name)
         self._banned.discard(name.encode())  # a fresh process under the name of one that was dropped
         log.info("started env worker %s (pid %d)", name, proc.pid)
 
@@ -264,6 +274,13 @@ class WorkerHub:
             if isinstance(msg, Heartbeat):  # a worker we forgot (silent for a while, or our predecessor's)
                 log.info("env worker %s is back: sending setup to re-admit it", msg.worker)
                 self._hello(ident, Hello(msg.worker))
+            elif isinstance(msg, Records) and ident in self._lost:  # rollouts of a worker that froze
+                late = self._lost[ident]
+                n = sum(h.rid in late for h in msg.records)
+                self.metrics["late"] += n
+                if n < len(msg.records):
+                    self._reject(None, ident, "unassigned", f"{len(msg.records) - n} records of a lost worker "
+                                 "for rollouts that were not in flight on it")
             else:
                 self._reject(None, ident, "no_hello", f"{type(msg).__name__.lower()} before hello")
             return
@@ -287,7 +304,8 @@ class WorkerHub:
         old = self.workers.pop(ident, None)
         if old is not None and old.rids:  # restarted under the same name: its rollouts are gone
             self._lose(old, "restarted")
-        self.workers[ident] = WorkerState(ident, msg.worker, msg.pid)
+        state = self.workers[ident] = WorkerState(ident, msg.worker, msg.pid)
+        state.late = self._lost.pop(ident, state.late)  # a lost worker back: its stragglers are late
         self._send(ident, self.setup)
 
     def _on_ready(self, worker: WorkerState, msg: Ready) -> None:
@@ -295,6 +313,8 @@ class WorkerHub:
             self._strike(worker, "ready_mismatch", f"reports tasks {msg.envs}, others {self.tasks_per_env}")
             return
         worker.ready = True
+        if worker.name in self._procs:
+            self._became_ready.add(worker.name)
         self.tasks_per_env = dict(msg.envs)
         self._failures_in_a_row = self._load_failures = 0
         log.info("env worker %s ready (%s)", worker.name, ", ".join(f"{k}: {v} tasks" for k, v in msg.envs.items()))
@@ -389,10 +409,13 @@ class WorkerHub:
             now = time.monotonic()
             for w in list(self.workers.values()):
                 # a worker heartbeats once it is ready; before, it is importing and loading (blocking calls)
-                silent, limit = now - w.last_seen, DEAD_AFTER_S if w.ready else LOAD_TIMEOUT_S
+                silent, limit = now - w.last_seen, self.silence_s if w.ready else LOAD_TIMEOUT_S
                 if silent > limit:
-                    log.error("env worker %s silent for %.0f s%s: lost; %d rollouts in flight fail", w.name, silent,
-                              "" if w.ready else " while loading its environments", len(w.rids))
+                    proc = self._procs.get(w.name)
+                    then = (f"killed (pid {proc.pid}) to be restarted" if proc is not None and proc.returncode is None
+                            else "re-admitted if it speaks again")
+                    log.error("env worker %s silent for %.0f s%s: lost, %d rollouts in flight fail; %s", w.name,
+                              silent, "" if w.ready else " while loading its environments", len(w.rids), then)
                     self._lose(w, f"silent for {silent:.0f} s")
                     self._kill_local(w.name)
             for name, proc in list(self._procs.items()):
@@ -408,7 +431,7 @@ class WorkerHub:
         worker = next((w for w in self.workers.values() if w.name == name), None)
         if worker is not None:
             self._lose(worker, f"exited with status {proc.returncode}")
-        if worker is None or not worker.ready:
+        if name not in self._became_ready:  # a process that was serving (then froze or died) restarts at once
             self._failures_in_a_row += 1
         delay = RESTART_BACKOFF_S[min(self._failures_in_a_row, len(RESTART_BACKOFF_S) - 1)]
         log.error("local env worker %s (pid %d) exited with status %s; restarting it in %.0f s", name, proc.pid,
@@ -420,6 +443,10 @@ class WorkerHub:
         if self.workers.get(worker.ident) is worker:
             del self.workers[worker.ident]
         self.metrics["lost"] += 1
+        worker.late.extend(worker.rids)
+        self._lost[worker.ident] = worker.late
+        while len(self._lost) > LOST_KEPT:
+            del self._lost[next(iter(self._lost))]
         if worker.rids:
             self.events.put_nowait(WorkerLost(worker.name, sorted(worker.rids), why))
             worker.rids.clear()

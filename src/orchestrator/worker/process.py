@@ -16,13 +16,15 @@ import math
 import os
 import re
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import zmq
 import zmq.asyncio
 
-from orchestrator.errors import EnvironmentLoadError, Failure, WireError
+from orchestrator.envconfig import resolve_env
+from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, WireError
 from orchestrator.memory import rss_mb
 from orchestrator.samples import SampleError, samples_from_trace
 from orchestrator.security import ClientKeys, RefusalWatch, secure_client
@@ -55,28 +57,31 @@ SCORING = re.compile(r"\bscoring\b")  # verifiers' TaskError boundary names ("ta
 
 
 class LoadedEnv:
-    def __init__(self, name: str, env: Any) -> None:
+    def __init__(self, name: str, env: Any, tasks: Iterable[Any] | None = None) -> None:
         self.name = name
         self.env = env
-        self.tasks = list(env.taskset)
+        self.tasks = list(env.taskset if tasks is None else tasks)
         if not self.tasks:
             raise EnvironmentLoadError(f"environment {name!r}: its taskset yields no task")
 
 
 def load_env(spec: EnvSpec) -> LoadedEnv:
-    """Load one environment (verifiers import happens here, in the worker, once)."""
+    """Load one environment with its verifiers configuration (verifiers is imported here, in the worker, once).
+    A configuration verifiers rejects, or a taskset that fails to load, is an EnvironmentLoadError naming the
+    environment and the key."""
     import verifiers.v1 as vf
 
-    name = spec.name
+    what = f"environment {spec.name!r} (taskset {spec.taskset!r}) failed to load"
     try:
-        cfg = vf.resolve_env_config({"taskset": {"id": spec.taskset, **spec.args},
-                                     "agent": {"runtime": {"type": "subprocess"}}})
-        return LoadedEnv(name, vf.load_environment(cfg))
+        resolved = resolve_env(spec.taskset, spec.args, spec.verifiers, spec.select, spec.key)
+        env = vf.load_environment(resolved.config)
+        return LoadedEnv(spec.name, env, env.taskset.select(resolved.select))
+    except ConfigError as e:  # verifiers rejected the configuration: each problem names its key
+        raise EnvironmentLoadError(f"{what}: {'; '.join(e.problems)}") from None
     except EnvironmentLoadError:
         raise
     except Exception as e:  # any failure inside a user's taskset is a load error naming the env
-        raise EnvironmentLoadError(f"environment {name!r} (taskset {spec.taskset!r}) failed to load: "
-                                   f"{type(e).__name__}: {e}") from e
+        raise EnvironmentLoadError(f"{what}: {type(e).__name__}: {e}") from e
 
 
 def classify(errors: list[Any], is_timeout: bool) -> Failure:
@@ -99,8 +104,10 @@ def classify(errors: list[Any], is_timeout: bool) -> Failure:
     return Failure.ENV
 
 
-def episode_record(ep: Any, base: AssignedRollout, wall_s: float) -> tuple[RolloutHeader, list[Any]]:
-    """Turn a verifiers Episode into a record header and its column frames."""
+def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = True
+                   ) -> tuple[RolloutHeader, list[Any]]:
+    """Turn a verifiers Episode into a record header and its column frames (none for an evaluation rollout:
+    ``train`` False)."""
     trace = ep.traces[0] if ep.traces else None
     errors = list(ep.errors or [])
     if trace is not None:
@@ -116,7 +123,7 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float) -> tuple[Rollo
         return RolloutHeader.failed(base, Failure.INVALID_REWARD, f"the environment returned a reward of {reward}",
                                     wall_s=wall_s, stop=stop), []
     try:
-        shapes, frames = sample_frames(samples_from_trace(trace))
+        shapes, frames = sample_frames(samples_from_trace(trace)) if train else ([], [])
     except SampleError as e:
         return RolloutHeader.failed(base, Failure.BAD_SAMPLE, str(e), wall_s=wall_s, stop=stop), []
     metrics = {k: float(v) for k, v in (trace.metrics or {}).items()
@@ -126,8 +133,14 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float) -> tuple[Rollo
                            policy_step=base.policy_step, worker=base.worker, server=base.server, ok=True,
                            reward=reward, metrics=metrics, stop=stop, samples=shapes,
                            routed_dtype="uint16" if routed is not None and routed.dtype == np.uint16 else "uint8",
-                           tokens=sum(s[0] for s in shapes), wall_s=wall_s)
+                           tokens=sum(s[0] for s in shapes) if train else _trace_tokens(trace), turns=trace.num_turns,
+                           wall_s=wall_s)
     return header, frames
+
+
+def _trace_tokens(trace: Any) -> int:
+    """Tokens of a trace's messages (an evaluation rollout's size, without building samples)."""
+    return sum(len(getattr(node, "token_ids", None) or ()) for node in (trace.nodes or []))
 
 
 class Worker:
@@ -160,6 +173,7 @@ class Worker:
                         await stack.enter_async_context(loaded.env.serving())
                         self.envs[loaded.name] = loaded
                     self.setup, self.model, self.tokenizer = setup, setup.model, setup.tokenizer
+                    await self._warm()
                     gc.freeze()  # everything loaded so far lives for the process: keep it out of GC passes
                     await sock.send(pack(Ready(self.worker_id, {n: len(e.tasks) for n, e in self.envs.items()})))
                     await self._serve(sock)
@@ -224,20 +238,41 @@ class Worker:
             await sock.send(pack(Heartbeat(self.worker_id, len(self.groups), round(rss_mb(), 1))))
             await asyncio.sleep(HEARTBEAT_S)
 
-    def _model_context(self, server: str, sampling: dict[str, Any]) -> Any:
-        """verifiers' model context for ``server`` and ``sampling`` (cache_salt included), reused while the
-        policy lasts: at most CONTEXTS_KEPT are kept, the oldest dropped first."""
+    def _client_config(self, server: str) -> Any:
+        """verifiers' train client config for ``server``: our tokenizer's renderer, and a read timeout of
+        ``request_timeout_s`` on every generate call (a keep pause holds a call open, so not a total one)."""
         import verifiers.v1 as vf
         from renderers.configs import DefaultRendererConfig
         from verifiers.v1.configs.client import ClientTimeoutConfig
 
+        return vf.TrainClientConfig(base_url=server, renderer=DefaultRendererConfig(),
+                                    renderer_model_name=self.tokenizer,
+                                    api_key_var=self.setup.api_key_env or NO_API_KEY_VAR,
+                                    timeout=ClientTimeoutConfig(read=self.setup.request_timeout_s))
+
+    async def _warm(self) -> None:
+        """Build, before ``ready``, the tokenizer renderer verifiers' train client would build on the first
+        rollout (shared by every later one): loading it imports transformers, seconds of CPU mostly holding the
+        GIL, which starved this loop's heartbeats for 2-4 s on a busy machine and got fresh workers declared
+        silent (``scheduler.worker_silence_s``) again and again. Before ``ready`` the hub allows minutes."""
+        from verifiers.v1.clients.train import ElasticRendererPool
+
+        cfg = self._client_config("http://warm-up.invalid/v1")  # the pool is keyed by the renderer, not the URL
+        try:
+            await ElasticRendererPool(cfg.renderer_model_name, cfg.renderer, multiplex=cfg.multiplex).grow()
+        except Exception as e:  # the first rollout builds it again and fails with the reason, as data
+            log.warning("could not build the renderer of tokenizer %s ahead of the first rollout: %s: %s",
+                        self.tokenizer, type(e).__name__, e)
+
+    def _model_context(self, server: str, sampling: dict[str, Any]) -> Any:
+        """verifiers' model context for ``server`` and ``sampling`` (cache_salt included), reused while the
+        policy lasts: at most CONTEXTS_KEPT are kept, the oldest dropped first."""
+        import verifiers.v1 as vf
+
         key = repr((server, sorted(sampling.items())))
         ctx = self._contexts.pop(key, None)
         if ctx is None:
-            client = vf.TrainClientConfig(base_url=server, renderer=DefaultRendererConfig(),
-                                          renderer_model_name=self.tokenizer,
-                                          api_key_var=self.setup.api_key_env or NO_API_KEY_VAR,
-                                          timeout=ClientTimeoutConfig(read=self.setup.request_timeout_s))
+            client = self._client_config(server)
             ctx = vf.ModelContext(model=self.model, client=client, sampling=vf.SamplingConfig(**sampling))
         self._contexts[key] = ctx  # most recently used last
         while len(self._contexts) > CONTEXTS_KEPT:
@@ -266,7 +301,7 @@ class Worker:
         try:
             async with asyncio.TaskGroup() as tg:
                 for rid, slot in zip(msg.rids, slots, strict=True):
-                    tg.create_task(self._run_one(done, loaded, slot, ctx, self._assigned(msg, rid)))
+                    tg.create_task(self._run_one(done, loaded, slot, ctx, self._assigned(msg, rid), msg.train))
                 pending: list[tuple[RolloutHeader, list[Any]]] = []
                 for _ in msg.rids:
                     try:
@@ -282,11 +317,11 @@ class Worker:
             self.groups.pop(msg.group, None)
 
     async def _run_one(self, done: asyncio.Queue[tuple[RolloutHeader, list[Any]]], loaded: LoadedEnv, slot: Any,
-                       ctx: Any, base: AssignedRollout) -> None:
+                       ctx: Any, base: AssignedRollout, train: bool) -> None:
         start = time.monotonic()
         try:
             ep = await loaded.env.run_slot(slot, ctx)
-            item = episode_record(ep, base, round(time.monotonic() - start, 4))
+            item = episode_record(ep, base, round(time.monotonic() - start, 4), train)
         except Exception as e:  # an env that raises fails this rollout, not the worker
             item = (RolloutHeader.failed(base, Failure.ENV, f"{type(e).__name__}: {e}",
                                          wall_s=round(time.monotonic() - start, 4)), [])

@@ -68,6 +68,7 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     samples: list[tuple[Count, Count, Count]] = []  # per sample: tokens, layers, top_k
     routed_dtype: Literal["uint8", "uint16"] = "uint8"  # of the routed-experts frame
     tokens: Count = 0
+    turns: Count = 0  # model turns (verifiers' trace.num_turns)
     wall_s: float = 0.0
     frames: Count = 0  # column frames that follow this header in its message: 0 or 4
 
@@ -128,9 +129,14 @@ WorkerMessage = Hello | Ready | Records | Heartbeat | Fatal
 
 
 class EnvSpec(msgspec.Struct):
+    """One ``[[env]]`` table as a worker loads it (see envconfig.py for ``verifiers`` and ``select``)."""
+
     name: str
     taskset: str
     args: dict[str, Any] = {}
+    verifiers: dict[str, Any] = {}
+    select: dict[str, Any] = {}
+    key: str = "env"  # its key path in the job config (env[1]), so load errors name it
 
 
 class Setup(msgspec.Struct, tag="setup", tag_field="type"):
@@ -149,6 +155,7 @@ class Assign(msgspec.Struct, tag="assign", tag_field="type"):
     server: str
     sampling: dict[str, Any]
     policy_step: Count
+    train: bool = True  # False: an evaluation group, whose rollouts build no training samples
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):

@@ -1,0 +1,115 @@
+"""Groups in flight: records in, completed groups out. Synchronous, no I/O, time passed in: testable as is.
+
+A group is ``size`` rollouts of one task on one inference server, sampled with policy ``policy`` (the weight
+version the servers had when it opened). It completes when every rollout has come back, success or failure.
+``expire(now, policy)`` says which in-flight groups must end now: too far off-policy
+(``max_off_policy_steps``) or running longer than ``group_timeout_s``; their missing rollouts fail with
+``stale`` / ``group_timeout`` (the caller cancels them at the workers). Counts per outcome accumulate in
+``counts`` (``completed``, ``failed:<kind>``, ``late``, ``cancelled``) until the caller takes them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from orchestrator.errors import Failure
+from orchestrator.worker.protocol import AssignedRollout, RolloutHeader, RolloutRecord
+
+if TYPE_CHECKING:
+    from orchestrator.inference.pool import Server
+
+
+@dataclass(eq=False)
+class Group:
+    gid: str
+    env: str
+    task: int
+    policy: int
+    size: int
+    server: Server
+    started: float
+    worker: str = ""
+    eval_round: int | None = None  # set: an evaluation group (never trained on)
+    records: list[RolloutRecord] = field(default_factory=list)
+    missing: set[str] = field(default_factory=set)
+    advantages: np.ndarray | None = None  # over survivors, set when it completes (training groups)
+    gate: str | None = None  # the gate that rejected it, if one did
+
+    @property
+    def rids(self) -> list[str]:
+        return [f"{self.gid}-{i}" for i in range(self.size)]
+
+    @property
+    def survivors(self) -> list[RolloutRecord]:
+        return [r for r in self.records if r.ok]
+
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.survivors]
+
+
+@dataclass(frozen=True)
+class Expired:
+    group: Group
+    kind: Failure
+    why: str
+
+
+class GroupTracker:
+    def __init__(self, max_off_policy_steps: int, group_timeout_s: float) -> None:
+        self.max_off_policy_steps, self.group_timeout_s = max_off_policy_steps, group_timeout_s
+        self.inflight: dict[str, Group] = {}
+        self.by_rid: dict[str, Group] = {}
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def inflight_rollouts(self) -> int:
+        return sum(len(g.missing) for g in self.inflight.values())
+
+    def open(self, group: Group) -> None:
+        group.missing = set(group.rids)
+        self.inflight[group.gid] = group
+        for rid in group.rids:
+            self.by_rid[rid] = group
+
+    def record(self, record: RolloutRecord) -> tuple[Group | None, bool]:
+        """Take one finished rollout: (its group, whether the group is now complete); (None, False) for a
+        straggler of a group that ended already (counted ``late``)."""
+        h = record.header
+        group = self.by_rid.pop(h.rid, None)
+        if group is None or h.rid not in group.missing:
+            self.counts["late"] += 1
+            return None, False
+        h.env, h.task, h.policy_step = group.env, group.task, group.policy  # ours, whatever the worker said
+        group.missing.discard(h.rid)
+        group.records.append(record)
+        self.counts["completed" if record.ok else f"failed:{h.failure or Failure.ENV}"] += 1
+        if group.missing:
+            return group, False
+        del self.inflight[group.gid]
+        return group, True
+
+    def fail(self, group: Group, rid: str, kind: Failure, why: str) -> tuple[Group | None, bool]:
+        """Fail one missing rollout of ``group`` (lost worker, cancellation)."""
+        base = AssignedRollout(rid, group.gid, group.env, group.task, group.policy, group.worker, group.server.url)
+        return self.record(RolloutRecord(RolloutHeader.failed(base, kind, why), []))
+
+    def expire(self, now: float, policy: int) -> list[Expired]:
+        """In-flight groups that must end now (their missing rollouts are not failed yet: ``fail`` them)."""
+        limit = policy - self.max_off_policy_steps
+        out = []
+        for group in self.inflight.values():
+            if group.policy < limit and group.eval_round is None:  # an evaluation keeps its policy: see eval
+                out.append(Expired(group, Failure.STALE, f"sampled with policy {group.policy}, now {policy}"))
+                self.counts["cancelled"] += len(group.missing)
+            elif now - group.started > self.group_timeout_s:
+                out.append(Expired(group, Failure.GROUP_TIMEOUT, f"running for more than {self.group_timeout_s:g} s"))
+        return out
+
+    def take_counts(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counts)
+        self.counts.clear()
+        return out

@@ -1,0 +1,9 @@
+"""Where metrics go: a ``MetricsSink`` per tracker, ``metrics.jsonl`` always, Weights & Biases optionally.
+
+See ``base.py`` for the interface and ``open_sinks`` for how a job's config chooses them.
+"""
+
+from orchestrator.sinks.base import MetricsSink, Sinks, flatten, open_sinks
+from orchestrator.sinks.jsonl import JsonlSink
+
+__all__ = ["JsonlSink", "MetricsSink", "Sinks", "flatten", "open_sinks"]

@@ -1,0 +1,311 @@
+"""The trainer side of the ZMQ link: ``BatchReceiver`` (asyncio) and ``SyncBatchReceiver`` (plain threads).
+
+Each receiver connects a DEALER to the batch address (its routing id is the receiver's ``id``, random and new
+for every receiver) and a PUSH to the orchestrator's trainer channel (``zmq_link.ckpt_address``). It decodes
+batches without copies, rejects a corrupt, duplicate or out-of-order step with a WireError (counted in
+``rejected``; the receiver keeps running), acknowledges each accepted step (``auto_ack``; or call ``ack`` after
+training on it), reports the last step held every STATUS_S while idle, and ``announce(step, path)`` tells the
+orchestrator that weights ``step`` are ready. Every message back names the receiver (``id``, and ``name``:
+host and pid) and repeats the newest checkpoint: the one announced last, or the one it resumed from
+(``checkpoint=``), so an orchestrator that (re)connects or restarted learns the weights at once instead of
+waiting for an announcement that was made before it was listening.
+
+From the orchestrator come control messages besides batches: ``refused`` (another trainer holds the link,
+or this one lacks steps that are gone) makes ``recv`` raise ``TrainerRefused`` with the reason, now and on
+every later call; ``checkpoint`` (the orchestrator waits for weights of step >= N) is answered with a status
+message, and logged once when this trainer has announced nothing that new (``checkpoint_wanted`` holds N, for a
+trainer that wants to react); ``ping`` is ignored. Shared-memory batches are mapped on arrival (see the
+receivers' docstrings for when they are released). ``keys`` (``ClientKeys``) makes both sockets CURVE clients,
+for an orchestrator that binds tcp:// with keys. Importable without verifiers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from orchestrator.errors import DuplicateStep, TrainerRefused, WireError
+from orchestrator.security import ClientKeys, RefusalWatch, secure_client
+from orchestrator.transport.checkpoints import Checkpoint
+from orchestrator.transport.shm import PoolNotMapped, ShmAttachment
+from orchestrator.transport.wire import Batch, decode
+from orchestrator.transport.zmq_link import CONTROL, STATUS_S, ckpt_address
+
+log = logging.getLogger(__name__)
+
+_S = TypeVar("_S", bound=zmq.Socket[Any])
+
+
+def _connect(ctx: zmq.Context[_S], address: str, keys: ClientKeys | None, peer_id: str) -> tuple[_S, _S]:
+    """A receiver's sockets: a DEALER named ``peer_id`` on ``address`` (batches and control messages), a PUSH
+    to its ``.ckpt`` twin (reports, checkpoints); both CURVE clients with ``keys``."""
+    batches = ctx.socket(zmq.DEALER)
+    batches.setsockopt(zmq.ROUTING_ID, peer_id.encode())
+    batches.setsockopt(zmq.LINGER, 0)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    if keys is not None:
+        secure_client(batches, keys)
+        secure_client(push, keys)
+    batches.connect(address)
+    push.connect(ckpt_address(address))
+    return batches, push
+
+
+class _ReceiverCore:
+    """What both receivers share: validation, ordering, counts, the shared-memory mapping, control messages
+    and the messages back."""
+
+    def __init__(self, address: str, last_step: int | None, auto_ack: bool, checkpoint: Checkpoint | None,
+                 name: str | None) -> None:
+        self.address = address
+        self.id = uuid.uuid4().hex  # names this receiver to the orchestrator; its routing id too
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.last_step = last_step  # the last step accepted (a trainer resuming from a checkpoint sets it)
+        self.acked = last_step  # the last step acknowledged: what the status messages report
+        self.announced = checkpoint  # the newest checkpoint (announced, or resumed from): in every status message
+        self.auto_ack = auto_ack
+        self.rejected: dict[str, int] = {}
+        self.refused: str | None = None  # why the orchestrator refused this trainer, once it did
+        self.checkpoint_wanted: int | None = None  # the orchestrator waits for weights of step >= this
+        self.shm = ShmAttachment(address)  # maps the sender's pool when a shared-memory batch arrives
+        self._unreleased: int | None = None  # auto_ack: a shared-memory step released by the next recv
+        self._told_wanted: int | None = None
+
+    def _due_release(self) -> int | None:
+        """The step a ``recv`` call releases first (auto_ack, shared memory): the previous batch is done."""
+        step, self._unreleased = self._unreleased, None
+        return step
+
+    def _acks_now(self, batch: Batch) -> bool:
+        """Whether ``recv`` acknowledges ``batch`` before returning it: auto_ack and not shared memory (a
+        shared-memory batch is acknowledged, i.e. released, by the next ``recv``)."""
+        if self.auto_ack and batch.shm_pool is not None:
+            self._unreleased = batch.step
+            return False
+        return self.auto_ack
+
+    def _set_acked(self, step: int) -> None:
+        self.acked = step
+        if self._unreleased is not None and self._unreleased <= step:
+            self._unreleased = None
+
+    def _check_refused(self) -> None:
+        if self.refused is not None:
+            raise TrainerRefused(f"the orchestrator at {self.address} refused this trainer: {self.refused}")
+
+    def _control(self, frames: Sequence[Any]) -> bool | None:
+        """None if ``frames`` is not a control message; else whether to answer with a status message.
+        TrainerRefused when it refuses this trainer."""
+        if len(frames) != 2 or len(frames[0]) != len(CONTROL) or bytes(frames[0]) != CONTROL:
+            return None
+        try:
+            msg = msgpack.unpackb(bytes(frames[1]), raw=False)
+            what = msg["ctl"]
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            log.warning("ignored a malformed control message from the orchestrator: %s", e)
+            return False
+        if what == "refused":
+            self.refused = str(msg.get("why", "no reason given"))
+            log.error("the orchestrator at %s refused this trainer: %s", self.address, self.refused)
+            self._check_refused()
+        if what == "checkpoint" and isinstance(msg.get("min"), int):
+            self._wanted(msg["min"])
+            return True
+        return False  # "ping", or a kind this receiver does not know
+
+    def _wanted(self, step: int) -> None:
+        self.checkpoint_wanted = step
+        if (self.announced is None or self.announced.step < step) and self._told_wanted != step:
+            self._told_wanted = step
+            have = "none" if self.announced is None else f"only step {self.announced.step}"
+            log.warning("the orchestrator at %s waits for weights of step >= %d; this trainer has announced %s: "
+                        "announce the weights it trains from (announce(step, path), or checkpoint= when it resumes "
+                        "from a checkpoint)", self.address, step, have)
+
+    def _accept(self, frames: Sequence[Any]) -> Batch | None:
+        """The batch in ``frames``, or None (rejected and counted); PoolNotMapped: call ``_fetch``, then again."""
+        try:
+            batch = decode(frames, self.shm.region)
+            if self.last_step is not None and batch.step != self.last_step + 1:
+                kind = "duplicate" if batch.step <= self.last_step else "out of order"
+                raise DuplicateStep(f"step {batch.step} is {kind}: the last step received was {self.last_step}")
+        except WireError as e:
+            self._reject(e)
+            return None
+        self.last_step = batch.step
+        return batch
+
+    def _fetch(self, need: PoolNotMapped) -> bool:
+        """Blocking, briefly: map the pool a header named; False (counted) if it cannot be had."""
+        try:
+            self.shm.fetch(need.pool_id, need.size)
+        except WireError as e:
+            self._reject(e)
+            return False
+        return True
+
+    def _reject(self, e: WireError) -> None:
+        key = type(e).__name__
+        self.rejected[key] = self.rejected.get(key, 0) + 1
+        log.error("rejected a batch: %s", str(e))  # not e: its traceback would keep the batch's views alive
+
+    def _status(self, hello: bool = False) -> bytes:
+        msg: dict[str, Any] = {"have": -1 if self.acked is None else self.acked, "id": self.id, "name": self.name}
+        if hello:
+            msg["hello"] = True
+        if self.announced is not None:  # an orchestrator that restarted learns the newest weights from this
+            msg["checkpoint"] = self.announced.step
+            if self.announced.path is not None:
+                msg["path"] = self.announced.path
+        return msgpack.packb(msg)
+
+    def _announcement(self, step: int, path: str | None) -> bytes:
+        self.announced = Checkpoint(step, path)
+        return self._status()
+
+
+class BatchReceiver(_ReceiverCore):
+    """Trainer side on asyncio. ``recv()`` returns the next valid batch; invalid ones are counted in
+    ``rejected``. ``last_step``: the last step this trainer holds (it resumes after it); ``checkpoint``: the
+    weights it resumed from, told to the orchestrator at once (a restarted orchestrator waiting for a policy
+    gets it without a new announcement); ``name``: how the orchestrator's log names it (default host:pid).
+
+    Shared memory (the orchestrator runs ``transport.kind = "shm"``): the batch's columns are read-only views
+    of the orchestrator's pool, mapped on the first such batch (and again after the orchestrator restarts).
+    Acknowledging a step *releases* it: the orchestrator then reuses its bytes for later steps, so the
+    trainer must not touch the batch's arrays (or views of them) after the release; copy what it keeps.
+    With ``auto_ack`` a batch is released when ``recv()`` is called again (or by ``release(batch)`` /
+    ``ack(step)`` earlier); without it, by ``release`` / ``ack``. A trainer that holds a step longer
+    (e.g. several steps in flight) holds the pool's space: the orchestrator waits for room, memory stays
+    bounded. Frame batches (kind = "zmq") are acknowledged on receipt with ``auto_ack``, as before.
+    Fetching the pool's fd is a brief blocking call on a local socket (at most FETCH_TIMEOUT_S).
+    """
+
+    def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, *, last_step: int | None = None,
+                 auto_ack: bool = True, keys: ClientKeys | None = None, checkpoint: Checkpoint | None = None,
+                 name: str | None = None) -> None:
+        super().__init__(address, last_step, auto_ack, checkpoint, name)
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.batches, self.push = _connect(self.ctx, address, keys, self.id)
+        self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle
+        # queued until the orchestrator is there; sent on a sync view so no loop is needed yet
+        zmq.Socket.shadow(self.push.underlying).send(self._status(hello=True), flags=zmq.NOBLOCK)
+
+    async def recv(self) -> Batch:
+        """The next valid batch; TrainerRefused if the orchestrator refused this trainer."""
+        self._check_refused()
+        if (done := self._due_release()) is not None:
+            await self.ack(done)
+        while True:
+            if not await self.batches.poll(int(STATUS_S * 1000)):
+                self.refusals.check()
+                await self.push.send(self._status())
+                continue
+            frames = await self.batches.recv_multipart(copy=False)
+            answer = self._control(frames)
+            if answer is not None:
+                if answer:
+                    await self.push.send(self._status())
+                continue
+            try:
+                batch = self._accept(frames)
+            except PoolNotMapped as need:  # off the loop: the sender may be on this very loop
+                batch = self._accept(frames) if await asyncio.to_thread(self._fetch, need) else None
+            if batch is not None:
+                if self._acks_now(batch):
+                    await self.ack(batch.step)
+                return batch
+
+    async def ack(self, step: int) -> None:
+        """Tell the orchestrator that every step up to ``step`` is in hand (sent by ``recv`` with auto_ack;
+        without it, call this once the step is safe, e.g. trained or journalled). Shared memory: this
+        releases those steps' arrays."""
+        self._set_acked(step)
+        await self.push.send(self._status())
+
+    async def release(self, batch: Batch) -> None:
+        """Done with ``batch`` (and every earlier one): ``ack(batch.step)``."""
+        await self.ack(batch.step)
+
+    async def announce(self, step: int, path: str | None = None) -> None:
+        """Tell the orchestrator that weights ``step`` are ready to load (repeated in later status messages)."""
+        await self.push.send(self._announcement(step, path))
+
+    def close(self) -> None:
+        """Close the sockets and drop the pool's mapping (unmapped once no batch views it)."""
+        self.refusals.close()
+        self.batches.close()
+        self.push.close()
+        self.shm.close()
+
+
+class SyncBatchReceiver(_ReceiverCore):
+    """Trainer side without asyncio: the same behaviour as ``BatchReceiver`` with blocking calls, shared
+    memory included: with ``auto_ack`` a shared-memory batch is released by the next ``recv()`` (or by
+    ``release(batch)`` / ``ack(step)``); do not touch its arrays after that."""
+
+    def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
+                 last_step: int | None = None, auto_ack: bool = True, keys: ClientKeys | None = None,
+                 checkpoint: Checkpoint | None = None, name: str | None = None) -> None:
+        super().__init__(address, last_step, auto_ack, checkpoint, name)
+        self.ctx = ctx or zmq.Context.instance()
+        self.batches, self.push = _connect(self.ctx, address, keys, self.id)
+        self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle
+        self.push.send(self._status(hello=True), flags=zmq.NOBLOCK)
+
+    def recv(self, timeout_s: float | None = None) -> Batch:
+        """The next valid batch; TimeoutError after ``timeout_s`` (None: wait for ever); TrainerRefused if the
+        orchestrator refused this trainer."""
+        self._check_refused()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if (done := self._due_release()) is not None:
+            self.ack(done)
+        while True:
+            wait = STATUS_S if deadline is None else min(STATUS_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"no batch within {timeout_s} s")
+            if not self.batches.poll(int(wait * 1000)):
+                self.refusals.check()
+                self.push.send(self._status())
+                continue
+            frames = self.batches.recv_multipart(copy=False)
+            answer = self._control(frames)
+            if answer is not None:
+                if answer:
+                    self.push.send(self._status())
+                continue
+            try:
+                batch = self._accept(frames)
+            except PoolNotMapped as need:
+                batch = self._accept(frames) if self._fetch(need) else None
+            if batch is not None:
+                if self._acks_now(batch):
+                    self.ack(batch.step)
+                return batch
+
+    def ack(self, step: int) -> None:
+        self._set_acked(step)
+        self.push.send(self._status())
+
+    def release(self, batch: Batch) -> None:
+        self.ack(batch.step)
+
+    def announce(self, step: int, path: str | None = None) -> None:
+        self.push.send(self._announcement(step, path))
+
+    def close(self) -> None:
+        self.refusals.close()
+        self.batches.close()
+        self.push.close()
+        self.shm.close()
