@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import random
 import re
@@ -148,6 +149,32 @@ async def test_a_call_with_no_answer_times_out_and_says_so_while_it_waits(caplog
             result = await pool.update_weights(Checkpoint(1))
         assert "took more than 0.3 s" in result.failed[fake.url]
         assert "no answer after" in caplog.text
+
+
+async def test_a_call_that_fails_as_its_weight_sync_is_cancelled_leaves_no_unretrieved_error() -> None:
+    """Seen under load at the end of a run: the last sync, cancelled at shutdown just as vLLM 0.26 answered
+    404 to /update_weight_version, printed "Task exception was never retrieved" on the run's stderr."""
+    loop = asyncio.get_running_loop()
+
+    async def cancelled_as_the_call_fails(pool: InferencePool) -> bool:
+        call: asyncio.Future[bytes] = loop.create_future()
+        sync = asyncio.ensure_future(pool._timed(call, "update_weight_version on a server"))
+        await asyncio.sleep(0)  # the sync now waits for the call
+        call.set_exception(InferenceError("HTTP 404", Failure.PROVIDER))  # the call fails ...
+        sync.cancel()  # ... as the sync is cancelled, before it sees the failure
+        await asyncio.wait({sync})
+        return sync.cancelled()
+
+    reported: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    try:
+        async with pool_of(1, probe=False) as (pool, _):
+            assert await cancelled_as_the_call_fails(pool)
+            gc.collect()  # the failed call is freed: an error nobody read would be reported now
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == []
 
 
 def test_reply_parser_reads_what_verifiers_reads_and_names_the_fix() -> None:

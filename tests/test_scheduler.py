@@ -142,6 +142,34 @@ async def test_stale_in_flight_groups_are_cancelled(tmp_path: Path) -> None:
     assert sorted(hub.cancelled) == ["g1", "g2"]
 
 
+async def test_no_group_opens_that_no_step_could_take(tmp_path: Path) -> None:
+    """On-policy: one batch of groups per policy, though there is room for more; the next batch opens with the
+    next weights, so nothing is sampled to be thrown away as stale."""
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 32\nmax_async_level = 0\nmax_off_policy_steps = 0")
+    async with running(cfg) as (sched, hub):
+        await asyncio.wait_for(sched.next_step(0), 5)
+        for _ in range(50):
+            await asyncio.sleep(0)  # admission runs: room for 24 rollouts, but step 1 needs policy 1
+        assert [a.policy_step for a in hub.assigned] == [0, 0]
+        await sched.set_policy(1)
+        await wait_until(lambda: len(hub.assigned) == 4, 10, "the batch of policy 1", poll_s=0.01)
+        groups = await asyncio.wait_for(sched.next_step(1), 5)
+        counts = sched.take_counts()
+    assert {g.policy for g in groups} == {1}
+    assert [a.policy_step for a in hub.assigned] == [0, 0, 1, 1]
+    assert counts.get("stale_rollouts", 0) == counts.get("cancelled", 0) == 0
+
+
+async def test_async_level_lets_one_batch_ahead_open(tmp_path: Path) -> None:
+    """max_async_level = 1: groups sampled with policy 0 can still train in step 1, so two batches open."""
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 32\nmax_async_level = 1\nmax_off_policy_steps = 1")
+    async with running(cfg) as (_, hub):
+        await wait_until(lambda: len(hub.assigned) == 4, 10, "two batches", poll_s=0.01)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert len(hub.assigned) == 4
+
+
 class AskedCheckpoints:
     """A CheckpointSource that records what it was asked for."""
 

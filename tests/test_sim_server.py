@@ -18,6 +18,7 @@ import orjson
 import pybase64
 import pytest
 
+from orchestrator.policy import FILE, Policy
 from orchestrator.sim.server import Faults, SimServer
 from orchestrator.sim.vocab import SimVocab
 from orchestrator.testing.sim import PROFILE_NAMES, sim_cluster, sim_process, sim_servers
@@ -360,18 +361,35 @@ async def test_routed_experts(profile: str, num_experts: int) -> None:
             assert (status, error_of(body)["type"]) == (400, "BadRequestError")
 
 
-async def test_deterministic_under_seed_and_shifted_by_loads(tmp_path: Any) -> None:
+async def test_deterministic_under_seed_and_changed_by_loaded_weights(tmp_path: Any) -> None:
+    empty, trained = tmp_path / "empty", tmp_path / "trained"
+    empty.mkdir()
+    other = Policy.initial().weights
+    other["context"][0] = np.random.default_rng(1).normal(0, 2, other["context"].shape[1])
+    Policy(other, step=7).save(trained)
     async with sim_servers(2, seed=5) as [a, b], sim_servers(1, seed=5) as [c], aiohttp.ClientSession() as s:
         ra = [(await generate(s, a))[1]["choices"] for _ in range(4)]
         rc = [(await generate(s, c))[1]["choices"] for _ in range(4)]
         rb = [(await generate(s, b))[1]["choices"] for _ in range(4)]
         assert ra == rc
         assert ra != rb
+        for srv in (a, c):  # a directory without a policy file keeps the weights
+            await call(s, "POST", root(srv) + "/collective_rpc",
+                       json={"method": "reload_weights", "kwargs": {"weights_path": str(empty)}})
+        assert [(await generate(s, c))[1]["choices"] for _ in range(2)] == \
+            [(await generate(s, a))[1]["choices"] for _ in range(2)]
         await call(s, "POST", root(c) + "/collective_rpc",
-                   json={"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}})
+                   json={"method": "reload_weights", "kwargs": {"weights_path": str(trained)}})
+        assert c.policy.model.step == 7
+        assert all(np.array_equal(c.policy.model.weights[k], w) for k, w in other.items())
         after = [(await generate(s, c))[1]["choices"] for _ in range(4)]
         again = [(await generate(s, a))[1]["choices"] for _ in range(4)]
         assert after != again  # same generator state, other weights: other tokens
+        (trained / FILE).write_bytes(b"not a policy")
+        status, body = await call(s, "POST", root(c) + "/collective_rpc",
+                                  json={"method": "reload_weights", "kwargs": {"weights_path": str(trained)}})
+        assert (status, error_of(body)["type"]) == (500, "InternalServerError")
+        assert "not a tiny policy file" in body["error"]["message"]
 
 
 async def test_chat_completions() -> None:

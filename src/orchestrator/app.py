@@ -153,7 +153,7 @@ class Orchestrator:
                 await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
             try:
                 sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None,
-                                  checkpoints=self.sender)
+                                  checkpoints=self.sender, first_step=self.state.acked_step + 1)
             except (KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign state file
                 raise StateError(f"{self.out / STATE_FILE}: the scheduler's saved state is unusable ({e!r}); fix the "
                                  "file or start fresh (without --resume)") from None

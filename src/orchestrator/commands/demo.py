@@ -1,9 +1,11 @@
 """``orchestrator demo``: the whole job on one machine, with nothing to set up.
 
 Starts simulated inference servers (subprocesses), env workers with the built-in environments, and the
-reference trainer (which announces a checkpoint after every step, so weights sync every step); runs
-``--steps`` steps with the progress bar of ``orchestrator run`` (orchestrator.progress), prints a summary table
-and renders the plots of ``orchestrator report`` (when matplotlib, the ``plots`` extra, is installed).
+reference trainer in its learning mode: it trains the tiny policy the simulated servers sample from
+(``orchestrator.policy``) on every batch and announces each new checkpoint, so weights sync every step and the
+reward climbs (``--no-learn``: it trains nothing and the reward stays where it started). Runs ``--steps`` steps
+with the progress bar of ``orchestrator run`` (orchestrator.progress), prints a summary table and renders the
+plots of ``orchestrator report`` (when matplotlib, the ``plots`` extra, is installed).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="configs/demo.toml", help="demo config (default: configs/demo.toml)")
     p.add_argument("--steps", type=int, default=None, help="steps to run (default: run.max_steps of the config)")
     p.add_argument("--output-dir", default=None, help="where outputs go (default: run.output_dir of the config)")
+    p.add_argument("--no-learn", action="store_true",
+                   help="the trainer trains nothing: the simulated servers keep their weights (a flat curve)")
     add_set_argument(p)
 
 
@@ -37,16 +41,17 @@ def main(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         overrides.append(f'run.output_dir="{args.output_dir}"')
     cfg = load_config(args.config, overrides)
-    return run_async(interruptible(demo(cfg)))
+    return run_async(interruptible(demo(cfg, learn=not args.no_learn)))
 
 
-async def demo(cfg: JobConfig) -> None:
+async def demo(cfg: JobConfig, *, learn: bool = True) -> None:
     import asyncio
 
     from orchestrator.app import Orchestrator
     from orchestrator.commands.report import render_report
     from orchestrator.errors import OrchestratorError
     from orchestrator.progress import StepProgress
+    from orchestrator.transport.learner import PolicyLearner
     from orchestrator.transport.trainer import ReferenceTrainer
 
     progress = StepProgress(cfg.run.max_steps)  # the same bar (or plain lines) as `orchestrator run`
@@ -57,7 +62,8 @@ async def demo(cfg: JobConfig) -> None:
                       + ", ".join(cfg.inference.servers))
         orch = await stack.enter_async_context(Orchestrator.open(cfg))
         trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
-                                   checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints")
+                                   checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints",
+                                   learner=PolicyLearner() if learn else None)
         orch.on_step = progress.on_step
         with progress:
             async with asyncio.TaskGroup() as tg:
@@ -120,5 +126,10 @@ def _print_summary(console: Any, metrics: list[dict[str, Any]], received: list[A
                       f"{m['rollouts_per_s']:.1f}", f"{m['lag']['p99']:.1f}", f"{m['lag']['max']:.1f}",
                       f"{m['rss_mb']:.0f}")
     console.print(table)
+    if len(metrics) >= 2:
+        k = max(1, min(3, len(metrics) // 3))  # the mean of the first and of the last k steps, per env
+        ends = [(e, [m["reward_mean"][e] for m in metrics if e in m["reward_mean"]]) for e in envs]
+        console.print("reward, first -> last steps: " + ", ".join(
+            f"{e} {sum(r[:k]) / len(r[:k]):.3f} -> {sum(r[-k:]) / len(r[-k:]):.3f}" for e, r in ends if r))
     console.print(f"trainer received {len(received)} steps in order: {[r.step for r in received]}")
     console.print(f"outputs: {out}/rollouts.jsonl, {out}/metrics.jsonl")

@@ -1,8 +1,10 @@
-"""``orchestrator receive ADDRESS``: the reference trainer, for demos and debugging."""
+"""``orchestrator receive ADDRESS``: the reference trainer, for demos and debugging; ``--learn`` trains the tiny
+policy the simulated servers sample from."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from orchestrator.cli import run_async
@@ -22,16 +24,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
                    help="announce checkpoint N with the directory DIR/step_N (created); without it the "
                         "orchestrator's inference.weights_path names the weights")
+    p.add_argument("--learn", action="store_true",
+                   help="train the simulated servers' tiny policy on every batch (clipped policy-gradient steps) "
+                        "and save it into each checkpoint directory (needs --checkpoint-dir)")
+    p.add_argument("--lr", type=float, default=None, help="--learn: step size (default: 1.0)")
+    p.add_argument("--passes", type=int, default=None, help="--learn: gradient steps per batch (default: 2)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="--learn: the sampling temperature of batches that carry none (default: 1.0)")
 
 
 def main(args: argparse.Namespace) -> int:
     import zmq.asyncio
 
+    from orchestrator.transport.learner import LearnConfig, PolicyLearner
     from orchestrator.transport.trainer import ReferenceTrainer
 
+    if args.learn and (args.checkpoint_dir is None or args.no_announce):
+        print("receive: --learn needs --checkpoint-dir (it saves the policy there) and announcements",
+              file=sys.stderr)
+        return 2
+    given = {k: v for k in ("lr", "passes", "temperature") if (v := getattr(args, k)) is not None}
+    try:
+        config = LearnConfig(**given)
+    except ValueError as e:
+        print(f"receive: {e}", file=sys.stderr)
+        return 2
     keys = client_keys(args, args.address, "trainer")
+    learner = PolicyLearner(config) if args.learn else None
     trainer = ReferenceTrainer(args.address, args.train_s, not args.no_announce, args.steps, journal=args.journal,
-                               keys=keys, checkpoint_dir=args.checkpoint_dir)
+                               keys=keys, checkpoint_dir=args.checkpoint_dir, learner=learner)
     try:
         run_async(trainer.run())
     finally:

@@ -265,6 +265,9 @@ class InferencePool:
             if after_failure:
                 timeout_s = min(timeout_s, RESUME_AFTER_FAILURE_S)
         task = asyncio.ensure_future(call)
+        # a call that fails just as this wait is cancelled (a weight sync cut short at shutdown) has its error
+        # read here, not reported by the loop as "Task exception was never retrieved"
+        task.add_done_callback(_retrieved)
         t0 = time.monotonic()
         try:
             while True:
@@ -322,3 +325,8 @@ class InferencePool:
                     server.waiting_since = min(time.monotonic(), server.waiting_since + time.monotonic() - t0)
             server.version = ckpt.step
             log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, time.monotonic() - t0)
+
+
+def _retrieved(task: asyncio.Future[bytes]) -> None:
+    if not task.cancelled():
+        task.exception()

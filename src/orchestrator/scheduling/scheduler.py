@@ -25,6 +25,10 @@ Rules, with every bound from the config:
   the servers' policy is older than that, no training group opens (each would be discarded): the step waits
   for a checkpoint, and asks the trainer link for it (``checkpoints.checkpoint_wanted``). When the policy
   becomes ``p``, in-flight training groups with ``policy < p - max_off_policy_steps`` are cancelled.
+- No work that cannot train: a group opened with policy ``p`` can join steps up to ``p + max_async_level``;
+  with ``batch_size``, no training group opens while the rollouts in flight, buffered and taken that can
+  join those steps already fill them. On-policy (max_async_level = 0) this samples exactly one batch per
+  policy, whatever the timing, instead of about two (the second discarded as stale).
 - Liveness: a step that takes no rollout for ``monitor.stall_warn_s`` (stale discards and gate rejections
   are not progress) gets one warning saying what it waits for: a checkpoint (and where it comes from), env
   workers, inference servers, or the rollouts in flight and their failures; again every as long.
@@ -91,9 +95,11 @@ class CheckpointSource(Protocol):
 class Scheduler:
     def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerLink, policy: int = 0, *,
                  state: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
-                 train: bool = True, checkpoints: CheckpointSource | None = None) -> None:
+                 train: bool = True, checkpoints: CheckpointSource | None = None,
+                 first_step: int | None = None) -> None:
         """``train=False``: evaluation only (``orchestrator eval``); no training group ever opens.
-        ``checkpoints``: asked for a checkpoint when a step waits for a newer policy."""
+        ``checkpoints``: asked for a checkpoint when a step waits for a newer policy. ``first_step``: the step
+        ``next_step`` fills first (default ``policy``)."""
         self.cfg = cfg
         self.s = cfg.scheduler
         self.pool = pool
@@ -101,7 +107,9 @@ class Scheduler:
         self.policy = policy
         self.checkpoints = checkpoints
         self.stall_warn_s = cfg.monitor.stall_warn_s
-        self.min_policy: int | None = None  # training groups open only with policy >= this (the step's need)
+        # training groups open only with policy >= this: what the step being filled (or next filled) takes
+        self.min_policy = (policy if first_step is None else first_step) - self.s.max_async_level
+        self._taken = 0  # rollouts the step being filled has taken so far
         self.refilling: int | None = None  # the step being refilled (direct mode: the trainer lost it), meanwhile
         self.loading: str | None = None  # what the weight sync to a newer policy waits for, while it runs
         self.clock = clock
@@ -180,13 +188,24 @@ class Scheduler:
         if ev is not None and task is not None and self._room(ev.size, evaluation=True):
             return EVAL_PREFIX + task[0], task[1], ev.size, True
         floor = self.min_policy
-        if floor is not None and self.refilling is not None:  # a refill of an earlier step takes older groups
+        if self.refilling is not None:  # a refill of an earlier step takes older groups
             floor = min(floor, self.refilling - self.s.max_async_level)
-        if self.sampler is None or (floor is not None and self.policy < floor):
+        if self.sampler is None or self.policy < floor:
             return None  # no training; or every group opened now would be too old for the step: wait for weights
         draw = self.sampler.peek()
         size = self.envs[draw.env].group_size
-        return (draw.env, draw.task, size, False) if self._room(size) else None
+        return (draw.env, draw.task, size, False) if self._room(size) and self._wanted() else None
+
+    def _wanted(self) -> bool:
+        """Whether a training group opened now could train (module docstring: no work that cannot train)."""
+        if not self.s.batch_size or self.refilling is not None:  # a token budget: what is enough cannot be
+            return True  # counted ahead; a refill needs groups beyond any count of the step being filled
+        oldest = self.min_policy  # the policies the step being filled takes
+        steps = self.policy - oldest + 1  # the steps a group opened now can join, from the one being filled
+        have = (self._taken + sum(g.size for g in self.tracker.inflight.values()
+                                  if g.eval_round is None and g.policy >= oldest)
+                + sum(len(g.survivors) for g in self.done if g.policy >= oldest))
+        return have < steps * self.s.batch_size
 
     async def _admit(self) -> None:
         """Open groups while there is room; check group timeouts."""
@@ -349,11 +368,11 @@ class Scheduler:
         if self.evaluator is not None and (due := self.evaluator.due(step)) is not None:
             self.start_evaluation(due)
         oldest = step - self.s.max_async_level
-        self.min_policy = oldest
+        self.min_policy, self._taken = oldest, 0
         self._wake.set()  # admission re-checks: groups may have to wait for newer weights
         self._rejected = 0
         taken = await self._take(step, 0)
-        self.min_policy = oldest + 1  # groups opened from now on are for the next step
+        self.min_policy, self._taken = oldest + 1, 0  # groups opened from now on are for the next step
         return taken
 
     async def refill(self, step: int, kept: Sequence[Group]) -> list[Group]:
@@ -425,6 +444,8 @@ class Scheduler:
                 self._release(group.records)
                 continue
             taken.append(group)
+            if not refill:  # a refill fills an earlier step, not the one _wanted counts for
+                self._taken += len(group.survivors)
             count += self._size(group)
             progress = warned = self.clock()
         return taken

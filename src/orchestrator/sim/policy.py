@@ -1,21 +1,37 @@
 """The simulated model: what a sim server samples from, and what loading weights changes.
 
-``SimPolicy.sample(prompt_ids, sampling_params)`` is the one place tokens come from (a later change plugs a
-small learnable policy in here). Today the token distribution ignores the prompt and depends only on how many
-times weights were loaded (``loads``): every load is a different "model", so rollouts of different policies
-differ. ``route(rows)`` draws the MoE routing of a sequence. Both draw from generators seeded at construction,
-so a server's replies are deterministic under its seed for a given order of requests.
+``SimPolicy.sample(prompt_ids, sampling_params)`` is the one place tokens come from: token by token from the
+tiny policy (``orchestrator.policy``), conditioned on the prompt and on what it sampled so far. Each sampled
+token's logprob is exact under the request's sampling parameters, as vLLM reports processed logprobs:
+``temperature`` (0: greedy, the sampled token's logprob is 0), then ``top_k`` (-1 or 0: off), then ``top_p``;
+tokens these exclude have logprob -inf, reported as vLLM's floor, -9999.0. ``min_p`` and the penalties are
+accepted and ignored.
+
+``load(path)`` reads the parameters the trainer saved in the weights directory (``orchestrator.policy.FILE``);
+a directory without that file (a trainer that saves nothing, like the reference trainer without ``--learn``)
+leaves them as they are; an unreadable one raises ``CheckpointError``. Before any load the server samples from
+``Policy.initial()``. The sampling state after a prompt is kept for the last ``PROMPT_CACHE`` prompts (every
+rollout of a group sends the same one) until new parameters load. ``route(rows)`` draws the MoE routing of a
+sequence. Sampling and routing draw from
+generators seeded at construction, so a server's replies are deterministic under its seed for a given order
+of requests and weight loads.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from orchestrator.policy import Cursor, Policy
 from orchestrator.sim.requests import SamplingParams
 from orchestrator.sim.vocab import SimVocab
+
+LOGPROB_FLOOR = -9999.0  # vLLM floors logprobs at -9999.0
+PROMPT_CACHE = 256  # prompts whose cursor is kept (a group's rollouts send the same prompt)
 
 
 @dataclass(frozen=True)
@@ -27,16 +43,8 @@ class Sample:
     ranks: np.ndarray  # int64 [n]: each sampled token's rank in the distribution (1: the most likely)
     finish_reason: str  # "stop" or "length"
     stop_reason: int | None  # the stop token that ended it, None for the end-of-turn token or a length stop
-    top_ids: np.ndarray  # int64 [k]: the k most likely ids (k = sampling_params.logprobs; -1: all), best first
-    top_logprobs: np.ndarray  # float64 [k]
-
-
-@dataclass(frozen=True)
-class _Dist:
-    probs: np.ndarray
-    logprobs: np.ndarray
-    order: np.ndarray  # ids, most likely first
-    rank: np.ndarray  # id -> 1-based rank
+    top_ids: np.ndarray  # int64 [n, k]: per token, the k most likely ids (k = sampling_params.logprobs; -1: all)
+    top_logprobs: np.ndarray  # float64 [n, k]
 
 
 @dataclass(frozen=True)
@@ -53,35 +61,71 @@ class SimPolicy:
         tokens_seed, routing_seed = np.random.SeedSequence(seed).spawn(2)
         self.vocab = vocab
         self.experts = experts
+        self._prompts: OrderedDict[bytes, Cursor] = OrderedDict()  # least recently used first
+        self._model = Policy.initial()
         self.weights_path: str | None = None  # the last directory loaded; None: the weights it started with
         self.loads = 0
         self._rng = np.random.default_rng(tokens_seed)
         self._routing_rng = np.random.default_rng(routing_seed)
-        self._dists: dict[float, _Dist] = {}  # by temperature, for the weights loaded now
+
+    @property
+    def model(self) -> Policy:
+        """The parameters sampled from now; setting them forgets every prompt's sampling state."""
+        return self._model
+
+    @model.setter
+    def model(self, policy: Policy) -> None:
+        self._model = policy
+        self._prompts.clear()
 
     def load(self, path: str | None) -> None:
-        """Load weights from ``path`` (None: reload the current ones); the distribution changes either way."""
+        """Load the parameters saved in directory ``path`` (None: keep the current ones)."""
         if path is not None:
+            model = Policy.load(Path(path))
+            if model is not None:
+                self.model = model
             self.weights_path = path
         self.loads += 1
-        self._dists.clear()
+
+    def _cursor(self, prompt_ids: Sequence[int]) -> Cursor:
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        key = ids.tobytes()
+        cursor = self._prompts.get(key)
+        if cursor is None:
+            cursor = self._prompts[key] = Cursor(self.model, ids)
+            if len(self._prompts) > PROMPT_CACHE:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        return cursor.copy()
 
     def sample(self, prompt_ids: Sequence[int], sp: SamplingParams) -> Sample:
-        """Sample up to ``sp.max_tokens`` ids (all at once, then cut at the first stop token)."""
-        del prompt_ids  # the simulated model ignores its prompt
-        dist = self._dist(sp.temperature)
-        ids = self._rng.choice(dist.probs.size, size=max(sp.max_tokens, 1), p=dist.probs)
+        """Sample up to ``sp.max_tokens`` ids, one at a time, stopping after the first stop token."""
+        cursor = self._cursor(prompt_ids)
         stops = set(sp.stop_token_ids) if sp.ignore_eos else {*sp.stop_token_ids, self.vocab.eos_id}
-        hit = np.flatnonzero(np.isin(ids, list(stops)))
+        k = 0 if sp.logprobs is None else self.vocab.size if sp.logprobs < 0 else max(sp.logprobs, 1)
+        ids: list[int] = []
+        logprobs, ranks, top_ids, top_lps = [], [], [], []
         finish, stop_reason = "length", None
-        if hit.size:
-            ids = ids[: hit[0] + 1]
-            finish = "stop"
-            stop_reason = None if int(ids[-1]) == self.vocab.eos_id else int(ids[-1])
-        k = 0 if sp.logprobs is None else dist.order.size if sp.logprobs < 0 else max(sp.logprobs, 1)
-        top = dist.order[:k]
-        return Sample(ids.astype(np.int64), dist.logprobs[ids], dist.rank[ids], finish, stop_reason,
-                      top, dist.logprobs[top])
+        for _ in range(max(sp.max_tokens, 1)):
+            z = processed_logits(cursor.logits(), sp)  # its maximum is 0
+            cdf = np.cumsum(np.exp(z))
+            token = int(min(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"), cdf.size - 1))
+            log_total = float(np.log(cdf[-1]))
+            ids.append(token)
+            logprobs.append(float(z[token]) - log_total)
+            ranks.append(1 + int(np.count_nonzero(z > z[token])))
+            top = np.argsort(-z, kind="stable")[:k] if k > 1 else np.full(k, np.argmax(z))
+            top_ids.append(top)
+            top_lps.append(z[top] - log_total)
+            if token in stops:
+                finish, stop_reason = "stop", None if token == self.vocab.eos_id else token
+                break
+            cursor.push(token)
+        floor = np.float64(LOGPROB_FLOOR)
+        return Sample(np.array(ids, np.int64), np.maximum(logprobs, floor), np.array(ranks, np.int64), finish,
+                      stop_reason, np.array(top_ids, np.int64).reshape(len(ids), k),
+                      np.maximum(np.array(top_lps).reshape(len(ids), k), floor))
 
     def route(self, rows: int) -> np.ndarray:
         """Expert ids ``[rows, layers, top_k]`` (distinct within a token's layer), as int64."""
@@ -91,15 +135,25 @@ class SimPolicy:
         stride = max(e.num_experts // e.top_k, 1)
         return (first + np.arange(e.top_k) * stride) % e.num_experts
 
-    def _dist(self, temperature: float) -> _Dist:
-        key = round(temperature, 6)
-        dist = self._dists.get(key)
-        if dist is None:
-            probs = self.vocab.distribution(self.loads, temperature)
-            order = np.argsort(-probs, kind="stable")
-            rank = np.empty_like(order)
-            rank[order] = np.arange(1, order.size + 1)
-            with np.errstate(divide="ignore"):
-                logprobs = np.maximum(np.log(probs), -9999.0)  # vLLM floors logprobs at -9999.0
-            dist = self._dists[key] = _Dist(probs, logprobs, order, rank)
-        return dist
+
+def processed_logits(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
+    """The logits of the distribution ``sp`` samples from (vLLM's order: temperature, top-k, top-p), shifted
+    so their maximum is 0; excluded ids get -inf. Temperature 0 (greedy) is the point mass on the most likely
+    id. ``z - log(sum(exp(z)))`` are the logprobs vLLM reports as processed."""
+    if sp.temperature <= 0:
+        out = np.full(logits.size, -np.inf)
+        out[int(np.argmax(logits))] = 0.0
+        return out
+    z: np.ndarray = logits - logits[int(np.argmax(logits))]
+    if sp.temperature != 1.0:
+        z = z / sp.temperature
+    if 0 < sp.top_k < z.size:
+        z = np.where(z >= np.partition(z, -sp.top_k)[-sp.top_k], z, -np.inf)
+    if sp.top_p < 1.0:
+        order = np.argsort(-z, kind="stable")
+        p = np.exp(z[order])
+        cum = np.cumsum(p) / p.sum()
+        cut = order[int(np.searchsorted(cum, sp.top_p)) + 1:]  # keep the smallest prefix reaching top_p
+        z = z.copy()
+        z[cut] = -np.inf
+    return z

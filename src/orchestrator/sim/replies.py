@@ -50,12 +50,12 @@ def _logprob_entry(profile: Profile, token: int, logprob: float, rank: int) -> d
 
 
 def logprobs_content(profile: Profile, sample: Sample, asked: int) -> list[dict[str, Any]]:
-    top = [(int(t), float(lp), r + 1) for r, (t, lp) in enumerate(zip(sample.top_ids, sample.top_logprobs,
-                                                                      strict=True))]
     keep = None if profile.all_top_logprobs or asked < 0 else max(asked, 1)
     content = []
-    for token, lp, rank in zip(sample.token_ids.tolist(), sample.logprobs.tolist(), sample.ranks.tolist(),
-                               strict=True):
+    for token, lp, rank, top_ids, top_lps in zip(sample.token_ids.tolist(), sample.logprobs.tolist(),
+                                                 sample.ranks.tolist(), sample.top_ids.tolist(),
+                                                 sample.top_logprobs.tolist(), strict=True):
+        top = [(t, tlp, r + 1) for r, (t, tlp) in enumerate(zip(top_ids, top_lps, strict=True))]
         candidates = [(token, lp, rank), *(c for c in top if c[0] != token)][:keep]
         entry = _logprob_entry(profile, token, lp, rank)
         entry["top_logprobs"] = [_logprob_entry(profile, *c) for c in candidates]

@@ -28,6 +28,8 @@ class SamplingParams:
 
     max_tokens: int
     temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
     n: int = 1
     logprobs: int | None = None  # None: no logprobs in the reply; -1: every id; else the top-k per token
     stop_token_ids: frozenset[int] = frozenset()
@@ -99,6 +101,16 @@ def _sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
         temperature = 1.0
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
         raise bad(f"temperature must be non-negative, got {temperature}.")
+    top_p = raw.get("top_p", 1.0)
+    if top_p is None:
+        top_p = 1.0
+    if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
+        raise bad(f"top_p must be in (0, 1], got {top_p}.")
+    top_k = raw.get("top_k", 0)
+    if top_k is None:
+        top_k = 0
+    if not _is_int(top_k) or top_k < -1:
+        raise bad(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
     n = raw.get("n", 1)
     if not _is_int(n) or n < 1:
         raise bad(f"n must be at least 1, got {n}.")
@@ -116,7 +128,7 @@ def _sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
         raise validation_error((*loc, "routed_experts_prompt_start"), "int_type", "Input should be a valid integer",
                                start)
     return SamplingParams(max_tokens=min(max_tokens, max_model_len - prompt_len), temperature=float(temperature),
-                          n=n, logprobs=logprobs, stop_token_ids=frozenset(stops),
+                          top_k=top_k, top_p=float(top_p), n=n, logprobs=logprobs, stop_token_ids=frozenset(stops),
                           ignore_eos=bool(raw.get("ignore_eos", False)), routed_experts_prompt_start=start)
 
 

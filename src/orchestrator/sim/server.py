@@ -31,6 +31,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from orchestrator.errors import CheckpointError
 from orchestrator.sim import replies
 from orchestrator.sim.admin import ADMIN_PATHS, admin_routes
 from orchestrator.sim.gate import Gate
@@ -133,7 +134,11 @@ class SimServer:
         return self.policy.loads
 
     def load(self, path: str | None) -> None:
-        self.policy.load(path)
+        """Load the weights in directory ``path``; an unreadable weights file is a 500, as a worker's exception."""
+        try:
+            self.policy.load(path)
+        except CheckpointError as e:
+            raise engine_error(500, f"loading weights from {path}: {e}") from e
         log.info("sim server %s: weights loaded from %s (load %d)", self.url, path, self.loads)
 
     # ------------------------------------------------------------------------------------------- serving

@@ -1,5 +1,5 @@
-"""The simulated server's view of the built-in tokenizer: which ids exist, how likely each is, and how text
-tokenizes (``POST /tokenize``)."""
+"""The simulated server's view of the built-in tokenizer: which ids exist, how text tokenizes (``POST
+/tokenize``) and how ids read back. How likely each id is, is the policy's business (``orchestrator.policy``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import tokenizers
 from orchestrator.assets import tokenizer_dir
 
 EOS = "<|im_end|>"
-STOP_PROBABILITY = 0.12  # chance a sampled token is the end of turn: replies average about 8 tokens
 
 
 @dataclass
@@ -40,23 +39,6 @@ class SimVocab:
     @property
     def size(self) -> int:
         return len(self.tokens)
-
-    def distribution(self, version: int, temperature: float) -> np.ndarray:
-        """Sampling probabilities over all ids for a weight version (the caller caches). Numbers up to 100 are
-        the most likely words, so environments that expect a number sometimes get the right one; the
-        end-of-turn token has STOP_PROBABILITY. Temperature flattens (> 1) or sharpens (< 1) the distribution."""
-        rng = np.random.default_rng(1_000_003 + version)  # each policy version is a different "model"
-        logits = rng.normal(0.0, 1.0, self.sampleable.size)
-        small_numbers = np.array([t.isdigit() and int(t) <= 100 for t in np.array(self.tokens)[self.sampleable]])
-        logits[small_numbers] += 2.0
-        t = max(temperature, 1e-3)
-        p = np.exp((logits - logits.max()) / t)
-        p *= (1 - STOP_PROBABILITY) / p.sum()
-        dist = np.zeros(self.size)
-        dist[self.sampleable] = p
-        dist[self.eos_id] = STOP_PROBABILITY
-        dist /= dist.sum()
-        return dist
 
     def decode(self, ids: np.ndarray) -> str:
         return " ".join(self.tokens[i] for i in ids.tolist() if i != self.eos_id)

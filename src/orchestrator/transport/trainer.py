@@ -1,9 +1,12 @@
-"""The reference trainer: receives batches, checks them, and announces a checkpoint after each step.
+"""The reference trainer: receives batches, checks them, optionally learns, and announces a checkpoint per step.
 
-For demos, tests and debugging (``orchestrator receive``): it trains nothing, but behaves like a trainer
-on the wire: it reads every step in order, takes ``train_s`` per step, then announces weights ``step + 1``
-(with ``checkpoint_dir``: in the directory ``checkpoint_dir/step_<N>``, which it creates, as a trainer
-saving its weights would; without it the orchestrator's ``inference.weights_path`` must name them).
+For demos, tests and debugging (``orchestrator receive``). It behaves like a trainer on the wire: it reads
+every step in order, takes ``train_s`` per step, then announces weights ``step + 1`` (with ``checkpoint_dir``:
+in the directory ``checkpoint_dir/step_<N>``, which it creates, as a trainer saving its weights would; without
+it the orchestrator's ``inference.weights_path`` must name them). With a ``learner`` (``orchestrator receive
+--learn``, ``transport/learner.py``) it trains the tiny policy the simulated servers sample from on each batch
+and saves it into that directory before announcing it, so the servers sample from what it learned; without
+one it trains nothing and the directory stays empty (the servers keep their weights).
 With a ``journal`` file it appends one JSON line per step received and, when started again, tells the
 orchestrator the last step in it and the checkpoint after it (as a real trainer restarting from its checkpoint
 would: weights ``last + 1``, the ones it trained on that step), so tests can check delivery across crashes of
@@ -22,8 +25,10 @@ from typing import Any
 import numpy as np
 import orjson
 
+from orchestrator.policy import Policy
 from orchestrator.security import ClientKeys
 from orchestrator.transport.checkpoints import Checkpoint
+from orchestrator.transport.learner import LearnStats, PolicyLearner
 from orchestrator.transport.receiver import BatchReceiver
 from orchestrator.transport.wire import Batch
 
@@ -38,6 +43,7 @@ class ReceivedStep:
     trained_tokens: int
     mean_advantage: float
     routed_shape: tuple[int, ...] | None
+    learned: LearnStats | None = None  # what the learner's update saw and did
 
 
 @dataclass
@@ -51,6 +57,11 @@ class ReferenceTrainer:
     journal: Path | None = None
     keys: ClientKeys | None = None  # CURVE: for an orchestrator that binds tcp:// with [security] keys
     checkpoint_dir: Path | None = None
+    learner: PolicyLearner | None = None  # learn from each batch and save the policy into the checkpoint
+
+    def __post_init__(self) -> None:
+        if self.learner is not None and (self.checkpoint_dir is None or not self.announce):
+            raise ValueError("a learning trainer needs a checkpoint_dir to save into and must announce checkpoints")
 
     async def run(self) -> None:
         """Consumes batches; produces checkpoint announcements. Ends after ``max_steps`` or when cancelled."""
@@ -59,6 +70,7 @@ class ReferenceTrainer:
         resumed = None
         if last is not None:
             log.info("trainer: journal %s ends at step %d; asking for the steps after it", self.journal, last)
+            self._resume_policy(last + 1)
             if self.announce:  # the weights it would have resumed from: trained on step ``last``
                 resumed = Checkpoint(last + 1, await asyncio.to_thread(self._save, last + 1))
         receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys, checkpoint=resumed)
@@ -69,24 +81,37 @@ class ReferenceTrainer:
                 batch = await receiver.recv()
                 self.on_batch(batch)
                 routed = batch.columns.get("routed_experts")
+                learned = await asyncio.to_thread(self.learner.update, batch) if self.learner else None
                 info = ReceivedStep(batch.step, batch.num_samples, batch.num_tokens,
                                     int(np.count_nonzero(batch.columns["loss_mask"])),
                                     float(np.mean(batch.scalars["advantage"])) if batch.num_samples else 0.0,
-                                    tuple(routed.shape) if routed is not None else None)
+                                    tuple(routed.shape) if routed is not None else None, learned)
                 self.received.append(info)
+                # the checkpoint is written before the step is journaled and acknowledged: a trainer restarted
+                # after its journal's last step finds that step's policy saved
+                path = await asyncio.to_thread(self._save, batch.step + 1) if self.announce else None
                 if journal:
                     journal.write(orjson.dumps(asdict(info), option=orjson.OPT_APPEND_NEWLINE))
                     journal.flush()
                 await receiver.ack(batch.step)  # after the journal line, so a killed trainer loses no step
-                log.info("trainer: step %d: %d samples, %d tokens (%d trained), routed experts %s",
-                         info.step, info.samples, info.tokens, info.trained_tokens, info.routed_shape)
+                log.info("trainer: step %d: %d samples, %d tokens (%d trained), routed experts %s%s",
+                         info.step, info.samples, info.tokens, info.trained_tokens, info.routed_shape,
+                         "" if learned is None else f" | {learned}")
                 await self.train(batch)
                 if self.announce:
-                    await receiver.announce(batch.step + 1, await asyncio.to_thread(self._save, batch.step + 1))
+                    await receiver.announce(batch.step + 1, path)
         finally:
             receiver.close()
             if journal:
                 journal.close()
+
+    def _resume_policy(self, step: int) -> None:
+        """A learner restarted after checkpoint ``step`` goes on from the policy saved in it, as a trainer would."""
+        if self.learner is not None and self.checkpoint_dir is not None:
+            policy = Policy.load(self.checkpoint_dir / f"step_{step}")
+            if policy is not None:
+                self.learner.policy = policy
+                log.info("trainer: learning on from the policy of checkpoint %d", step)
 
     async def train(self, batch: Batch) -> None:
         """Training on ``batch``, after it is acknowledged and before its weights are announced: ``train_s`` of
@@ -95,11 +120,13 @@ class ReferenceTrainer:
             await asyncio.sleep(self.train_s)
 
     def _save(self, step: int) -> str | None:
-        """The directory of checkpoint ``step`` (created; it would hold the weights), or None."""
+        """The directory of checkpoint ``step`` (created; the learner's policy saved in it), or None."""
         if self.checkpoint_dir is None:
             return None
         path = (self.checkpoint_dir / f"step_{step}").resolve()
         path.mkdir(parents=True, exist_ok=True)
+        if self.learner is not None:
+            self.learner.save(path)
         return str(path)
 
 
