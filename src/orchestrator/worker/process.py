@@ -169,6 +169,8 @@ def _trace_tokens(trace: Any) -> int:
 
 
 class Worker:
+    store_class = ColumnStore  # data_plane = direct: the column pool's class
+
     def __init__(self, address: str, worker_id: str, keys: ClientKeys | None = None,
                  span_address: str | None = None) -> None:
         self.address = address
@@ -200,13 +202,9 @@ class Worker:
                 return 0
             try:
                 async with contextlib.AsyncExitStack() as stack:
-                    for spec in setup.envs:
-                        loaded = load_env(spec)
-                        await stack.enter_async_context(loaded.env.serving())
-                        self.envs[loaded.name] = loaded
                     self.setup, self.model, self.tokenizer = setup, setup.model, setup.tokenizer
+                    await self._load(stack, setup)
                     await self.open_store(stack, setup)
-                    await self._warm()
                     gc.freeze()  # everything loaded so far lives for the process: keep it out of GC passes
                     await sock.send(pack(self._ready()))
                     await self._serve(sock)
@@ -220,13 +218,22 @@ class Worker:
             sock.close()
             ctx.term()
 
+    async def _load(self, stack: contextlib.AsyncExitStack, setup: Setup) -> None:
+        """Load the setup's environments (served until ``stack`` closes) and warm their client (``_warm``).
+        EnvironmentLoadError names the one that failed. (testing/synthetic_worker.py replaces this.)"""
+        for spec in setup.envs:
+            loaded = load_env(spec)
+            await stack.enter_async_context(loaded.env.serving())
+            self.envs[loaded.name] = loaded
+        await self._warm()
+
     async def open_store(self, stack: contextlib.AsyncExitStack, setup: Setup) -> None:
         """data_plane = direct: this worker's column pool, closed by ``stack``, served read-only on
         ``<pool_dir>/<worker id>.pool`` when the setup names a directory. TransportError if it cannot be."""
         if setup.data_plane != "direct":
             return
         try:
-            store = ColumnStore(setup.worker_pool_bytes)
+            store = self.store_class(setup.worker_pool_bytes)
         except ValueError as e:
             raise TransportError(f"column pool: {e}") from None
         stack.callback(store.close)
