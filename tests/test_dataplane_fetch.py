@@ -13,7 +13,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from orchestrator.dataplane.fetch import SpanServer, fetch_spans
+from orchestrator.dataplane.fetch import SpanClient, SpanServer, fetch_spans
+from orchestrator.dataplane.layout import span_layout
 from orchestrator.dataplane.manifest import StepManifest, build_manifest
 from orchestrator.dataplane.reader import PoolMaps, PoolsLost, StepView
 from orchestrator.dataplane.store import ColumnStore
@@ -97,6 +98,7 @@ async def test_the_reader_fetches_the_spans_of_a_pool_on_another_host() -> None:
         for name in ("token_ids", "loss_mask", "logprobs", "routed_experts"):
             want = np.concatenate([getattr(s, name) for i in range(3) for s in peer_samples(i)])
             np.testing.assert_array_equal(batch.columns[name], want)
+        maps.close()
 
 
 async def test_a_pool_on_another_host_whose_server_is_gone_is_a_lost_step() -> None:
@@ -107,6 +109,7 @@ async def test_a_pool_on_another_host_whose_server_is_gone_is_a_lost_step() -> N
     with pytest.raises(PoolsLost, match="no answer") as lost:
         await asyncio.to_thread(maps.view, m)
     assert lost.value.pools == [m.pools[0].id]
+    maps.close()
 
 
 async def test_the_reader_fetches_from_a_curve_span_server_with_its_own_key_pair(tmp_path: Path) -> None:
@@ -119,8 +122,28 @@ async def test_the_reader_fetches_from_a_curve_span_server_with_its_own_key_pair
         view = await asyncio.to_thread(maps.view, m)
         want = np.concatenate([s.token_ids for i in range(2) for s in peer_samples(i)])
         np.testing.assert_array_equal(view.gather().columns["token_ids"], want)
+        maps.close()
         with pytest.raises(PoolsLost, match="this trainer has no key pair"):
             await asyncio.to_thread(PoolMaps(host="trainer-node").view, m)
+        intruder = PoolMaps(host="trainer-node", fetch_timeout_s=REFUSED_S, keys=keys.client("intruder"))
         with pytest.raises(PoolsLost, match="no answer"):  # a key pair the server does not accept
-            await asyncio.to_thread(PoolMaps(host="trainer-node", fetch_timeout_s=REFUSED_S,
-                                             keys=keys.client("intruder")).view, m)
+            await asyncio.to_thread(intruder.view, m)
+        intruder.close()
+
+
+async def test_a_client_keeps_one_connection_per_server_and_replaces_it_after_a_failure() -> None:
+    async with served() as (store, server):
+        m = remote_manifest(store, server.address, range(2))
+        spans = [(s.offset, span_layout(s.tokens, s.layers, s.top_k, s.routed_dtype).nbytes) for s in m.spans]
+        client = SpanClient()
+        for _ in range(3):
+            got = await asyncio.to_thread(client.fetch, server.address, store.id, spans, 5.0)
+            assert [len(b) for b in got] == [n for _, n in spans]
+            assert client.connections == 1  # the same one each time
+        with pytest.raises(WireError, match="refused the fetch"):
+            await asyncio.to_thread(client.fetch, server.address, "another-pool", spans, 5.0)
+        assert client.connections == 0  # closed: a late reply could not answer a later request
+        await asyncio.to_thread(client.fetch, server.address, store.id, spans, 5.0)
+        assert client.connections == 1
+        assert (server.served, server.refused) == (4, 1)
+        client.close()

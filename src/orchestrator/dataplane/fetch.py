@@ -1,11 +1,12 @@
 """Across nodes: an env worker serves spans of its column pool over ZMQ; the trainer library fetches them.
 
-The building block of docs/data-plane.md, "Across nodes" (not wired into the worker, the manifest or the
-receiver yet). ``SpanServer.open(pool, address, keys=None)`` binds a ROUTER at ``address`` and answers each
+docs/data-plane.md, "Across nodes"; the messages are in docs/wire-format.md, "Column fetch".
+``SpanServer.open(pool, address, keys=None)`` binds a ROUTER at ``address`` and answers each
 request with the bytes of the spans it names, one frame per span, sent without a copy from the pool's memory
 (a span is never reused under a send: the orchestrator releases it only after the trainer has acknowledged the
-step, which it does after the fetch). ``fetch_spans(address, pool_id, spans, timeout_s, keys=None)`` (blocking:
-call it off an event loop) sends one request on a fresh DEALER and returns the frames' buffers, or raises a
+step, which it does after the fetch). ``SpanClient.fetch(address, pool_id, spans, timeout_s, keys=None)`` (blocking:
+call it off an event loop) sends one request on its connection to that server and returns the frames' buffers
+(``fetch_spans``: the same on a connection of its own), or raises a
 ``WireError`` naming what went wrong: no answer within ``timeout_s`` (the worker is gone or unreachable, or its
 key is not the one expected), a pool that is not the worker's current one, a span outside the pool, a reply of
 the wrong shape.
@@ -148,25 +149,65 @@ class SpanServer:
         return out
 
 
+class SpanClient:
+    """Blocking fetches (call them off an event loop) from span servers, over one DEALER per server (address and
+    public key) kept open from one fetch to the next: a fresh TCP connection per step would pay its handshakes
+    (CURVE's too) and start with a cold window every time. A socket whose fetch failed in any way is closed, so
+    a late reply can never answer a later request; the next fetch from that server connects again."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        self.ctx = ctx or zmq.Context.instance()
+        self._socks: dict[tuple[str, bytes | None], zmq.Socket[bytes]] = {}
+
+    def fetch(self, address: str, pool_id: str, spans: Sequence[tuple[int, int]], timeout_s: float,
+              keys: ClientKeys | None = None) -> list[memoryview]:
+        """At most ``timeout_s``: the bytes of ``spans`` (offset, nbytes) of pool ``pool_id`` from the span server
+        at ``address`` (see the module docstring); WireError naming the problem."""
+        key = (address, None if keys is None else keys.server_public)
+        sock = self._socks.pop(key, None)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                secure_client(sock, keys)
+            sock.connect(address)
+        try:
+            bufs = _request(sock, address, pool_id, spans, timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        self._socks[key] = sock
+        return bufs
+
+    @property
+    def connections(self) -> int:
+        """Span servers this client holds a connection to."""
+        return len(self._socks)
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close()
+        self._socks.clear()
+
+
 def fetch_spans(address: str, pool_id: str, spans: Sequence[tuple[int, int]], timeout_s: float,
                 keys: ClientKeys | None = None, ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> list[memoryview]:
-    """Blocking, at most ``timeout_s``: the bytes of ``spans`` (offset, nbytes) of pool ``pool_id`` from the span
-    server at ``address`` (see the module docstring); WireError naming the problem."""
-    ctx = ctx or zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    """One ``SpanClient.fetch`` on a connection of its own, closed after it."""
+    client = SpanClient(ctx)
     try:
-        sock.setsockopt(zmq.LINGER, 0)
-        if keys is not None:
-            secure_client(sock, keys)
-        sock.connect(address)
-        req = secrets.randbits(31)  # pairs the reply with this request
-        sock.send(msgpack.packb({"req": req, "pool": pool_id, "spans": [list(s) for s in spans]}))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise WireError(f"pool {pool_id}: no answer from the span server at {address} within {timeout_s} s "
-                            "(its worker gone or unreachable, or not the key expected)")
-        frames = sock.recv_multipart(copy=False)
+        return client.fetch(address, pool_id, spans, timeout_s, keys)
     finally:
-        sock.close()
+        client.close()
+
+
+def _request(sock: zmq.Socket[bytes], address: str, pool_id: str, spans: Sequence[tuple[int, int]],
+             timeout_s: float) -> list[memoryview]:
+    req = secrets.randbits(31)  # pairs the reply with this request
+    sock.send(msgpack.packb({"req": req, "pool": pool_id, "spans": [list(s) for s in spans]}))
+    if not sock.poll(int(timeout_s * 1000)):
+        raise WireError(f"pool {pool_id}: no answer from the span server at {address} within {timeout_s} s "
+                        "(its worker gone or unreachable, or not the key expected)")
+    frames = sock.recv_multipart(copy=False)
     try:
         head = msgpack.unpackb(frames[0].bytes, raw=False)
         ok, got = head["ok"], head["req"]

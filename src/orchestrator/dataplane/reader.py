@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from orchestrator.dataplane.fetch import SPAN_FETCH_TIMEOUT_S, fetch_spans
+from orchestrator.dataplane.fetch import SPAN_FETCH_TIMEOUT_S, SpanClient
 from orchestrator.dataplane.layout import span_layout
 from orchestrator.dataplane.manifest import PoolRef, StepManifest
 from orchestrator.errors import WireError
@@ -75,6 +75,7 @@ class PoolMaps:
         self.remote_fetches = 0  # requests to span servers on other hosts
         self._pools: dict[str, _Mapped] = {}  # pool id -> its mapping
         self._by_worker: dict[str, str] = {}  # worker -> the pool id it has now
+        self._spans = SpanClient()  # one connection per span server, kept from step to step
 
     def __contains__(self, pool_id: str) -> bool:
         return pool_id in self._pools
@@ -162,7 +163,7 @@ class PoolMaps:
                 raise WireError(f"pool {ref.id}: its span server {ref.address} is CURVE; this trainer has no key "
                                 "pair (give the receiver keys=)")
             keys = ClientKeys(ref.public_key.encode(), self.keys.keys)
-        got = fetch_spans(ref.address, ref.id, spans, self.fetch_timeout_s, keys)
+        got = self._spans.fetch(ref.address, ref.id, spans, self.fetch_timeout_s, keys)
         self.remote_fetches += 1
         return dict(zip(index, got, strict=True))
 
@@ -193,6 +194,7 @@ class PoolMaps:
     def close(self) -> None:
         for pool_id in list(self._pools):
             self._drop(pool_id)
+        self._spans.close()
 
 
 class StepView:
