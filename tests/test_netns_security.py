@@ -152,7 +152,7 @@ def test_where_namespaces_cannot_be_made_the_reason_is_given() -> None:
 JOB_STEPS = 3
 
 
-def write_job(tmp_path: Path, orch: str, keys: KeySet) -> Path:
+def write_job(tmp_path: Path, orch: str, keys: KeySet, data_plane: str) -> Path:
     """A job whose env workers and trainer are on other hosts, over TCP with CURVE keys."""
     path = tmp_path / "job.toml"
     path.write_text(f"""
@@ -170,6 +170,8 @@ worker_address = "tcp://{orch}:5600"
 remote_workers = 1
 [transport]
 address = "tcp://{orch}:5700"
+data_plane = "{data_plane}"
+worker_pool_mb = 16
 [security]
 server_key = "{keys.server_secret}"
 authorized_keys = "{keys.authorized_dir}"
@@ -186,24 +188,32 @@ sampling = {{ max_tokens = 4 }}
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_path: Path,
+@pytest.mark.parametrize("data_plane", ["through", "direct"])
+async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_path: Path, data_plane: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The orchestrator and the inference server on one host, an env worker on a second, the trainer on a third
     (TCP, CURVE); on a fourth, intruders without keys and with an unknown key write garbage to every port,
     forge a worker's hello, ready, records (a reward and a token no real rollout has) and fatal, and forge the
-    trainer's acknowledgements. Every step reaches the trainer once, in order, and nothing forged is in it."""
+    trainer's acknowledgements. Every step reaches the trainer once, in order, and nothing forged is in it.
+
+    In direct mode the columns go from the worker's host to the trainer's without crossing the orchestrator's:
+    the worker (its own host name) serves its pool at its address with CURVE, the trainer fetches each step's
+    spans with its key pair. The pool's Unix socket is removed before the trainer starts, so mapping the pool
+    cannot stand in: a trainer that could neither map nor fetch would report every step lost, and the job
+    would not end."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
     keys = make_key_set(tmp_path / "keys", clients=("trainer", "worker"))
     journal, ckpt = tmp_path / "journal.jsonl", tmp_path / "ckpt"
     orchestrator = [sys.executable, "-m", "orchestrator", "--log-level", "WARNING"]
     client = ["--server-key", str(keys.server_public)]
+    direct = data_plane == "direct"
     async with Network.open(("orch", "workers", "trainer", "intruder")) as net:
         orch = net.address_of("orch")
         sim = Lines(await net.run("orch", *orchestrator, "sim-inference", "--host", orch, "--port", "8000",
                                   "--profile", "prime-rl", stdout=subprocess.PIPE))
         assert sim.stream is not None
         await asyncio.wait_for(sim.stream.readline(), WAIT_S)  # its URL: it listens
-        run = await net.run("orch", *orchestrator, "run", str(write_job(tmp_path, orch, keys)))
+        run = await net.run("orch", *orchestrator, "run", str(write_job(tmp_path, orch, keys, data_plane)))
         intruders = []
         for address, mode in ((f"tcp://{orch}:5600", "intrude-workers"), (f"tcp://{orch}:5700", "intrude")):
             for flags in ([], [*client, "--client-key", str(keys.client_secret("intruder"))]):
@@ -211,8 +221,13 @@ async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_p
                                      stdout=subprocess.PIPE)
                 intruders.append(Lines(proc))
                 await intruders[-1].until(lambda seen: any("refused" in line for line in seen), f"a {mode} refusal")
+        spans = ["--span-address", f"tcp://{net.address_of('workers')}:5800"] if direct else []
         await net.run("workers", *orchestrator, "env-worker", "--connect", f"tcp://{orch}:5600", "--id", "remote-w",
-                      *client, "--client-key", str(keys.client_secret("worker")))
+                      *client, "--client-key", str(keys.client_secret("worker")), *spans, hostname="workers-host")
+        if direct:
+            pool_socket = tmp_path / "out" / "pools" / "remote-w.pool"
+            await wait_until(pool_socket.exists, WAIT_S, "the worker's pool socket", alive=run)
+            pool_socket.unlink()
         await net.run("trainer", *orchestrator, "receive", f"tcp://{orch}:5700", "--journal", str(journal),
                       "--checkpoint-dir", str(ckpt), *client, "--client-key", str(keys.client_secret("trainer")))
         assert await asyncio.wait_for(run.wait(), 300) == 0

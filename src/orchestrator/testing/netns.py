@@ -102,9 +102,13 @@ class Network:
         return self._addresses[host]
 
     async def run(self, host: str, *argv: str, stdin: int | None = None, stdout: int | None = None,
-                  stderr: int | None = None, cwd: Path | None = None) -> Process:
+                  stderr: int | None = None, cwd: Path | None = None, hostname: str | None = None) -> Process:
         """Start ``argv`` inside ``host`` (environment and files as ours); stopped by its pid on exit if still
-        running. ``stdin``/``stdout``/``stderr`` as for ``asyncio.create_subprocess_exec``."""
+        running. ``stdin``/``stdout``/``stderr`` as for ``asyncio.create_subprocess_exec``. With ``hostname``
+        it also gets a UTS namespace of its own with that host name, so it reports itself as another machine
+        (``socket.gethostname()``: e.g. an env worker's pool ``host``)."""
+        if hostname is not None:  # unshare and sh exec in turn: the pid stays the command's own
+            argv = ("unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv)
         proc = await asyncio.create_subprocess_exec("ip", "netns", "exec", self.namespace(host), *argv, stdin=stdin,
                                                     stdout=stdout, stderr=stderr, cwd=cwd)
         self._procs.append(proc)  # `ip netns exec` execs argv: this pid is the command's own
