@@ -29,6 +29,7 @@ import orjson
 from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.config import JobConfig, to_toml
 from orchestrator.dataplane.manifest import StepManifest
+from orchestrator.dataplane.reader import PoolMaps
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
@@ -43,10 +44,12 @@ from orchestrator.pipeline.outputs import (
     format_step_line,
     step_metrics,
 )
+from orchestrator.pipeline.readback import Readback
 from orchestrator.pipeline.step import StepBuilder, StepResult
 from orchestrator.pipeline.unacked import UnackedSteps
+from orchestrator.scheduling.groups import Group
 from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
-from orchestrator.security import load_authorized_keys
+from orchestrator.security import ClientKeys, load_authorized_keys, load_key_pair
 from orchestrator.sinks import Sinks, open_sinks
 from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
@@ -58,7 +61,7 @@ from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.process import Worker
-from orchestrator.worker.protocol import EnvSpec, Setup, TokenFilter, TokenFilterName
+from orchestrator.worker.protocol import EnvSpec, PoolInfo, Setup, TokenFilter, TokenFilterName
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,6 +112,8 @@ class Orchestrator:
             assert sender.pool is None
             self.unacked = UnackedSteps(self.builder, hub, sender, self._off_loop, self.outputs.write_rows)
             sender.on_ack = self.unacked.acked
+        # direct: reads the columns a due step dump or samples table needs (with our key pair for CURVE servers)
+        self.readback = Readback(PoolMaps(keys=own_keys(cfg))) if self.direct else None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -132,6 +137,8 @@ class Orchestrator:
                 # a step cancelled at shutdown may still have work in the step thread (its writes, its state
                 # save): it finishes before the state is saved here, so no two saves ever overlap
                 await asyncio.to_thread(orch.step_thread.shutdown)
+                if orch.readback is not None:
+                    orch.readback.close()
                 # on shutdown too: acknowledgements that came after the last step's save count
                 if sender.acked > state.acked_step:
                     state.acked_step = sender.acked
@@ -254,13 +261,18 @@ class Orchestrator:
         groups = await sched.next_step(step)
         wait_s = time.perf_counter() - t0
         result: StepResult[Batch] | StepResult[StepManifest]
+        dump, due = dump_due(self.cfg.pipeline.dump_steps, step), self.sinks.samples_due(step)
+        shown, dumped = groups, None  # the groups the samples table and the dump read columns from; the batch
         if self.unacked is not None:  # the pools as of now: a rollout in a pool gone since it was taken does not
             # train
-            result = await self._off_loop(self.builder.build_manifest, step, groups, sched.take_dropped(),
-                                          self.unacked.pools())
+            pools = self.unacked.pools()
+            result = await self._off_loop(self.builder.build_manifest, step, groups, sched.take_dropped(), pools)
             self.unacked.sent(step, groups, result.trained)  # before any acknowledgement
+            if dump or due:  # read back now: no span of the step is released before its acknowledgement
+                shown, dumped = await self._off_loop(self._read_back, groups, result.batch, pools, dump)
         else:
             result = await self._off_loop(self.builder.build, step, groups, sched.take_dropped())
+            dumped = result.batch
         self.hub.release(result.untrained)  # direct mode: filtered rollouts' columns are never read
         t = time.perf_counter()
         sent = await self.sender.send(result.batch)  # False: a restarted trainer already had this step
@@ -273,13 +285,11 @@ class Orchestrator:
         self.state.policy_step = sched.policy
         self.state.scheduler = sched.state()
         phase = {"wait": wait_s, **result.phase_s, "send": send_s}
-        if dump_due(self.cfg.pipeline.dump_steps, step) and isinstance(result.batch, StepManifest):
-            log.warning("step %d: not dumped: step dumps in data_plane = direct are not built yet", step)
-        elif dump_due(self.cfg.pipeline.dump_steps, step):  # a worker thread writes it; its size is logged
+        if dump and dumped is not None:  # a worker thread writes it; its size is logged
             t = time.perf_counter()
-            await self._off_loop(write_dump, dump_path(self.out, step), step, groups, result.batch, result.rows,
-                                    run=self.cfg.run.name, vocab_size=self.builder.vocab_size,
-                                    config_toml=to_toml(self.cfg))
+            await self._off_loop(write_dump, dump_path(self.out, step), step, shown, dumped, result.rows,
+                                 run=self.cfg.run.name, vocab_size=self.builder.vocab_size,
+                                 config_toml=to_toml(self.cfg))
             phase["dump"] = time.perf_counter() - t
         lag = self.lag.reset()
         extra = {"samples": result.num_samples, "policy": sched.policy, "sent": sent,
@@ -288,18 +298,22 @@ class Orchestrator:
                  "hub": dict(self.hub.metrics)}
         extra.update(self.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
         rows = result.rows
-        due = self.sinks.samples_due(step)
-        if due and self.direct:  # the text is in the workers' pools: a Preview request (not built yet)
-            log.warning("step %d: no samples table: its token text stays in the env workers (data_plane = direct)",
-                        step)
-        samples = (await self._off_loop(self.samples.rows, rows, groups, self.sinks.samples)
-                   if due and not self.direct else [])
-        del groups, result  # the batch's column memory goes now, before the collection below
+        samples = await self._off_loop(self.samples.rows, rows, shown, self.sinks.samples) if due else []
+        del groups, result, shown, dumped  # the batch's column memory goes now, before the collection below
         metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra, samples)
         log.info("%s", format_step_line(metrics))
         self.summary.steps += 1
         self.summary.metrics.append(metrics)
         self.on_step(metrics)
+
+    def _read_back(self, groups: list[Group], manifest: StepManifest, pools: dict[str, PoolInfo], dump: bool
+                   ) -> tuple[list[Group], Batch | None]:
+        """Blocking (the step thread): direct mode's opt-in column reads (pipeline/readback.py). For a dump, every
+        record's columns and the step's batch; for the samples table only, its few rollouts'."""
+        assert self.readback is not None
+        if dump:
+            return self.readback.groups(groups, pools), self.readback.batch(manifest)
+        return self.readback.groups(groups, pools, limit=self.sinks.samples), None
 
     def _finish_step(self, step: int, rows: list[dict[str, Any]], phase: dict[str, float], lag: LagStats,
                      t0: float, extra: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -398,11 +412,23 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
 
 def span_clients(cfg: JobConfig) -> list[str]:
     """Direct mode with ``[security]`` keys: the public keys the env workers' span servers accept (those of
-    ``security.authorized_keys``: the job's trainers and workers), so those servers are CURVE."""
+    ``security.authorized_keys``: the job's trainers and workers; and ours, for step dumps and the samples
+    table), so those servers are CURVE."""
     sec = cfg.security
     if cfg.transport.data_plane != "direct" or sec.authorized_keys is None:
         return []
-    return sorted(k.decode() for k in load_authorized_keys(sec.authorized_keys))
+    ours = own_keys(cfg)
+    return sorted({k.decode() for k in load_authorized_keys(sec.authorized_keys)}
+                  | ({ours.keys.public.decode()} if ours else set()))
+
+
+def own_keys(cfg: JobConfig) -> ClientKeys | None:
+    """This orchestrator's key pair as a client of span servers (each pool names its server's key; the
+    ``server_public`` here is never used), or None without ``[security]`` keys."""
+    if cfg.security.server_key is None:
+        return None
+    pair = load_key_pair(cfg.security.server_key)
+    return ClientKeys(pair.public, pair)
 
 
 def worker_token_filters(cfg: JobConfig, tokenizer: Path) -> list[TokenFilter]:

@@ -210,6 +210,12 @@ def _check_samples(m: StepManifest, where: str) -> None:
         raise WireError(f"{where}: its samples cover spans up to {span} token {at}, not all {len(m.spans)} spans")
 
 
+def pool_ref(worker: str, pool: PoolInfo) -> PoolRef:
+    """How a manifest names ``worker``'s pool, as the worker announced it."""
+    return PoolRef(worker=worker, id=pool.id, size=pool.size, host=pool.host, path=pool.path, address=pool.address,
+                   public_key=pool.public_key)
+
+
 def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, float]],
                    pools: Mapping[str, PoolInfo], attempt: int = 0) -> StepManifest:
     """The manifest of a step from its trained records (with their advantages) and each worker's current pool
@@ -227,8 +233,7 @@ def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, f
             raise WireError(f"rollout {h.rid}: its columns are not in env worker {h.worker}'s current pool")
         if h.worker not in refs:
             refs[h.worker] = len(pool_refs)
-            pool_refs.append(PoolRef(worker=h.worker, id=pool.id, size=pool.size, host=pool.host, path=pool.path,
-                                     address=pool.address, public_key=pool.public_key))
+            pool_refs.append(pool_ref(h.worker, pool))
         layers, top_k = h.samples[0][1:]
         spans.append(SpanRef(refs[h.worker], h.span.offset, h.tokens, layers, top_k, h.routed_dtype, h.rid))
         start = 0

@@ -15,8 +15,9 @@ copy) a step's arrays before acknowledging it. ``StepView.gather()`` makes the t
 
 Pools on another host (``PoolRef.host``) with a span server (``PoolRef.address``) are not mapped: ``view``
 fetches the step's spans from it (dataplane/fetch.py; blocking, at most ``fetch_timeout_s`` per pool) and the
-views are of the fetched frames. Nothing sets ``address`` yet (workers do not run span servers: not built), and
-a pool on another host without one cannot be read: a lost step, naming the pool.
+views are of the fetched frames (a worker runs a span server with ``env-worker --span-address``). A pool on
+another host without one cannot be read: a lost step, naming the pool. ``read(ref, spans)`` gives the bytes of
+some spans of one pool the same way (the orchestrator's step dumps and samples table: pipeline/readback.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import logging
 import mmap
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -150,13 +152,29 @@ class PoolMaps:
         spans = [self._span_columns(manifest, i, fetched) for i in range(len(manifest.spans))]
         return StepView(manifest, spans)
 
+    def read(self, ref: PoolRef, spans: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Blocking, briefly: the bytes of ``spans`` ((offset, nbytes) pairs) of pool ``ref``: views of its
+        mapping (mapped first if it is not), or fetched from its span server if it is on another host. WireError
+        when they cannot be had; ValueError for a span outside the pool."""
+        if self.remote(ref):
+            return self._fetch(ref, spans)
+        self.announce(ref)
+        view = self._pools[ref.id].view
+        for offset, nbytes in spans:
+            if offset < 0 or nbytes < 0 or offset + nbytes > len(view):
+                raise ValueError(f"span [{offset}, {nbytes}] is not inside pool {ref.id} ({len(view)} bytes)")
+        return [view[offset:offset + nbytes] for offset, nbytes in spans]
+
     def _fetch_spans(self, m: StepManifest, p: int, ref: PoolRef) -> dict[int, memoryview]:
         """Blocking, at most ``fetch_timeout_s``: the bytes of every span of ``m`` in pool ``m.pools[p]``, from
         its span server, by span index. WireError when they cannot be had (a lost step)."""
-        assert ref.address is not None
         index = [i for i, s in enumerate(m.spans) if s.pool == p]
         spans = [(m.spans[i].offset, span_layout(m.spans[i].tokens, m.spans[i].layers, m.spans[i].top_k,
                                                  m.spans[i].routed_dtype).nbytes) for i in index]
+        return dict(zip(index, self._fetch(ref, spans), strict=True))
+
+    def _fetch(self, ref: PoolRef, spans: Sequence[tuple[int, int]]) -> list[memoryview]:
+        assert ref.address is not None
         keys = None
         if ref.public_key is not None:
             if self.keys is None:
@@ -165,7 +183,7 @@ class PoolMaps:
             keys = ClientKeys(ref.public_key.encode(), self.keys.keys)
         got = self._spans.fetch(ref.address, ref.id, spans, self.fetch_timeout_s, keys)
         self.remote_fetches += 1
-        return dict(zip(index, got, strict=True))
+        return got
 
     def _span_columns(self, m: StepManifest, i: int, fetched: dict[int, memoryview]) -> dict[str, np.ndarray]:
         """The columns of span ``i`` the step carries, as read-only views of its pool's mapping, or of its
