@@ -7,6 +7,36 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--data-plane", choices=("through", "direct"), default="through",
+        help="transport.data_plane of the jobs the end-to-end, resume, fault, shutdown and supervision tests run "
+             "(those whose transport is kind = zmq with keep_acked = 0, through the data_plane fixture; the others "
+             "keep their own); with direct, tests that do not take the fixture are deselected (they ran already); "
+             "scripts/test.sh runs those files once more with direct")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--data-plane direct``, only tests that take the ``data_plane`` fixture run: every other test runs
+    the same either way, and the default run has run it already."""
+    if config.getoption("--data-plane") == "through":
+        return
+    keep: list[pytest.Item] = []
+    other: list[pytest.Item] = []
+    for item in items:
+        (keep if "data_plane" in getattr(item, "fixturenames", ()) else other).append(item)
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = keep
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture
+def data_plane(request: pytest.FixtureRequest) -> str:
+    """The ``--data-plane`` this session runs its zmq jobs with: ``"through"`` (default) or ``"direct"``."""
+    value: str = request.config.getoption("--data-plane")
+    return value

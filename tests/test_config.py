@@ -56,6 +56,14 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
     assert cfg.env[0].sampling.max_tokens == 256
 
 
+def test_the_direct_data_plane_is_accepted_with_zmq(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, GOOD)).transport.data_plane == "through"  # the default
+    cfg = load_config(write(tmp_path, GOOD + '\n[transport]\ndata_plane = "direct"\nworker_pool_mb = 8\n'))
+    assert (cfg.transport.data_plane, cfg.transport.kind, cfg.transport.keep_acked) == ("direct", "zmq", 0)
+    assert cfg.transport.worker_pool_mb == 8
+    assert load_config(write(tmp_path, to_toml(cfg), "printed.toml")) == cfg  # and printed as it runs
+
+
 def test_values_are_kept_as_written(tmp_path: Path) -> None:
     text = GOOD.replace("group_size = 4", "group_size = 4\nweight = 3\nargs = { a = [1, 2] }")
     cfg = load_config(write(tmp_path, text))

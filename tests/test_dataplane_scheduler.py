@@ -93,6 +93,45 @@ async def test_a_gone_pool_fails_its_buffered_rollouts_and_the_step_fills_from_n
     assert not hub.released  # nothing of a gone pool is released: the pool went with everything in it
 
 
+async def test_a_gone_pool_takes_its_rollouts_back_out_of_the_step_being_taken(tmp_path: Path) -> None:
+    """Step 0 has taken a group whose columns are in pool-1 and waits for another when that worker dies: the
+    taken group's rollouts fail (it is dropped, its rows kept) and the step fills from the new pool's groups
+    instead of training short."""
+    order: list[str] = []
+
+    def outcome(env: str, rid: str) -> Outcome:  # the second group hangs until its worker is lost
+        group = rid.rsplit("-", 1)[0]
+        if group not in order:
+            order.append(group)
+        return None if order.index(group) == 1 else 1.0
+
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 4")  # one group at a time
+    async with running(cfg, outcome) as (sched, hub):
+        taking = asyncio.create_task(sched.next_step(0))
+        try:
+            # the second group is assigned once the first is back; the first is the step's once not buffered
+            await wait_until(lambda: len(hub.assigned) >= 2 and not sched.done, WAIT_S,
+                             "step 0 holding the first group, the second in flight")
+            assert not taking.done()
+            first = set(hub.assigned[0].rids)
+            hub.pool_gone("exited with status -9")
+            hub.lose(list(hub.assigned[1].rids), "exited with status -9")
+            hub.pool = "pool-2"  # the restarted worker's new pool
+            groups = await asyncio.wait_for(taking, WAIT_S)
+        finally:
+            taking.cancel()
+        dropped = sched.take_dropped()
+    spans = [r.header.span for g in groups for r in g.survivors]
+    assert len(spans) == 8
+    assert all(s is not None and s.pool == "pool-2" for s in spans)
+    lost = [r for g in dropped for r in g.records if r.rid in first]
+    assert len(lost) == 4  # the first group: dropped, its rows written with the step's
+    assert all(r.header.failure == "worker_died" for r in lost)
+    assert all(r.header.error == "env worker fake: exited with status -9" for r in lost)
+    assert sched.counts["columns_lost"] == 4
+    assert first.isdisjoint(hub.released)  # nothing of a gone pool is released
+
+
 async def test_a_lost_steps_refill_goes_first_and_opens_groups_for_its_own_policy_bound(tmp_path: Path) -> None:
     """Step 0 was taken and its columns lost (the trainer could not map its pool); step 2 is being taken and
     needs policy >= 1, which the trainer cannot make before it has step 0. The refill of step 0 must open groups

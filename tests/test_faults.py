@@ -75,8 +75,8 @@ def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
 
 
-def job(tmp_path: Path, urls: list[str], *, steps: int, max_inflight: int = 3 * GROUP, async_level: int = 2,
-        extra: str = "") -> JobConfig:
+def job(tmp_path: Path, urls: list[str], data_plane: str, *, steps: int, max_inflight: int = 3 * GROUP,
+        async_level: int = 2, extra: str = "") -> JobConfig:
     path = tmp_path / "job.toml"
     path.write_text(f"""
 [run]
@@ -102,6 +102,10 @@ max_buffered_rollouts = {max_inflight + 8}
 
 [pipeline]
 gates = []  # every finished group trains: gates are not what this test is about
+
+[transport]
+data_plane = "{data_plane}"
+
 [[env]]
 name = "arith"
 taskset = "orchestrator-arithmetic"
@@ -302,11 +306,11 @@ def check_provider_failures_reach_the_pool(metrics: list[dict[str, Any]]) -> Non
 
 
 async def test_server_killed_mid_step_then_restarted_on_the_same_url(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, data_plane: str) -> None:
     steps = 8
     facts: dict[str, int] = {}
     async with cluster3() as cluster:
-        cfg = job(tmp_path, cluster.urls, steps=steps)
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=steps)
 
         async def kill_then_restart(orch: Orchestrator, watch: StepWatch, _trainer: HeldTrainer) -> None:
             await watch.reached(1)
@@ -358,7 +362,7 @@ async def test_server_killed_mid_step_then_restarted_on_the_same_url(
     assert rows["provider"] <= failures[PROVIDER]  # dropped all-failed groups leave no rows
 
 
-async def test_500s_hangs_and_malformed_replies(tmp_path: Path) -> None:
+async def test_500s_hangs_and_malformed_replies(tmp_path: Path, data_plane: str) -> None:
     steps = 14
     faults = {"error_rate": 0.2, "hang_rate": 0.1, "malformed_rate": 0.2}
     kinds = {"errors": PROVIDER, "hangs": TIMEOUT, "malformed": MALFORMED}
@@ -368,7 +372,7 @@ async def test_500s_hangs_and_malformed_replies(tmp_path: Path) -> None:
         # long against a rollout (0.1-1 s once the env worker is warm, a few seconds with both cores busy) and
         # against FLUSH_S (1 s, after which a hung rollout's finished siblings report). A slow rollout that times
         # out anyway is accounted for below. A high async level lets steps take the survivors of timed-out groups.
-        cfg = job(tmp_path, cluster.urls, steps=steps, max_inflight=6 * GROUP, async_level=8,
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=steps, max_inflight=6 * GROUP, async_level=8,
                   extra="group_timeout_s = 8.0")
 
         def inject() -> None:  # right after step 1 (its take_counts is past): the env worker is warm by then
@@ -426,12 +430,13 @@ async def test_500s_hangs_and_malformed_replies(tmp_path: Path) -> None:
     assert sum(rows.values()) > 0, rows
 
 
-async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                      data_plane: str) -> None:
     steps = 8
     hold_s = 3.0
     facts: dict[str, float] = {}
     async with cluster3() as cluster:
-        cfg = job(tmp_path, cluster.urls, steps=steps)
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=steps)
 
         def synced(orch: Orchestrator, step: int) -> bool:
             return all(s.version >= step and not s.sync_lock.locked() for s in orch.pool.servers)
@@ -491,7 +496,7 @@ async def test_all_servers_down_for_a_while_then_back(tmp_path: Path, caplog: py
 # ------------------------------------------------------------------------------------ bugs these tests found
 
 
-async def test_a_server_answering_only_malformed_replies_leaves_rotation(tmp_path: Path) -> None:
+async def test_a_server_answering_only_malformed_replies_leaves_rotation(tmp_path: Path, data_plane: str) -> None:
     """Env workers' malformed replies reach the pool's health accounting (found by this suite).
 
     The env worker's verifiers client parses the reply, its interception server turns the parse error into a 502
@@ -500,7 +505,7 @@ async def test_a_server_answering_only_malformed_replies_leaves_rotation(tmp_pat
     loaded, keeps getting its share of groups, all dropped."""
     steps = 4
     async with cluster3() as cluster:
-        cfg = job(tmp_path, cluster.urls, steps=steps)
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=steps)
         # from step 0 on (after preflight, which would refuse a server that answers only garbage)
         run = await run_job(cfg, cluster, actions={0: lambda: cluster.set_faults(0, **LATENCY, malformed_rate=1.0)})
         bad = cluster[0].counters

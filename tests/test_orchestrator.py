@@ -28,7 +28,9 @@ JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many t
 
 
 def job(tmp_path: Path, urls: list[str], extra: str = "", envs: str | None = None, steps: int = 3,
-        backend: str = "vllm", weights_path: str | None = None) -> JobConfig:
+        backend: str = "vllm", weights_path: str | None = None, data_plane: str = "through",
+        transport: str = "") -> JobConfig:
+    """``transport``: more lines of its ``[transport]`` table."""
     envs = envs or """
 [[env]]
 name = "arith"
@@ -58,6 +60,10 @@ max_async_level = 1
 max_off_policy_steps = 2
 max_buffered_rollouts = 16
 {extra}
+
+[transport]
+data_plane = "{data_plane}"
+{transport}
 {envs}"""
     path = tmp_path / "job.toml"
     path.write_text(text)
@@ -79,9 +85,9 @@ def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
 
 
-async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path) -> None:
+async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(2, layers=3, top_k=2, profile="prime-rl") as servers:  # router replay: prime-rl's server
-        cfg = job(tmp_path, [s.url for s in servers], extra="[pipeline]\ndump_steps = [1]", backend="prime-rl")
+        cfg = job(tmp_path, [s.url for s in servers], backend="prime-rl", data_plane=data_plane)
         orch, trainer = await run_job(cfg)
     assert [r.step for r in trainer.received] == [0, 1, 2]
     for r in trainer.received:
@@ -94,6 +100,8 @@ async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path)
     out = tmp_path / "out"
     metrics = [orjson.loads(x) for x in (out / "metrics.jsonl").read_bytes().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
+    # direct: the orchestrator released spans in the workers' pools (step 0's, acknowledged before step 2 went)
+    assert (metrics[2]["hub"].get("released", 0) > 0) == (data_plane == "direct")
     for key in ("phase_s", "lag", "rss_mb", "rollouts", "filtered", "failed", "reward_mean", "off_policy",
                 "tokens", "rollouts_per_s"):
         assert key in metrics[0], key
@@ -107,20 +115,34 @@ async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path)
         assert row["policy"] >= row["step"] - cfg.scheduler.max_async_level
     assert load_state(out, "t").next_step == 3
     assert orch.summary.steps == 3
+    assert not (out / "dumps").exists()  # none asked for
+
+
+async def test_a_dumped_step_holds_the_batch_the_trainer_got(tmp_path: Path) -> None:
+    """Through mode only: in direct mode a step's columns never reach this process, and a due dump is skipped with
+    a warning until dumps fetch them like a trainer does (docs/data-plane.md, step dumps: not built)."""
+    async with sim_servers(1, layers=3, top_k=2, profile="prime-rl") as servers:
+        cfg = job(tmp_path, [s.url for s in servers], extra="[pipeline]\ndump_steps = [1]", steps=2,
+                  backend="prime-rl", data_plane="through")
+        _orch, trainer = await run_job(cfg)
+    out = tmp_path / "out"
+    metrics = [orjson.loads(x) for x in (out / "metrics.jsonl").read_bytes().splitlines()]
+    rows = [orjson.loads(x) for x in (out / "rollouts.jsonl").read_bytes().splitlines()]
     # pipeline.dump_steps = [1]: step 1 only, with the batch the trainer got and the step's rollout rows
     assert [p.name for p in (out / "dumps").iterdir()] == ["step_000001"]
     dump = load_dump(out / "dumps" / "step_000001")
     assert (dump.batch.step, dump.batch.num_samples) == (1, trainer.received[1].samples)
     assert dump.batch.num_tokens == trainer.received[1].tokens
+    assert dump.batch.columns["routed_experts"].shape[1:] == (3, 2)
     assert dump.rows == [r for r in rows if r["step"] == 1]
     assert "dump" in metrics[1]["phase_s"]
     assert "dump" not in metrics[0]["phase_s"]
 
 
-async def test_failing_server_and_partial_groups(tmp_path: Path) -> None:
+async def test_failing_server_and_partial_groups(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(2) as servers:
         servers[0].faults = Faults(error_rate=0.3)
-        cfg = job(tmp_path, [s.url for s in servers], extra="", envs="""
+        cfg = job(tmp_path, [s.url for s in servers], data_plane=data_plane, envs="""
 [[env]]
 name = "guess"
 taskset = "orchestrator-guess-number"
@@ -139,9 +161,9 @@ sampling = { max_tokens = 5 }
     assert all(r["error"] for r in failed)
 
 
-async def test_environment_that_fails_to_load_is_named(tmp_path: Path) -> None:
+async def test_environment_that_fails_to_load_is_named(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(1) as servers:
-        cfg = job(tmp_path, [servers[0].url], envs="""
+        cfg = job(tmp_path, [servers[0].url], data_plane=data_plane, envs="""
 [[env]]
 name = "broken"
 taskset = "no-such-taskset-xyz"
@@ -159,9 +181,9 @@ workers = 1
     assert "no-such-taskset-xyz" in str(leaf)
 
 
-async def test_worker_killed_mid_run_is_restarted_and_no_step_is_lost(tmp_path: Path) -> None:
+async def test_worker_killed_mid_run_is_restarted_and_no_step_is_lost(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(1, faults=Faults(latency_ms=20.0)) as servers:
-        cfg = job(tmp_path, [servers[0].url], extra="", envs="""
+        cfg = job(tmp_path, [servers[0].url], data_plane=data_plane, envs="""
 [[env]]
 name = "arith"
 taskset = "orchestrator-arithmetic"
@@ -211,8 +233,8 @@ sampling = { max_tokens = 4 }
 async def test_filesystem_transport_with_marker_checkpoints(tmp_path: Path) -> None:
     batches, markers = tmp_path / "batches", tmp_path / "markers"
     async with sim_servers(1) as servers:
-        cfg = job(tmp_path, [servers[0].url], weights_path=f"{tmp_path}/ckpt/step_{{step}}", extra=f"""
-[transport]
+        # kind = "filesystem" keeps the through path: it has no channel back for releases (docs/data-plane.md)
+        cfg = job(tmp_path, [servers[0].url], weights_path=f"{tmp_path}/ckpt/step_{{step}}", transport=f"""
 kind = "filesystem"
 directory = "{batches}"
 checkpoint_source = "marker"

@@ -43,11 +43,12 @@ def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
-async def test_sigkilled_orchestrator_resumes_and_the_trainer_gets_every_step_once(tmp_path: Path) -> None:
+async def test_sigkilled_orchestrator_resumes_and_the_trainer_gets_every_step_once(tmp_path: Path,
+                                                                                 data_plane: str) -> None:
     steps = 8
     journal = tmp_path / "trainer.jsonl"
     async with sim_process() as server:
-        cfg, out = write_job(tmp_path, server.url, steps, "resume")
+        cfg, out = write_job(tmp_path, server.url, steps, "resume", data_plane)
         async with orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--journal", str(journal),
                                         "--train-s", "0.3", "--checkpoint-dir", str(tmp_path / "ckpt")) as trainer:
             async with orchestrator_process("run", str(cfg)) as run:
@@ -73,12 +74,12 @@ async def test_sigkilled_orchestrator_resumes_and_the_trainer_gets_every_step_on
     assert file_steps(out / "rollouts.jsonl") == sorted(file_steps(out / "rollouts.jsonl"))
 
 
-async def test_trainer_absent_at_start_then_killed_and_restarted(tmp_path: Path) -> None:
+async def test_trainer_absent_at_start_then_killed_and_restarted(tmp_path: Path, data_plane: str) -> None:
     steps = 8
     journal = tmp_path / "trainer.jsonl"
     address = f"ipc://{tmp_path / 'out'}/trainer.sock"
     async with sim_process() as server:
-        cfg, out = write_job(tmp_path, server.url, steps, "resume")
+        cfg, out = write_job(tmp_path, server.url, steps, "resume", data_plane)
         async with orchestrator_process("run", str(cfg)) as run:
             # no trainer: the first step waits in the send (with a warning), the run does not fail
             await wait_until(lambda: bool(processes_mentioning(f"{out}/workers.sock")), HANG_GUARD_S, "env workers",

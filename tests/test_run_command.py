@@ -115,12 +115,12 @@ def socket_files(directory: Path) -> list[Path]:
     return [p for p in directory.rglob("*") if stat.S_ISSOCK(p.lstat().st_mode)]
 
 
-async def run_job(tmp_path: Path, stdout: Any, steps: int = 2) -> tuple[int, str, str, Path]:
+async def run_job(tmp_path: Path, stdout: Any, data_plane: str, steps: int = 2) -> tuple[int, str, str, Path]:
     """``orchestrator run`` (INFO log) for ``steps`` steps against an in-process sim server and trainer; its exit
     status, its stdout (when ``stdout`` is PIPE) and stderr, its output directory."""
     env = {**os.environ, "HOME": str(tmp_path / "home"), "TERM": "xterm-256color", "COLUMNS": "120"}
     async with sim_servers(1) as servers:
-        cfg, out = write_job(tmp_path, servers[0].url, steps, "progress")
+        cfg, out = write_job(tmp_path, servers[0].url, steps, "progress", data_plane)
         trainer = ReferenceTrainer(f"ipc://{out}/trainer.sock", max_steps=steps, checkpoint_dir=tmp_path / "ckpt")
         async with (orchestrator_process("run", str(cfg), log_level="INFO", stdout=stdout, stderr=PIPE,
                                          env=env) as run,
@@ -143,8 +143,8 @@ def assert_clean_end(code: int, stderr: str, out: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(450)
-async def test_run_prints_plain_lines_to_a_pipe_and_ends_clean(tmp_path: Path) -> None:
-    code, stdout, stderr, out = await run_job(tmp_path, PIPE)
+async def test_run_prints_plain_lines_to_a_pipe_and_ends_clean(tmp_path: Path, data_plane: str) -> None:
+    code, stdout, stderr, out = await run_job(tmp_path, PIPE, data_plane)
     assert_clean_end(code, stderr, out)
     lines = stdout.splitlines()
     assert [line.split(" | ")[0] for line in lines] == ["step 1/2", "step 2/2"]
@@ -153,12 +153,12 @@ async def test_run_prints_plain_lines_to_a_pipe_and_ends_clean(tmp_path: Path) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(450)
-async def test_run_draws_the_bar_on_a_terminal(tmp_path: Path) -> None:
+async def test_run_draws_the_bar_on_a_terminal(tmp_path: Path, data_plane: str) -> None:
     leader, follower = os.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     screen = asyncio.create_task(asyncio.to_thread(read_all, leader))
     try:
-        code, _, stderr, out = await run_job(tmp_path, follower)
+        code, _, stderr, out = await run_job(tmp_path, follower, data_plane)
     finally:
         os.close(follower)  # the run and its workers have exited: the terminal's last writer goes
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", (await screen).decode(errors="replace"))

@@ -22,10 +22,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 HANG_GUARD_S = 120.0
 
 
-async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     data_plane: str) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     async with sim_process() as server:
-        cfg, out = write_job(tmp_path, server.url, 1000, "shutdown")
+        cfg, out = write_job(tmp_path, server.url, 1000, "shutdown", data_plane)
         metrics = out / "metrics.jsonl"
         async with (orchestrator_process("run", str(cfg)) as run,
                     orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--checkpoint-dir",

@@ -135,7 +135,7 @@ class TransportConfig:
     data_plane: Literal["through", "direct"] = opt(
         "through", doc="how rollout columns reach the trainer: through this process (as frames), or direct: "
         "written once into each env worker's column pool, the trainer reading them from there (docs/data-plane.md; "
-        "in progress, not available to run yet)")
+        "needs kind = zmq and keep_acked = 0)")
     worker_pool_mb: int = opt(1024, ge=1, le=1 << 20, doc="data_plane = direct: each env worker's column pool; "
                               "holds its rollouts until they are dropped or their step is acknowledged")
 
@@ -683,9 +683,6 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         yield (f"{source('transport.keep_acked')}: transport.keep_acked: applies only to kind = 'zmq' (kind = "
                f"{t.kind!r}: shm reuses an acknowledged step's memory; files and prime-rl's trainer report no "
                "steps to resend); remove it")
-    if t.data_plane == "direct":
-        yield (f"{source('transport.data_plane')}: transport.data_plane: 'direct' is not available yet (issue #20: "
-               "the end-to-end, resume and fault suites do not run on it yet); use 'through'")
     if t.data_plane == "direct" and (t.kind != "zmq" or t.keep_acked):
         yield (f"{source('transport.data_plane')}: transport.data_plane: 'direct' needs kind = 'zmq' and keep_acked "
                f"= 0 (got kind {t.kind!r}, keep_acked {t.keep_acked}): the trainer maps the workers' pools and "

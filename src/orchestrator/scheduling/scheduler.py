@@ -37,9 +37,10 @@ Rules, with every bound from the config:
 - Data plane (``data_plane = "direct"``): every rollout the scheduler drops while its columns are in a
   worker's pool (its group dropped, rejected by a gate, stale, a straggler) is released to that worker at once
   (``hub.release``); those of taken groups are the step's to release. When a worker's pool is gone
-  (``PoolGone``), its buffered rollouts fail with ``worker_died`` (counted ``columns_lost``); a buffered group
-  left without survivors is dropped. A sent step the trainer could not read whole is refilled (``lose_taken``
-  fails its lost rollouts, ``refill`` takes groups to make it whole again, ahead of the step being taken).
+  (``PoolGone``), its buffered rollouts, and those a step being taken holds so far, fail with ``worker_died``
+  (counted ``columns_lost``); a group left without survivors is dropped, and the step fills from other
+  groups. A sent step the trainer could not read whole is refilled (``lose_taken`` fails its lost rollouts,
+  ``refill`` takes groups to make it whole again, ahead of the step being taken).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -92,6 +94,15 @@ class CheckpointSource(Protocol):
     def checkpoint_wanted(self, policy: int) -> str: ...  # ask for weights >= policy; a clause for the log line
 
 
+@dataclass
+class _Filling:
+    """The groups a step being taken (or refilled) holds so far, and what they count in the step's unit."""
+
+    groups: list[Group]
+    count: int
+    refill: bool
+
+
 class Scheduler:
     def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerLink, policy: int = 0, *,
                  state: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
@@ -110,6 +121,7 @@ class Scheduler:
         # training groups open only with policy >= this: what the step being filled (or next filled) takes
         self.min_policy = (policy if first_step is None else first_step) - self.s.max_async_level
         self._taken = 0  # rollouts the step being filled has taken so far
+        self._filling: list[_Filling] = []  # the steps being taken now: next_step's and a refill's
         self.refilling: int | None = None  # the step being refilled (direct mode: the trainer lost it), meanwhile
         self.loading: str | None = None  # what the weight sync to a newer policy waits for, while it runs
         self.clock = clock
@@ -276,21 +288,39 @@ class Scheduler:
         for group in self.tracker.inflight.values():
             lost += lose_columns(group, worker, pool, why)
         for group in list(self.done):
-            n = lose_columns(group, worker, pool, why)
-            if not n:
-                continue
+            n, dropped = self._lose(group, worker, pool, why)
             lost += n
             self.buffered -= n
-            if not group.survivors or self.envs[group.env].group_scoring:
+            if dropped:
                 self.done.remove(group)
                 self.buffered -= len(group.survivors)
-                self._release(group.records)
-                self.counts["dropped_groups"] += 1
-                self._keep_dropped(group)
+        for fill in self._filling:  # taken, not yet in a step: the step counts them no more and fills on
+            for group in list(fill.groups):
+                size, survivors = self._size(group), len(group.survivors)
+                n, dropped = self._lose(group, worker, pool, why)
+                lost += n
+                if dropped:
+                    fill.groups.remove(group)
+                if n:
+                    fill.count -= size - (0 if dropped else self._size(group))
+                    if not fill.refill:
+                        self._taken -= survivors - (0 if dropped else len(group.survivors))
         if lost:
             self.counts["columns_lost"] += lost
             log.warning("%d buffered rollouts lost their columns with env worker %s's pool (%s)", lost, worker, why)
             self._wake.set()  # room in the buffer
+
+    def _lose(self, group: Group, worker: str, pool: str, why: str) -> tuple[int, bool]:
+        """``lose_columns`` on a finished group; one left without survivors (or a ``group_scoring`` one that lost
+        any) is dropped: counted, its survivors released, kept for its rows. Rollouts lost, and whether it was
+        dropped (the caller removes it from where it was)."""
+        n = lose_columns(group, worker, pool, why)
+        dropped = bool(n) and (not group.survivors or self.envs[group.env].group_scoring)
+        if dropped:
+            self._release(group.records)
+            self.counts["dropped_groups"] += 1
+            self._keep_dropped(group)
+        return n, dropped
 
     def _release(self, records: Sequence[RolloutRecord]) -> None:
         """Records that will never train: their columns (direct mode) may be reused by their workers."""
@@ -418,14 +448,22 @@ class Scheduler:
         """Wait for, and take, finished groups for step ``step`` until ``count`` (what it has) reaches the
         step's size; discards stale groups; warns while no progress is made. Takes nothing while a refill
         (``refill`` marks it) is under way."""
+        fill = _Filling([], count, refill)
+        self._filling.append(fill)  # a pool gone meanwhile takes its rollouts back out (on_pool_gone)
+        try:
+            return await self._fill(step, fill)
+        finally:
+            self._filling.remove(fill)
+
+    async def _fill(self, step: int, fill: _Filling) -> list[Group]:
         oldest = step - self.s.max_async_level
-        taken: list[Group] = []
         target = self.s.batch_size or self.s.token_budget or 0
         progress = warned = self.clock()  # progress: the last rollout taken (stale ones are not progress)
         asked = False
-        while count < target:
+        refill = fill.refill
+        while fill.count < target:
             while not self.done or (self.refilling is not None and not refill):
-                self._check_rejections(step, count, target)
+                self._check_rejections(step, fill.count, target)
                 if not asked and self.policy < oldest and self.checkpoints is not None:
                     asked = True  # at once, then with every warning
                     self.checkpoints.checkpoint_wanted(oldest)
@@ -435,7 +473,7 @@ class Scheduler:
                         await self._group_done.wait()
                 except TimeoutError:
                     warned = self.clock()
-                    self._warn_stall(step, count, target, warned - progress, oldest)
+                    self._warn_stall(step, fill.count, target, warned - progress, oldest)
             group = self.done.popleft()
             self.buffered -= len(group.survivors)
             self._wake.set()
@@ -443,12 +481,12 @@ class Scheduler:
                 self.counts["stale_rollouts"] += len(group.survivors)
                 self._release(group.records)
                 continue
-            taken.append(group)
+            fill.groups.append(group)
             if not refill:  # a refill fills an earlier step, not the one _wanted counts for
                 self._taken += len(group.survivors)
-            count += self._size(group)
+            fill.count += self._size(group)
             progress = warned = self.clock()
-        return taken
+        return fill.groups
 
     def start_evaluation(self, step: int) -> None:
         """Start the evaluation round of ``step`` as soon as no weight sync is under way (its row arrives on

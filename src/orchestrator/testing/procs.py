@@ -89,9 +89,10 @@ def unix_connections(path: str | Path) -> int:
     return held
 
 
-def write_job(directory: Path, url: str, steps: int, name: str) -> tuple[Path, Path]:
+def write_job(directory: Path, url: str, steps: int, name: str, data_plane: str = "through") -> tuple[Path, Path]:
     """A small job (arithmetic, one env worker, 8 rollouts a step) for runs as real processes: writes
-    ``directory/job.toml``; returns it and the run's output directory."""
+    ``directory/job.toml``; returns it and the run's output directory. ``data_plane``: its
+    ``transport.data_plane`` (the transport is kind = "zmq", keep_acked = 0, so both apply)."""
     out = directory / "out"
     cfg = directory / "job.toml"
     cfg.write_text(f"""
@@ -106,6 +107,8 @@ batch_size = 8
 max_inflight = 8
 [pipeline]
 gates = []  # every finished group trains: gates are not what this test is about
+[transport]
+data_plane = "{data_plane}"
 [[env]]
 taskset = "orchestrator-arithmetic"
 group_size = 4
