@@ -16,5 +16,5 @@ echo "== pytest" >&2
 echo "== pytest --data-plane direct" >&2
 status=0
 .venv/bin/pytest --data-plane direct tests/test_orchestrator.py tests/test_resume.py tests/test_faults.py \
-    tests/test_shutdown.py tests/test_supervision.py tests/test_run_command.py "$@" || status=$?
+    tests/test_shutdown.py tests/test_supervision.py tests/test_run_command.py tests/test_sinks.py "$@" || status=$?
 [ "$status" -eq 0 ] || [ "$status" -eq 5 ] || exit "$status"  # 5: the extra arguments selected none of them

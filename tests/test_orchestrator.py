@@ -118,12 +118,12 @@ async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path,
     assert not (out / "dumps").exists()  # none asked for
 
 
-async def test_a_dumped_step_holds_the_batch_the_trainer_got(tmp_path: Path) -> None:
-    """Through mode only: in direct mode a step's columns never reach this process, and a due dump is skipped with
-    a warning until dumps fetch them like a trainer does (docs/data-plane.md, step dumps: not built)."""
+async def test_a_dumped_step_holds_the_batch_the_trainer_got(tmp_path: Path, data_plane: str) -> None:
+    """Direct mode too: the dump reads the step's columns back from the env workers' pools, before the step is
+    sent (pipeline/readback.py), and holds what the trainer got."""
     async with sim_servers(1, layers=3, top_k=2, profile="prime-rl") as servers:
         cfg = job(tmp_path, [s.url for s in servers], extra="[pipeline]\ndump_steps = [1]", steps=2,
-                  backend="prime-rl", data_plane="through")
+                  backend="prime-rl", data_plane=data_plane)
         _orch, trainer = await run_job(cfg)
     out = tmp_path / "out"
     metrics = [orjson.loads(x) for x in (out / "metrics.jsonl").read_bytes().splitlines()]
@@ -135,6 +135,7 @@ async def test_a_dumped_step_holds_the_batch_the_trainer_got(tmp_path: Path) -> 
     assert dump.batch.num_tokens == trainer.received[1].tokens
     assert dump.batch.columns["routed_experts"].shape[1:] == (3, 2)
     assert dump.rows == [r for r in rows if r["step"] == 1]
+    assert all(len(r.frames) == 4 for g in dump.groups for r in g.records if r.ok)  # replayable: every column
     assert "dump" in metrics[1]["phase_s"]
     assert "dump" not in metrics[0]["phase_s"]
 

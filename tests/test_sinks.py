@@ -36,7 +36,8 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
 
 
-def job(tmp_path: Path, url: str = "http://127.0.0.1:9/v1", wandb: str = "", steps: int = 2) -> JobConfig:
+def job(tmp_path: Path, url: str = "http://127.0.0.1:9/v1", wandb: str = "", steps: int = 2,
+        data_plane: str = "through") -> JobConfig:
     path = tmp_path / "job.toml"
     path.write_text(f"""
 [run]
@@ -49,6 +50,8 @@ request_timeout_s = 10.0
 [scheduler]
 batch_size = 8
 max_inflight = 8
+[transport]
+data_plane = "{data_plane}"
 [[env]]
 name = "arith"
 taskset = "orchestrator-arithmetic"
@@ -122,9 +125,10 @@ def test_wandb_gets_every_metric_eval_metrics_and_sample_tables(tmp_path: Path) 
 
 
 @pytest.mark.slow
-async def test_a_run_logs_to_wandb_offline_and_reads_back(tmp_path: Path) -> None:
+async def test_a_run_logs_to_wandb_offline_and_reads_back(tmp_path: Path, data_plane: str) -> None:
+    """Direct mode too: the samples table's token text is read back from the env workers' pools."""
     async with sim_servers(1) as servers:
-        cfg = job(tmp_path, servers[0].url, wandb=WANDB.format(tag="run", every=1), steps=2)
+        cfg = job(tmp_path, servers[0].url, wandb=WANDB.format(tag="run", every=1), steps=2, data_plane=data_plane)
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=2, checkpoint_dir=tmp_path / "ckpt")
             async with asyncio.timeout(100), asyncio.TaskGroup() as tg:
