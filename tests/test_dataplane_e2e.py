@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many times that with every core busy
 
 
-def direct_job(tmp_path: Path, urls: list[str], steps: int = 3) -> JobConfig:
+def direct_job(tmp_path: Path, urls: list[str], steps: int = 3, overrides: tuple[str, ...] = ()) -> JobConfig:
     path = tmp_path / "job.toml"
     path.write_text(f"""
 [run]
@@ -58,7 +58,7 @@ group_size = 4
 workers = 2
 sampling = {{ max_tokens = 6 }}
 """)
-    return load_config(path, ["pipeline.gates=[]"])
+    return load_config(path, ["pipeline.gates=[]", *overrides])
 
 
 def unacked_steps(orch: Orchestrator) -> dict[int, object]:

@@ -152,3 +152,25 @@ async def test_a_trainer_killed_mid_fetch_gets_the_step_again_when_restarted(tmp
     await remote_job(tmp_path, kill_then_restart)
     assert killed == [-signal.SIGKILL]
     check_steps(got)
+
+
+async def test_local_workers_serve_their_pools_at_the_span_address_to_a_trainer_on_another_host(
+        tmp_path: Path) -> None:
+    """``transport.span_address``: the orchestrator's own env workers each bind a span server there (a port each)
+    and a trainer on another host fetches every step from them, nothing mapped."""
+    got: list[tuple[int, list[str]]] = []
+    async with sim_servers(1, profile="prime-rl") as servers:
+        cfg = direct_job(tmp_path, [servers[0].url], steps=STEPS, overrides=('transport.span_address="tcp://127.0.0.1:0"',))
+        async with Orchestrator.open(cfg) as orch:
+            async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
+                trainer = tg.create_task(fetching_trainer(orch.sender.address, Path(cfg.run.output_dir) / "ckpt", got))
+                await orch.run()
+            pools = orch.hub.pools.pools()
+            assert unacked_steps(orch) == {}
+    check_steps(got)
+    receiver = trainer.result()
+    assert receiver.pools.fetches == 0  # nothing mapped
+    assert receiver.pools.remote_fetches >= sum(1 for _, rids in got if rids)
+    addresses = {p.address for p in pools.values()}
+    assert len(addresses) == len(pools) == 2  # a server, and a port, for each local worker
+    assert all(a is not None and a.startswith("tcp://127.0.0.1:") for a in addresses)

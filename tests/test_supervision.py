@@ -247,6 +247,13 @@ async def test_a_frozen_remote_worker_is_dropped_then_readmitted_when_it_speaks_
 # --------------------------------------------------------------------------------------------- hung servers
 
 
+def written_rows(orch: Orchestrator) -> list[dict[str, Any]]:
+    """The complete lines of rollouts.jsonl so far (the step thread may be appending one)."""
+    path = orch.out / "rollouts.jsonl"
+    data = path.read_bytes() if path.exists() else b""
+    return [orjson.loads(x) for x in data[:data.rfind(b"\n") + 1].splitlines()]
+
+
 def probe_hangs(server: SimServer) -> int:
     return sum(g.fault == "hang" and g.cache_salt == PROBE_CACHE_SALT for g in server.log.generate)
 
@@ -288,6 +295,10 @@ async def test_a_hung_server_times_out_its_rollouts_leaves_rotation_and_the_run_
             await wait_until(lambda: any(g.status == 200 and g.cache_salt != PROBE_CACHE_SALT
                                          for g in list(cluster[0].log.generate)[served:]), WAIT_S,
                              "rollouts served by it again", poll_s=0.02)
+            if off_policy_steps == 100:  # a timed-out rollout's row is written when its group ends, which a sibling
+                # still queued for a connection to the hung server delays (seen under load): wait for one
+                await wait_until(lambda: any(r["failure"] == "timeout" for r in written_rows(orch)), WAIT_S,
+                                 "a timed-out rollout's row", poll_s=0.1)
 
         with caplog.at_level(logging.INFO, logger="orchestrator"):
             _, rows = await run_job(cfg, hang_then_recover, stop_after_chaos=True)

@@ -406,7 +406,7 @@ async def processes_piped(*cmds: list[str]) -> AsyncIterator[list[str]]:
 def plan(args: argparse.Namespace) -> dict[str, list[Pass]]:
     """The orchestrator passes of one repeat, by section."""
     lengths = LENGTHS[:2] if args.quick else LENGTHS
-    scale = [Pass(mode, n, args.scale_rate, 32, 8, section="scale") for n in lengths for mode in ("direct", "through")]
+    scale = [Pass(mode, n, args.scale_rate, 32, 12, section="scale") for n in lengths for mode in ("direct", "through")]
     buffered_64k = 16 if args.quick else 1024
     buffered = [Pass("direct", 65536, None, buffered_64k, 3, warm=1, buffered=buffered_64k, write=False,
                      pool_mb=4 * buffered_64k * rollout_bytes(65536) // 2 // 2**20 + 64, section="buffered")]
@@ -489,7 +489,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every pass (default 3)")
     p.add_argument("--quick", action="store_true", help="1k and 8k only, 16 buffered: a smoke run")
-    p.add_argument("--scale-rate", type=float, default=64.0, help="scaling passes: rollouts/s (default 64)")
+    p.add_argument("--scale-rate", type=float, default=128.0, help="scaling passes: rollouts/s (default 128)")
     p.add_argument("--rate", type=float, default=1000.0, help="step boundary: rollouts/s under load (default 1000)")
     p.add_argument("--idle-rate", type=float, default=128.0, help="step boundary: the idle pass's rate (default 128)")
     p.add_argument("--step-batch", type=int, default=256, help="step boundary and ceiling: batch size (default 256)")

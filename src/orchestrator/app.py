@@ -15,6 +15,7 @@ import functools
 import gc
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -151,6 +152,14 @@ class Orchestrator:
         died with the process); the sender skips any of them the trainer turns out to have, so the trainer
         sees every step once, in order. At the end it waits up to FLUSH_TIMEOUT_S for the trainer to
         acknowledge the last steps and names any it did not."""
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(self.cfg.run.gil_switch_ms / 1e3)  # the loop's worst wait for the GIL; restored after
+        try:
+            return await self._run()
+        finally:
+            sys.setswitchinterval(switch)
+
+    async def _run(self) -> RunSummary:
         cfg = self.cfg
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(self.lag.run()), tg.create_task(self.pool.run()),
@@ -406,7 +415,7 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
     hub = await stack.enter_async_context(WorkerHub.open(
         worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
-        cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s))
+        cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s, cfg.transport.span_address))
     return pool, hub
 
 

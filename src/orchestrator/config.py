@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import tomllib
 import types
 import typing
@@ -37,6 +38,10 @@ class RunConfig:
     output_dir: str = opt("outputs/run", doc="rollouts.jsonl, metrics.jsonl, dumps and state go here")
     seed: int = opt(0, ge=0, doc="seeds task order and the simulated servers")
     max_steps: int = opt(100, ge=1, doc="steps to run before a clean exit")
+    gil_switch_ms: float = opt(0.5, gt=0, le=100, doc="sys.setswitchinterval of the orchestrator process: how long "
+                               "the event loop can wait for the GIL while a step thread runs Python (Python's "
+                               "default, 5 ms, is the worst loop stall it allows; bench_data_plane.py measured "
+                               "max lag 3-8 ms with it, 2.6-3.3 ms with 0.5)")
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,10 @@ class TransportConfig:
         "needs kind = zmq and keep_acked = 0)")
     worker_pool_mb: int = opt(1024, ge=1, le=1 << 20, doc="data_plane = direct: each env worker's column pool; "
                               "holds its rollouts until they are dropped or their step is acknowledged")
+    span_address: str | None = opt(None, doc="data_plane = direct: tcp://HOST:0, where the local env workers serve "
+                                   "their column pools to trainers on other hosts (a port each; CURVE with "
+                                   "[security] keys, which a non-loopback HOST needs); unset: trainers on this "
+                                   "host map the pools, and no other host can read them")
 
 
 @dataclass(frozen=True)
@@ -687,6 +696,11 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         yield (f"{source('transport.data_plane')}: transport.data_plane: 'direct' needs kind = 'zmq' and keep_acked "
                f"= 0 (got kind {t.kind!r}, keep_acked {t.keep_acked}): the trainer maps the workers' pools and "
                "acknowledges each step over zmq, and an acknowledged step's columns are reused at once")
+    if t.span_address is not None and (t.data_plane != "direct" or not re.fullmatch(r"tcp://[^\s:]+:0",
+                                                                                      t.span_address)):
+        yield (f"{source('transport.span_address')}: transport.span_address: expected tcp://HOST:0 (each local env "
+               f"worker binds a port of its own) with data_plane = 'direct', got {t.span_address!r} with "
+               f"data_plane = {t.data_plane!r}")
     if t.kind == "shm" and t.address is not None and not t.address.startswith("ipc://"):
         yield (f"{source('transport.address')}: transport.address: kind = 'shm' is same-node only and needs an "
                f"ipc://PATH address (or none: ipc:// in output_dir), got {t.address!r}; use kind = 'zmq' for tcp")
@@ -759,7 +773,8 @@ def _security_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
                 load(value)
             except KeyFileError as e:
                 yield f"{source(f'security.{key}')}: security.{key}: {e}"
-    binds = [("scheduler.worker_address", cfg.scheduler.worker_address, "connect as an env worker")]
+    binds = [("scheduler.worker_address", cfg.scheduler.worker_address, "connect as an env worker"),
+             ("transport.span_address", t.span_address, "read every rollout's columns")]
     if t.kind in ("zmq", "shm"):  # the other kinds bind nothing
         binds.append(("transport.address", t.address, "read the batches and forge the trainer's acknowledgements"))
     for key, address, risk in binds:

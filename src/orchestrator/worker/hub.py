@@ -112,7 +112,8 @@ class WorkerState:
 
 class WorkerHub:
     def __init__(self, sock: zmq.Socket[bytes], address: str, setup: Setup, local: int, remote: int = 0,
-                 env_vars: dict[str, str] | None = None, nice: int = 0, silence_s: float = 10 * HEARTBEAT_S) -> None:
+                 env_vars: dict[str, str] | None = None, nice: int = 0, silence_s: float = 10 * HEARTBEAT_S,
+                 span_address: str | None = None) -> None:
         """Use ``open``; ``env_vars`` go to local workers (with their CURVE keys when the socket has some)."""
         self.sock = sock
         self.silence_s = silence_s
@@ -121,7 +122,7 @@ class WorkerHub:
         self.local = local
         self.remote = remote
         self.expected = max(local + remote, 1)
-        self.procs = LocalWorkers(address, dict(env_vars or {}), nice)
+        self.procs = LocalWorkers(address, dict(env_vars or {}), nice, span_address)
         self.workers: dict[bytes, WorkerState] = {}
         self.tasks_per_env: dict[str, int] = {}
         self.events: asyncio.Queue[HubEvent] = asyncio.Queue()  # bounded by construction (module docstring)
@@ -138,11 +139,12 @@ class WorkerHub:
     @contextlib.asynccontextmanager
     async def open(cls, address: str, setup: Setup, local: int, remote: int = 0,
                    env_vars: dict[str, str] | None = None, nice: int = 0,
-                   server_keys: ServerKeys | None = None, silence_s: float = 10 * HEARTBEAT_S
-                   ) -> AsyncIterator[WorkerHub]:
+                   server_keys: ServerKeys | None = None, silence_s: float = 10 * HEARTBEAT_S,
+                   span_address: str | None = None) -> AsyncIterator[WorkerHub]:
         """Bind ``address`` (a CURVE server with ``server_keys``: only their authorized clients get in) and
-        start ``local`` worker processes (niceness + ``nice``); on exit stop them (by pid) and close. A ready
-        worker silent for ``silence_s`` is lost (module docstring).
+        start ``local`` worker processes (niceness + ``nice``; direct mode: serving their pools' spans at
+        ``span_address``, tcp://HOST:0); on exit stop them (by pid) and close. A ready worker silent for
+        ``silence_s`` is lost (module docstring).
 
         Local workers of a CURVE hub get a key pair made for the run (never on disk), through their
         environment."""
@@ -166,7 +168,8 @@ class WorkerHub:
             except zmq.ZMQError as e:
                 raise TransportError(f"cannot bind the env workers' address {address}: {e}") from None
             stack.callback(ipc.remove, address)  # libzmq leaves the file (orchestrator.ipc); after sock.close
-            hub = cls(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), setup, local, remote, env, nice, silence_s)
+            hub = cls(sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), setup, local, remote, env, nice, silence_s,
+                      span_address)
             try:
                 for _ in range(local):
                     await hub.procs.spawn()

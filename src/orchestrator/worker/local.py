@@ -27,10 +27,11 @@ STOP_GRACE_S = 5.0  # a local worker asked to stop exits within this, or is kill
 
 
 class LocalWorkers:
-    def __init__(self, address: str, env_vars: dict[str, str], nice: int) -> None:
+    def __init__(self, address: str, env_vars: dict[str, str], nice: int, span_address: str | None = None) -> None:
         self.address = address
         self.env_vars = env_vars
         self.nice = nice
+        self.span_address = span_address  # direct mode: each worker's span server binds here (tcp://HOST:0)
         self.procs: dict[str, asyncio.subprocess.Process] = {}  # by name: the current process of each slot
         self.restarts = 0
         self._restart_at: dict[str, float] = {}  # slots waiting to be restarted -> when (monotonic)
@@ -45,7 +46,8 @@ class LocalWorkers:
             self._spawned += 1
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect", self.address,
-            "--id", name, "--nice", str(self.nice), env=child_env(self.env_vars),
+            "--id", name, "--nice", str(self.nice),
+            *([] if self.span_address is None else ["--span-address", self.span_address]), env=child_env(self.env_vars),
         )
         self.procs[name] = proc
         self._became_ready.discard(name)

@@ -39,7 +39,7 @@ from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, Tran
 from orchestrator.memory import rss_mb
 from orchestrator.pipeline.filters import token_filter
 from orchestrator.samples import Sample, SampleError, samples_from_trace
-from orchestrator.security import ClientKeys, RefusalWatch, ServerKeys, is_loopback, secure_client
+from orchestrator.security import ClientKeys, KeyPair, RefusalWatch, ServerKeys, is_loopback, secure_client
 from orchestrator.transport.memfd import check_socket_path, serve_pool
 from orchestrator.worker.protocol import (
     FLUSH_S,
@@ -243,8 +243,9 @@ class Worker:
             self.pool_path = await stack.enter_async_context(serve_pool(store, path))
         if self.span_address is not None:
             curve = None
-            if self.keys is not None and setup.span_clients:
-                curve = ServerKeys(self.keys.keys, frozenset(k.encode() for k in setup.span_clients), Path())
+            if setup.span_clients:  # a worker without a key pair of its own (local, on ipc) makes one for its pool
+                pair = self.keys.keys if self.keys is not None else KeyPair(*zmq.curve_keypair())
+                curve = ServerKeys(pair, frozenset(k.encode() for k in setup.span_clients), Path())
             elif not is_loopback(self.span_address):
                 raise TransportError(f"span server address {self.span_address}: a non-loopback address needs CURVE "
                                      "keys (this worker's key pair, and the trainers' keys: [security] on the "
