@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quick start, line 2 (and what CI runs): set up .venv, then lint, type check and the whole test suite, then the
-# end-to-end, resume, fault, shutdown and supervision tests again on the direct data plane (docs/data-plane.md).
+# end-to-end, resume, fault, shutdown, supervision and sinks tests again on the direct data plane (docs/data-plane.md).
 # Extra arguments go to both pytest runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
