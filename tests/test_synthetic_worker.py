@@ -4,7 +4,6 @@ as a remote worker, its fixed-shape rollouts reaching the trainer whole, on both
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from orchestrator.app import Orchestrator
 from orchestrator.config import load_config
 from orchestrator.procs import terminate
 from orchestrator.testing.sim import sim_servers
+from orchestrator.testing.synthetic_worker import job_toml, worker_command
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
 
@@ -26,37 +26,13 @@ TOKENS, LAYERS, TOP_K = 96, 4, 2
 async def test_synthetic_rollouts_reach_the_trainer_whole(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(1) as servers:
         job = tmp_path / "job.toml"
-        job.write_text(f"""
-[run]
-name = "syn"
-output_dir = "{tmp_path / 'out'}"
-max_steps = 2
-[inference]
-servers = ["{servers[0].url}"]
-[scheduler]
-batch_size = 16
-max_inflight = 16
-max_async_level = 2
-remote_workers = 1
-worker_address = "ipc://{tmp_path}/workers.sock"
-[transport]
-data_plane = "{data_plane}"
-worker_pool_mb = 8
-[pipeline]
-gates = []
-[[env]]
-name = "syn"
-taskset = "orchestrator-arithmetic"
-group_size = 8
-workers = 0
-""")
+        job.write_text(job_toml(tmp_path / "out", servers[0].url, data_plane=data_plane, batch=16, steps=2, workers=1,
+                                pool_mb=8))
         cfg = load_config(job)
         batches: list[Batch] = []
         async with Orchestrator.open(cfg) as orch:
-            worker = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "orchestrator.testing.synthetic_worker", "--connect",
-                f"ipc://{tmp_path}/workers.sock", "--id", "syn-0", "--tokens", str(TOKENS), "--layers", str(LAYERS),
-                "--top-k", str(TOP_K), "--rate", "200")
+            worker = await asyncio.create_subprocess_exec(*worker_command(
+                orch.hub.address, "syn-0", tokens=TOKENS, layers=LAYERS, top_k=TOP_K, rate=200))
             try:
                 trainer = ReferenceTrainer(orch.sender.address, max_steps=2, on_batch=batches.append, announce=False)
                 async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:

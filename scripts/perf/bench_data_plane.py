@@ -64,6 +64,8 @@ from bench_scheduler import lag_probe
 from orchestrator.cli import run_async
 from orchestrator.procs import terminate
 from orchestrator.sim.process import sim_process
+from orchestrator.testing.synthetic_worker import job_toml as synthetic_job
+from orchestrator.testing.synthetic_worker import worker_command
 
 LAYERS, TOP_K = 48, 8
 LENGTHS = (1024, 8192, 65536)
@@ -107,41 +109,10 @@ def rollout_bytes(tokens: int) -> int:
 
 
 def job_toml(out: Path, sim_url: str, p: Pass) -> str:
-    buffered = p.buffered or 2 * p.batch
     pool_mb = p.pool_mb or (8 * p.batch + 64) * rollout_bytes(p.tokens) // 2 // 2**20 + 64  # room: no throttling
-    return f"""
-[run]
-name = "bench-data-plane"
-output_dir = "{out}"
-max_steps = {p.steps}
-[inference]
-servers = ["{sim_url}"]
-[scheduler]
-batch_size = {p.batch}
-max_inflight = {min(p.batch, 256)}
-max_async_level = {p.steps}
-max_off_policy_steps = {p.steps}
-max_buffered_rollouts = {buffered}
-remote_workers = 2
-worker_address = "ipc://{out}/workers.sock"
-[transport]
-kind = "zmq"
-address = "ipc://{out}/trainer.sock"
-data_plane = "{p.mode}"
-worker_pool_mb = {pool_mb}
-[monitor]
-lag_interval_s = 0.001
-lag_window = 200000
-lag_warn_ms = 1000.0
-lag_error_ms = 10000.0
-[pipeline]
-gates = []
-[[env]]
-name = "syn"
-taskset = "orchestrator-arithmetic"
-group_size = 8
-workers = 0
-"""
+    monitor = "[monitor]\nlag_interval_s = 0.001\nlag_window = 200000\nlag_warn_ms = 1000.0\nlag_error_ms = 10000.0\n"
+    return synthetic_job(out, sim_url, data_plane=p.mode, batch=p.batch, steps=p.steps, workers=2, pool_mb=pool_mb,
+                         buffered=p.buffered or None, extra=monitor)
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -188,15 +159,12 @@ async def orchestrator_pass(tmp: Path, sim_url: str, p: Pass, index: int) -> dic
     cfg = out / "job.toml"
     cfg.write_text(job_toml(out, sim_url, p))
     py = [sys.executable, "-m", "orchestrator", "--log-level", "WARNING"]
-    per_worker = None if p.rate is None else p.rate / 2
-    worker = [sys.executable, "-m", "orchestrator.testing.synthetic_worker", "--connect", f"ipc://{out}/workers.sock",
-              "--tokens", str(p.tokens), "--layers", str(LAYERS), "--top-k", str(TOP_K), "--tasks", "64",
-              *([] if per_worker is None else ["--rate", str(per_worker)]), *([] if p.write else ["--no-write"])]
+    workers = [worker_command(f"ipc://{out}/workers.sock", f"syn-{i}", tokens=p.tokens, layers=LAYERS, top_k=TOP_K,
+                              rate=None if p.rate is None else p.rate / 2, write=p.write, seed=i) for i in range(2)]
     metrics = out / "metrics.jsonl"
     async with processes([*py, "run", str(cfg)]) as (orch,):
         await wait_for(out / "workers.sock", orch, "binding its worker address")
-        async with processes([*worker, "--id", "syn-0", "--seed", "0"], [*worker, "--id", "syn-1", "--seed", "1"],
-                             [sys.executable, "-c", TRAINER, f"ipc://{out}/trainer.sock"]) as others, \
+        async with processes(*workers, [sys.executable, "-c", TRAINER, f"ipc://{out}/trainer.sock"]) as others, \
                 lag_probe(True) as idle:
             for proc in others:  # workers at local workers' niceness (scheduler.worker_nice); the trainer stands
                 os.setpriority(os.PRIO_PROCESS, proc.pid, NICE)  # in for another host

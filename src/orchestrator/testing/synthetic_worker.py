@@ -24,8 +24,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -86,6 +88,48 @@ class SyntheticWorker(Worker):
                                reward=float(self.rng.random()), samples=[shape], tokens=n, turns=1,
                                wall_s=round(time.monotonic() - start, 4), stop="length")
         done.put_nowait(await self._columns(header, [self.sample]))
+
+
+def job_toml(out: Path, sim_url: str, *, data_plane: str, batch: int, steps: int, workers: int, pool_mb: int,
+             buffered: int | None = None, extra: str = "") -> str:
+    """A job for synthetic workers: ``workers`` remote workers on ``ipc://OUT/workers.sock``, the trainer link on
+    ``ipc://OUT/trainer.sock``, one environment ("syn", groups of 8), every finished group trained (no gates),
+    no off-policy bound in the way (no weight syncs: the trainer announces nothing). ``extra``: more TOML."""
+    return f"""
+[run]
+name = "synthetic"
+output_dir = "{out}"
+max_steps = {steps}
+[inference]
+servers = ["{sim_url}"]
+[scheduler]
+batch_size = {batch}
+max_inflight = {min(batch, 256)}
+max_async_level = {steps}
+max_off_policy_steps = {steps}
+max_buffered_rollouts = {buffered or 2 * batch}
+remote_workers = {workers}
+worker_address = "ipc://{out}/workers.sock"
+[transport]
+address = "ipc://{out}/trainer.sock"
+data_plane = "{data_plane}"
+worker_pool_mb = {pool_mb}
+[pipeline]
+gates = []
+[[env]]
+name = "syn"
+taskset = "orchestrator-arithmetic"
+group_size = 8
+workers = 0
+{extra}"""
+
+
+def worker_command(address: str, worker_id: str, *, tokens: int, layers: int = 0, top_k: int = 0,
+                   rate: float | None = None, write: bool = True, seed: int = 0) -> list[str]:
+    """The command line of one synthetic worker process (``main`` below)."""
+    return [sys.executable, "-m", "orchestrator.testing.synthetic_worker", "--connect", address, "--id", worker_id,
+            "--tokens", str(tokens), "--layers", str(layers), "--top-k", str(top_k), "--seed", str(seed),
+            *([] if rate is None else ["--rate", str(rate)]), *([] if write else ["--no-write"])]
 
 
 def main() -> int:
