@@ -127,7 +127,7 @@ CASES = [
     Case("span-address-with-a-fixed-port", BASE + '\n[transport]\ndata_plane = "direct"\n'
          'span_address = "tcp://127.0.0.1:7000"\n', "expected tcp://HOST:0", key="transport.span_address"),
     Case("span-address-through", BASE + '\n[transport]\nspan_address = "tcp://127.0.0.1:0"\n',
-         "with data_plane = 'direct'", key="transport.span_address"),
+         "and data_plane = 'direct'", key="transport.span_address"),
     Case("span-address-on-the-network-without-keys", BASE + '\n[transport]\ndata_plane = "direct"\n'
          'span_address = "tcp://10.1.2.3:0"\n', "without CURVE keys", key="transport.span_address"),
     Case("worker-pool-of-zero-mb", BASE + '\n[transport]\nworker_pool_mb = 0\n', ">= 1",

@@ -118,14 +118,14 @@ async def test_the_reader_fetches_from_a_curve_span_server_with_its_own_key_pair
         m = remote_manifest(store, server.address, range(2))
         ref = msgspec.structs.replace(m.pools[0], public_key=keys.server().keys.public.decode())
         m = msgspec.structs.replace(m, pools=[ref])
-        maps = PoolMaps(host="trainer-node", keys=keys.client("trainer"))
+        maps = PoolMaps(host="trainer-node", keys=keys.client("trainer").keys)
         view = await asyncio.to_thread(maps.view, m)
         want = np.concatenate([s.token_ids for i in range(2) for s in peer_samples(i)])
         np.testing.assert_array_equal(view.gather().columns["token_ids"], want)
         maps.close()
         with pytest.raises(PoolsLost, match="this trainer has no key pair"):
             await asyncio.to_thread(PoolMaps(host="trainer-node").view, m)
-        intruder = PoolMaps(host="trainer-node", fetch_timeout_s=REFUSED_S, keys=keys.client("intruder"))
+        intruder = PoolMaps(host="trainer-node", fetch_timeout_s=REFUSED_S, keys=keys.client("intruder").keys)
         with pytest.raises(PoolsLost, match="no answer"):  # a key pair the server does not accept
             await asyncio.to_thread(intruder.view, m)
         intruder.close()

@@ -113,7 +113,7 @@ async def main():
     fetch = receiver.pools._fetch_spans
 
     def fetching(*args):
-        print("fetching", flush=True)  # killed from here on: before the request, during the reply or after it
+        print("fetching", flush=True)  # killed from here on
         return fetch(*args)
 
     receiver.pools._fetch_spans = fetching
@@ -125,9 +125,9 @@ asyncio.run(main())
 
 
 async def test_a_trainer_killed_mid_fetch_gets_the_step_again_when_restarted(tmp_path: Path) -> None:
-    """A trainer on another host is SIGKILLed while it fetches step 0's spans (wherever the kill lands in the
-    fetch: every place must do); the worker's span server goes on, and the trainer started after it gets step
-    0 again and every later step, once, in order."""
+    """A trainer on another host is SIGKILLed once it has step 0's manifest and starts fetching its spans (the
+    kill lands around the request: before it, or while the reply is on its way); the worker's span server goes
+    on, and the trainer started after it gets step 0 again and every later step, once, in order."""
     got: list[tuple[int, list[str]]] = []
     killed: list[int] = []
 
@@ -160,7 +160,8 @@ async def test_local_workers_serve_their_pools_at_the_span_address_to_a_trainer_
     and a trainer on another host fetches every step from them, nothing mapped."""
     got: list[tuple[int, list[str]]] = []
     async with sim_servers(1, profile="prime-rl") as servers:
-        cfg = direct_job(tmp_path, [servers[0].url], steps=STEPS, overrides=('transport.span_address="tcp://127.0.0.1:0"',))
+        cfg = direct_job(tmp_path, [servers[0].url], steps=STEPS,
+                         overrides=('transport.span_address="tcp://127.0.0.1:0"',))
         async with Orchestrator.open(cfg) as orch:
             async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
                 trainer = tg.create_task(fetching_trainer(orch.sender.address, Path(cfg.run.output_dir) / "ckpt", got))

@@ -326,6 +326,7 @@ async def test_a_worker_given_a_span_address_serves_its_spans_to_other_hosts(
         maps = PoolMaps(host="trainer-node")
         batch = (await asyncio.to_thread(maps.view, manifest)).gather()
         assert maps.remote_fetches == 1
+        maps.close()
         want = [build_sample(nodes_for(slot)) for slot in range(2)]
         np.testing.assert_array_equal(batch.columns["token_ids"], np.concatenate([w.token_ids for w in want]))
         np.testing.assert_array_equal(batch.columns["logprobs"], np.concatenate([w.logprobs for w in want]))
@@ -352,11 +353,14 @@ async def test_a_worker_with_keys_serves_its_spans_with_curve_to_the_trainers_th
             await worker._run_group(theirs, assign("g1", 1))
             msg, frames = await next_message(ours)
             manifest = build_manifest("run", 0, [(r, 1.0) for r in split_records(msg, frames)], {"w0": ready.pool})
-            view = await asyncio.to_thread(PoolMaps(host="trainer-node", keys=trainer).view, manifest)
+            maps = PoolMaps(host="trainer-node", keys=trainer.keys)
+            view = await asyncio.to_thread(maps.view, manifest)
             np.testing.assert_array_equal(view.gather().columns["token_ids"], build_sample(nodes_for(0)).token_ids)
+            maps.close()
+            intruder = PoolMaps(host="trainer-node", fetch_timeout_s=1.0, keys=keys.client("intruder").keys)
             with pytest.raises(PoolsLost, match="no answer"):  # a key pair the setup does not name
-                await asyncio.to_thread(PoolMaps(host="trainer-node", fetch_timeout_s=1.0,
-                                                 keys=keys.client("intruder")).view, manifest)
+                await asyncio.to_thread(intruder.view, manifest)
+            intruder.close()
     finally:
         ours.close()
         theirs.close()

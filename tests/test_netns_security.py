@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.pipeline.dump import load_dump
 from orchestrator.testing.keys import KeySet, make_key_set
 from orchestrator.testing.netns import Network, namespaces, prefix, unavailable
 from orchestrator.testing.procs import processes_mentioning, wait_until
@@ -177,6 +178,7 @@ server_key = "{keys.server_secret}"
 authorized_keys = "{keys.authorized_dir}"
 [pipeline]
 gates = []  # every finished group trains: gates are not what this test is about
+dump_steps = [1]  # direct mode: the orchestrator reads the step back from the worker's host, as a CURVE client
 [[env]]
 taskset = "orchestrator-arithmetic"
 group_size = 4
@@ -188,8 +190,8 @@ sampling = {{ max_tokens = 4 }}
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("data_plane", ["through", "direct"])
-async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_path: Path, data_plane: str,
+@pytest.mark.parametrize("plane", ["through", "direct"])  # not the data_plane fixture: both, in every run
+async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_path: Path, plane: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The orchestrator and the inference server on one host, an env worker on a second, the trainer on a third
     (TCP, CURVE); on a fourth, intruders without keys and with an unknown key write garbage to every port,
@@ -206,14 +208,14 @@ async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_p
     journal, ckpt = tmp_path / "journal.jsonl", tmp_path / "ckpt"
     orchestrator = [sys.executable, "-m", "orchestrator", "--log-level", "WARNING"]
     client = ["--server-key", str(keys.server_public)]
-    direct = data_plane == "direct"
+    direct = plane == "direct"
     async with Network.open(("orch", "workers", "trainer", "intruder")) as net:
         orch = net.address_of("orch")
         sim = Lines(await net.run("orch", *orchestrator, "sim-inference", "--host", orch, "--port", "8000",
                                   "--profile", "prime-rl", stdout=subprocess.PIPE))
         assert sim.stream is not None
         await asyncio.wait_for(sim.stream.readline(), WAIT_S)  # its URL: it listens
-        run = await net.run("orch", *orchestrator, "run", str(write_job(tmp_path, orch, keys, data_plane)))
+        run = await net.run("orch", *orchestrator, "run", str(write_job(tmp_path, orch, keys, plane)))
         intruders = []
         for address, mode in ((f"tcp://{orch}:5600", "intrude-workers"), (f"tcp://{orch}:5700", "intrude")):
             for flags in ([], [*client, "--client-key", str(keys.client_secret("intruder"))]):
@@ -240,5 +242,8 @@ async def test_a_job_across_hosts_trains_only_on_what_its_own_workers_sent(tmp_p
     assert all(r["reward"] != 7.75 for r in rows)  # netns_peer.FORGED_REWARD
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(JOB_STEPS))
+    dump = load_dump(out / "dumps" / "step_000001")
+    assert dump.batch.num_samples == metrics[1]["samples"]
+    assert all(len(r.frames) == 4 for g in dump.groups for r in g.records if r.ok)  # every record's columns
     assert [n for n in namespaces() if n.startswith(prefix())] == []
     assert processes_mentioning(str(tmp_path)) == []

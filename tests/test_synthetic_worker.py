@@ -22,11 +22,11 @@ JOB_GUARD_S = 240.0  # a hang guard: the job takes seconds on a quiet host
 TOKENS, LAYERS, TOP_K = 96, 4, 2
 
 
-@pytest.mark.parametrize("data_plane", ["through", "direct"])
-async def test_synthetic_rollouts_reach_the_trainer_whole(tmp_path: Path, data_plane: str) -> None:
+@pytest.mark.parametrize("plane", ["through", "direct"])  # not the data_plane fixture: both, in every run
+async def test_synthetic_rollouts_reach_the_trainer_whole(tmp_path: Path, plane: str) -> None:
     async with sim_servers(1) as servers:
         job = tmp_path / "job.toml"
-        job.write_text(job_toml(tmp_path / "out", servers[0].url, data_plane=data_plane, batch=16, steps=2, workers=1,
+        job.write_text(job_toml(tmp_path / "out", servers[0].url, data_plane=plane, batch=16, steps=2, workers=1,
                                 pool_mb=8))
         cfg = load_config(job)
         batches: list[Batch] = []
@@ -40,10 +40,13 @@ async def test_synthetic_rollouts_reach_the_trainer_whole(tmp_path: Path, data_p
                     await orch.run()
             finally:
                 await terminate(worker, 10)
+            pool = orch.hub.pools.pool("syn-0")
+            released = orch.hub.metrics["released"]
+    assert (pool is not None, released > 0) == (plane == "direct",) * 2  # direct: columns in the worker's pool
     assert [r.step for r in trainer.received] == [0, 1]
     for batch in batches:
         n = batch.num_samples
-        assert n >= 8  # whole groups of 8; a group whose rewards tie would be filtered (drawn at random: rare)
+        assert n == 16  # two whole groups of 8 (random float rewards: none tie, none filtered)
         assert batch.columns["token_ids"].shape == (n * TOKENS,)
         assert batch.columns["routed_experts"].shape == (n * TOKENS, LAYERS, TOP_K)
         first = batch.columns["token_ids"][:TOKENS]

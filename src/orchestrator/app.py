@@ -30,7 +30,7 @@ import orjson
 from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.config import JobConfig, to_toml
 from orchestrator.dataplane.manifest import StepManifest
-from orchestrator.dataplane.reader import PoolMaps
+from orchestrator.errors import WireError
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
@@ -50,7 +50,7 @@ from orchestrator.pipeline.step import StepBuilder, StepResult
 from orchestrator.pipeline.unacked import UnackedSteps
 from orchestrator.scheduling.groups import Group
 from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
-from orchestrator.security import ClientKeys, load_authorized_keys, load_key_pair
+from orchestrator.security import KeyPair, load_authorized_keys, load_key_pair
 from orchestrator.sinks import Sinks, open_sinks
 from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
@@ -114,7 +114,7 @@ class Orchestrator:
             self.unacked = UnackedSteps(self.builder, hub, sender, self._off_loop, self.outputs.write_rows)
             sender.on_ack = self.unacked.acked
         # direct: reads the columns a due step dump or samples table needs (with our key pair for CURVE servers)
-        self.readback = Readback(PoolMaps(keys=own_keys(cfg))) if self.direct else None
+        self.readback = Readback(own_keys(cfg)) if self.direct else None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -138,8 +138,6 @@ class Orchestrator:
                 # a step cancelled at shutdown may still have work in the step thread (its writes, its state
                 # save): it finishes before the state is saved here, so no two saves ever overlap
                 await asyncio.to_thread(orch.step_thread.shutdown)
-                if orch.readback is not None:
-                    orch.readback.close()
                 # on shutdown too: acknowledgements that came after the last step's save count
                 if sender.acked > state.acked_step:
                     state.acked_step = sender.acked
@@ -320,9 +318,14 @@ class Orchestrator:
         """Blocking (the step thread): direct mode's opt-in column reads (pipeline/readback.py). For a dump, every
         record's columns and the step's batch; for the samples table only, its few rollouts'."""
         assert self.readback is not None
-        if dump:
-            return self.readback.groups(groups, pools), self.readback.batch(manifest)
-        return self.readback.groups(groups, pools, limit=self.sinks.samples), None
+        if not dump:
+            return self.readback.groups(groups, pools, limit=self.sinks.samples), None
+        shown = self.readback.groups(groups, pools)
+        try:
+            return shown, self.readback.batch(manifest)
+        except WireError as e:  # a pool gone since the build: the trainer will report the step lost; no dump
+            log.warning("step %d: not dumped: its columns cannot be read back: %s", manifest.step, e)
+            return shown, None
 
     def _finish_step(self, step: int, rows: list[dict[str, Any]], phase: dict[str, float], lag: LagStats,
                      t0: float, extra: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -428,16 +431,13 @@ def span_clients(cfg: JobConfig) -> list[str]:
         return []
     ours = own_keys(cfg)
     return sorted({k.decode() for k in load_authorized_keys(sec.authorized_keys)}
-                  | ({ours.keys.public.decode()} if ours else set()))
+                  | ({ours.public.decode()} if ours else set()))
 
 
-def own_keys(cfg: JobConfig) -> ClientKeys | None:
-    """This orchestrator's key pair as a client of span servers (each pool names its server's key; the
-    ``server_public`` here is never used), or None without ``[security]`` keys."""
-    if cfg.security.server_key is None:
-        return None
-    pair = load_key_pair(cfg.security.server_key)
-    return ClientKeys(pair.public, pair)
+def own_keys(cfg: JobConfig) -> KeyPair | None:
+    """This orchestrator's key pair (a client of span servers for dumps and the samples table), or None without
+    ``[security]`` keys."""
+    return None if cfg.security.server_key is None else load_key_pair(cfg.security.server_key)
 
 
 def worker_token_filters(cfg: JobConfig, tokenizer: Path) -> list[TokenFilter]:

@@ -696,11 +696,12 @@ def _cross_checks(cfg: JobConfig, source: Any) -> Iterable[str]:
         yield (f"{source('transport.data_plane')}: transport.data_plane: 'direct' needs kind = 'zmq' and keep_acked "
                f"= 0 (got kind {t.kind!r}, keep_acked {t.keep_acked}): the trainer maps the workers' pools and "
                "acknowledges each step over zmq, and an acknowledged step's columns are reused at once")
-    if t.span_address is not None and (t.data_plane != "direct" or not re.fullmatch(r"tcp://[^\s:]+:0",
-                                                                                      t.span_address)):
-        yield (f"{source('transport.span_address')}: transport.span_address: expected tcp://HOST:0 (each local env "
-               f"worker binds a port of its own) with data_plane = 'direct', got {t.span_address!r} with "
-               f"data_plane = {t.data_plane!r}")
+    host = re.fullmatch(r"tcp://([^\s:]+):0", t.span_address or "")
+    if t.span_address is not None and (t.data_plane != "direct" or host is None or host[1] in ("*", "0.0.0.0")):
+        yield (f"{source('transport.span_address')}: transport.span_address: expected tcp://HOST:0 with the host's "
+               f"address or name, which workers announce to trainers (not a wildcard; each local env worker binds a "
+               f"port of its own) and data_plane = 'direct', got {t.span_address!r} with data_plane = "
+               f"{t.data_plane!r}")
     if t.kind == "shm" and t.address is not None and not t.address.startswith("ipc://"):
         yield (f"{source('transport.address')}: transport.address: kind = 'shm' is same-node only and needs an "
                f"ipc://PATH address (or none: ipc:// in output_dir), got {t.address!r}; use kind = 'zmq' for tcp")

@@ -19,11 +19,14 @@ HELP = "run an env worker (verifiers environments) for an orchestrator"
 
 
 def span_address(text: str) -> str:
-    """An argparse type: ``tcp://HOST:PORT`` (port 0: any free one, logged), else a usage error (exit 2)."""
+    """An argparse type: ``tcp://HOST:PORT`` (port 0: any free one, logged; HOST not a wildcard: it is the address
+    trainers are told to fetch from), else a usage error (exit 2)."""
     host, sep, port = text.removeprefix("tcp://").rpartition(":")
-    if text.startswith("tcp://") and sep and host and port.isdigit() and 0 <= int(port) < 65536:
+    if (text.startswith("tcp://") and sep and host and host not in ("*", "0.0.0.0") and port.isdigit()
+            and 0 <= int(port) < 65536):
         return text
-    raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT (PORT 0: any free port), got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT with this host's address or name, which trainers "
+                                     f"fetch from (not a wildcard; PORT 0: any free port), got {text!r}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

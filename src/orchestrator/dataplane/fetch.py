@@ -153,11 +153,14 @@ class SpanClient:
     """Blocking fetches (call them off an event loop) from span servers, over one DEALER per server (address and
     public key) kept open from one fetch to the next: a fresh TCP connection per step would pay its handshakes
     (CURVE's too) and start with a cold window every time. A socket whose fetch failed in any way is closed, so
-    a late reply can never answer a later request; the next fetch from that server connects again."""
+    a late reply can never answer a later request; the next fetch from that server connects again. At most
+    ``max_connections`` are kept, the least recently used closed first (a restarted worker's server has a new
+    port: its old one is never asked again)."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, max_connections: int = 256) -> None:
         self.ctx = ctx or zmq.Context.instance()
-        self._socks: dict[tuple[str, bytes | None], zmq.Socket[bytes]] = {}
+        self.max_connections = max_connections
+        self._socks: dict[tuple[str, bytes | None], zmq.Socket[bytes]] = {}  # least recently used first
 
     def fetch(self, address: str, pool_id: str, spans: Sequence[tuple[int, int]], timeout_s: float,
               keys: ClientKeys | None = None) -> list[memoryview]:
@@ -165,18 +168,25 @@ class SpanClient:
         at ``address`` (see the module docstring); WireError naming the problem."""
         key = (address, None if keys is None else keys.server_public)
         sock = self._socks.pop(key, None)
-        if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if keys is not None:
-                secure_client(sock, keys)
-            sock.connect(address)
         try:
+            if sock is None:
+                sock = self.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                if keys is not None:
+                    secure_client(sock, keys)
+                sock.connect(address)
             bufs = _request(sock, address, pool_id, spans, timeout_s)
+        except zmq.ZMQError as e:  # an address or key the worker announced that zmq cannot use
+            if sock is not None:
+                sock.close()
+            raise WireError(f"pool {pool_id}: cannot fetch from the span server at {address!r}: {e}") from None
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
         self._socks[key] = sock
+        while len(self._socks) > self.max_connections:
+            self._socks.pop(next(iter(self._socks))).close()
         return bufs
 
     @property

@@ -37,7 +37,7 @@ from orchestrator.dataplane.fetch import SPAN_FETCH_TIMEOUT_S, SpanClient
 from orchestrator.dataplane.layout import span_layout
 from orchestrator.dataplane.manifest import PoolRef, StepManifest
 from orchestrator.errors import WireError
-from orchestrator.security import ClientKeys
+from orchestrator.security import ClientKeys, KeyPair
 
 if TYPE_CHECKING:
     from orchestrator.transport.wire import Batch
@@ -69,9 +69,9 @@ class PoolMaps:
     ``fetch_timeout_s``: the bound on fetching one pool's spans of a step from another host."""
 
     def __init__(self, host: str | None = None, fetch_timeout_s: float = SPAN_FETCH_TIMEOUT_S,
-                 keys: ClientKeys | None = None) -> None:
+                 keys: KeyPair | None = None) -> None:
         self.host = host or socket.gethostname()
-        self.keys = keys  # this trainer's key pair (ClientKeys): for span servers that are CURVE
+        self.keys = keys  # this reader's key pair: for span servers that are CURVE
         self.fetch_timeout_s = fetch_timeout_s
         self.fetches = 0
         self.remote_fetches = 0  # requests to span servers on other hosts
@@ -180,7 +180,7 @@ class PoolMaps:
             if self.keys is None:
                 raise WireError(f"pool {ref.id}: its span server {ref.address} is CURVE; this trainer has no key "
                                 "pair (give the receiver keys=)")
-            keys = ClientKeys(ref.public_key.encode(), self.keys.keys)
+            keys = ClientKeys(ref.public_key.encode(), self.keys)
         got = self._spans.fetch(ref.address, ref.id, spans, self.fetch_timeout_s, keys)
         self.remote_fetches += 1
         return got

@@ -8,9 +8,13 @@ one on another host fetched from its span server) and hands back copies of the r
 through path's (four column frames, no span), so ``write_dump``, replays and ``SampleTable`` work unchanged.
 
 Blocking: call it off the event loop, in the step thread, before the step is sent and before any of its
-rollouts is released: a released span may be rewritten at once. The copies are the step's to drop.
-A record whose pool is gone (or cannot be read) is left as it was, without columns, and named once per step
-in the log; the dump then holds its header only.
+rollouts is released: a released span may be rewritten at once. The copies are the step's to drop. Each call
+maps (or fetches) what it reads and lets go of it before it returns, so this process's RSS never holds pool
+pages between steps; a fetch from another host waits at most READBACK_TIMEOUT_S.
+
+A record whose pool is gone (or cannot be read) is left as it was, without columns, with one warning per
+worker; the samples table skips it, and a dump whose batch cannot be read is not written (``batch`` raises
+``WireError``; the caller logs it and the run goes on).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from orchestrator.dataplane.layout import shapes_layout
 from orchestrator.dataplane.manifest import StepManifest, pool_ref
 from orchestrator.dataplane.reader import PoolMaps
 from orchestrator.errors import WireError
+from orchestrator.security import KeyPair
 from orchestrator.worker.protocol import COLUMNS, PoolInfo, RolloutRecord
 
 if TYPE_CHECKING:
@@ -34,12 +39,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+READBACK_TIMEOUT_S = 5.0  # a fetch from another host, in the step thread: a dump or a table is not worth more
+
 
 class Readback:
-    """See the module docstring. ``maps``: this process's reader (its key pair for CURVE span servers)."""
+    """See the module docstring. ``keys``: this process's key pair, for CURVE span servers."""
 
-    def __init__(self, maps: PoolMaps) -> None:
-        self.maps = maps
+    def __init__(self, keys: KeyPair | None = None) -> None:
+        self.keys = keys
+
+    def _maps(self) -> PoolMaps:
+        return PoolMaps(fetch_timeout_s=READBACK_TIMEOUT_S, keys=self.keys)
 
     def records(self, records: Iterable[RolloutRecord], pools: Mapping[str, PoolInfo]) -> dict[str, RolloutRecord]:
         """Copies of ``records`` with their columns as frames, by rollout id; records without a span, or whose
@@ -51,16 +61,21 @@ class Readback:
             if r.header.span is not None and info is not None and info.id == r.header.span.pool:
                 by_worker.setdefault(r.header.worker, []).append(r)
         out: dict[str, RolloutRecord] = {}
-        for worker, recs in by_worker.items():
-            try:
-                spans = self.maps.read(pool_ref(worker, pools[worker]),
-                                       [(r.header.span.offset, r.header.span.nbytes) for r in recs if r.header.span])
-            except (WireError, ValueError) as e:
-                log.warning("could not read the columns of %d rollout(s) in env worker %s's pool: %s", len(recs),
-                            worker, e)
-                continue
-            for r, span in zip(recs, spans, strict=True):
-                out[r.rid] = as_through_record(r, span)
+        maps = self._maps()
+        try:
+            for worker, recs in by_worker.items():
+                try:
+                    spans = maps.read(pool_ref(worker, pools[worker]),
+                                      [(r.header.span.offset, r.header.span.nbytes) for r in recs if r.header.span])
+                except (WireError, ValueError) as e:
+                    log.warning("could not read the columns of %d rollout(s) in env worker %s's pool: %s",
+                                len(recs), worker, e)
+                    continue
+                for r, span in zip(recs, spans, strict=True):
+                    out[r.rid] = as_through_record(r, span)
+                del spans  # views of the mapping: gone before it is closed
+        finally:
+            maps.close()
         return out
 
     def groups(self, groups: Sequence[Group], pools: Mapping[str, PoolInfo], *, limit: int | None = None
@@ -76,11 +91,13 @@ class Readback:
         return [dataclasses.replace(g, records=[read.get(r.rid, r) for r in g.records]) for g in groups]
 
     def batch(self, manifest: StepManifest) -> Batch:
-        """The step the manifest names, gathered as the trainer's ``recv()`` gathers it."""
-        return self.maps.view(manifest).gather()
-
-    def close(self) -> None:
-        self.maps.close()
+        """The step the manifest names, gathered as the trainer's ``recv()`` gathers it (copies). WireError
+        (``PoolsLost``) when some pool cannot be read."""
+        maps = self._maps()
+        try:
+            return maps.view(manifest).gather()
+        finally:
+            maps.close()
 
 
 def as_through_record(record: RolloutRecord, span: memoryview) -> RolloutRecord:

@@ -47,8 +47,8 @@ class SampleTable:
         seen: set[str] = set()
         for row in rows:
             rec = records.get(row["rollout"])
-            if rec is None or row["group"] in seen or not rec.header.samples:
-                continue
+            if rec is None or row["group"] in seen or not rec.header.samples or rec.header.span is not None:
+                continue  # (a span: direct mode, and its columns could not be read back)
             seen.add(row["group"])
             n = rec.header.samples[0][0]
             ids, mask = rec.column("token_ids")[:n], rec.column("loss_mask")[:n]

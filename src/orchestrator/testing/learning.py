@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import os
-import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -115,6 +113,7 @@ async def trainer_process(address: str, checkpoints: Path, steps: int, corrupt: 
                           seed: int) -> AsyncIterator[asyncio.subprocess.Process]:
     """The learning trainer for ``steps`` steps (a subprocess, killed by its pid on exit if still running)."""
     from orchestrator.procs import child_env
+    from orchestrator.testing.procs import python_process
 
     if corrupt is None:
         argv = ["-m", "orchestrator", "--log-level", "WARNING", "receive", address, "--learn", "--checkpoint-dir",
@@ -122,14 +121,8 @@ async def trainer_process(address: str, checkpoints: Path, steps: int, corrupt: 
     else:
         argv = ["-m", "orchestrator.testing.learning", address, str(checkpoints), "--corrupt", corrupt, "--seed",
                 str(seed)]
-    proc = await asyncio.create_subprocess_exec(sys.executable, *argv, "--steps", str(steps), env=child_env())
-    try:
+    async with python_process(*argv, "--steps", str(steps), env=child_env()) as proc:
         yield proc
-    finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            await proc.wait()
 
 
 async def run_learning(directory: Path, seed: int, steps: int, corrupt: str | None = None,

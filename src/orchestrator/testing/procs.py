@@ -19,6 +19,20 @@ Process = asyncio.subprocess.Process
 
 
 @contextlib.asynccontextmanager
+async def python_process(*argv: str, **popen: Any) -> AsyncIterator[Process]:
+    """``python ARGV...`` (this interpreter); killed by its pid on exit if still running. ``popen`` goes to
+    ``asyncio.create_subprocess_exec``."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, *argv, **popen)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+@contextlib.asynccontextmanager
 async def orchestrator_process(*args: str, log_level: str | None = None, log: Path | None = None,
                                **popen: Any) -> AsyncIterator[Process]:
     """``python -m orchestrator --log-level LEVEL ARGS...``; killed by pid on exit if still running.
@@ -29,15 +43,9 @@ async def orchestrator_process(*args: str, log_level: str | None = None, log: Pa
     with contextlib.ExitStack() as files:
         if log is not None:
             popen["stderr"] = files.enter_context(open(log, "ab"))  # noqa: ASYNC230 - a local file
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "orchestrator", "--log-level", log_level,
-                                                    *args, **popen)
-    try:
-        yield proc
-    finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        async with python_process("-m", "orchestrator", "--log-level", log_level, *args, **popen) as proc:
+            files.close()  # the child has its own copy of the log's fd
+            yield proc
 
 
 async def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, alive: Process | None = None,

@@ -97,8 +97,9 @@ class _ReceiverCore:
         self.refused: str | None = None  # why the orchestrator refused this trainer, once it did
         self.checkpoint_wanted: int | None = None  # the orchestrator waits for weights of step >= this
         self.shm = ShmAttachment(address)  # maps the sender's pool when a shared-memory batch arrives
-        self.pools = PoolMaps(keys=keys)  # direct: the workers' pools, mapped when announced or first named (or
-        # fetched from their span servers when on other hosts; keys: this trainer's pair, for CURVE servers)
+        # direct: the workers' pools, mapped when announced or first named (or fetched from their span servers when
+        # on other hosts, as a CURVE client with this trainer's key pair)
+        self.pools = PoolMaps(keys=None if keys is None else keys.keys)
         self.announced_pools: list[PoolRef] = []  # pool announcements not mapped yet
         self._unreleased: int | None = None  # auto_ack: a shared-memory step released by the next recv
         self.lost_step: PoolsLost | None = None  # the step this receiver could not map, until a newer attempt maps

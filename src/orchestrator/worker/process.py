@@ -176,8 +176,8 @@ class Worker:
         self.address = address
         self.worker_id = worker_id
         self.keys = keys
-        # direct mode: where to serve the pool's spans to trainers on other hosts (dataplane/fetch.py): CURVE with
-        # this worker's key pair when it has one and the setup names the trainers' keys; else loopback only
+        # direct mode: where to serve the pool's spans to trainers on other hosts (dataplane/fetch.py): CURVE when the
+        # setup names the clients' keys (with this worker's key pair, or one it makes); else loopback only
         self.span_address = span_address
         self.span_key: str | None = None  # the span server's public key (Z85), when it is CURVE
         self.envs: dict[str, LoadedEnv] = {}
