@@ -4,6 +4,7 @@ as a remote worker, its fixed-shape rollouts reaching the trainer whole, on both
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,10 @@ async def test_synthetic_rollouts_reach_the_trainer_whole(tmp_path: Path, plane:
                                 pool_mb=8))
         cfg = load_config(job)
         batches: list[Batch] = []
+        switch = sys.getswitchinterval()
+        during: list[float] = []
         async with Orchestrator.open(cfg) as orch:
+            orch.on_step = lambda _m: during.append(sys.getswitchinterval())
             worker = await asyncio.create_subprocess_exec(*worker_command(
                 orch.hub.address, "syn-0", tokens=TOKENS, layers=LAYERS, top_k=TOP_K, rate=200))
             try:
@@ -44,6 +48,8 @@ async def test_synthetic_rollouts_reach_the_trainer_whole(tmp_path: Path, plane:
             released = orch.hub.metrics["released"]
     assert (pool is not None, released > 0) == (plane == "direct",) * 2  # direct: columns in the worker's pool
     assert [r.step for r in trainer.received] == [0, 1]
+    assert during == [cfg.run.gil_switch_ms / 1e3] * 2  # run.gil_switch_ms while the job runs, then as it was
+    assert sys.getswitchinterval() == switch
     for batch in batches:
         n = batch.num_samples
         assert n == 16  # two whole groups of 8 (random float rewards: none tie, none filtered)

@@ -54,6 +54,10 @@ class UnwrittenStore(ColumnStore):
 
 
 class SyntheticWorker(Worker):
+    """The real ``Worker`` with its three environment-facing steps replaced: ``_load`` (no verifiers: each setup
+    environment gets ``tasks`` tasks), ``_model_context`` (no inference client) and ``_run_one`` (a fixed-shape
+    rollout, paced at ``rate``); everything from ``_columns`` on is the worker's own."""
+
     def __init__(self, address: str, worker_id: str, *, tokens: int, layers: int = 0, top_k: int = 0,
                  rate: float | None = None, tasks: int = 64, write: bool = True, seed: int = 0) -> None:
         super().__init__(address, worker_id)
@@ -77,6 +81,8 @@ class SyntheticWorker(Worker):
 
     async def _run_one(self, done: asyncio.Queue[tuple[RolloutHeader, list[Any]]], loaded: LoadedEnv, slot: Any,
                        ctx: Any, base: AssignedRollout, train: bool) -> None:
+        """One rollout: wait for its paced completion time, then put its record (the one sample, through the
+        worker's record path) on ``done``."""
         start = time.monotonic()
         if self.rate is not None:  # completions evenly spaced at the rate, however many run at once
             self._due = max(self._due, start) + 1.0 / self.rate
