@@ -35,6 +35,7 @@ from surviving and new rollouts), so no step is returned partially, twice or out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -62,6 +63,14 @@ log = logging.getLogger(__name__)
 Received = Batch | StepView  # what recv_view() returns
 
 _S = TypeVar("_S", bound=zmq.Socket[Any])
+
+
+def _hello(push: zmq.Socket[Any], status: bytes) -> None:
+    """Queue a receiver's first status without waiting. With no pipe to queue it in (the connection is being
+    made again, after a refused CURVE handshake), it is dropped: the status every STATUS_S says the same, so a
+    constructor never raises ``zmq.Again`` (seen once under load, in test_trainer_link_auth)."""
+    with contextlib.suppress(zmq.Again):
+        push.send(status, flags=zmq.NOBLOCK)
 
 
 def _connect(ctx: zmq.Context[_S], address: str, keys: ClientKeys | None, peer_id: str) -> tuple[_S, _S]:
@@ -283,7 +292,7 @@ class BatchReceiver(_ReceiverCore):
         self.batches, self.push = _connect(self.ctx, address, keys, self.id)
         self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle
         # queued until the orchestrator is there; sent on a sync view so no loop is needed yet
-        zmq.Socket.shadow(self.push.underlying).send(self._status(hello=True), flags=zmq.NOBLOCK)
+        _hello(zmq.Socket.shadow(self.push.underlying), self._status(hello=True))
 
     async def recv(self) -> Batch:
         """The next valid batch (a step manifest's columns gathered from the workers' pools); TrainerRefused if
@@ -365,7 +374,7 @@ class SyncBatchReceiver(_ReceiverCore):
         self.ctx = ctx or zmq.Context.instance()
         self.batches, self.push = _connect(self.ctx, address, keys, self.id)
         self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle
-        self.push.send(self._status(hello=True), flags=zmq.NOBLOCK)
+        _hello(self.push, self._status(hello=True))
 
     def recv(self, timeout_s: float | None = None) -> Batch:
         """The next valid batch (a step manifest's columns gathered from the workers' pools); TimeoutError after
