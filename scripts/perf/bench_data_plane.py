@@ -2,20 +2,21 @@
 against column bytes that stay in the env workers' pools (``"direct"``), in one run, interleaved passes, medians.
 
 Every orchestrator pass is real processes: ``orchestrator run`` (the process measured: its CPU and RSS from
-/proc, its loop lag from its own per-step metrics, sampled every 1 ms), two synthetic env workers
-(``orchestrator.testing.synthetic_worker``: the real worker, record path and column pool, with rollouts of a
-fixed shape instead of environments and inference) admitted as remote workers, a trainer that takes each step
-as zero-copy views (``recv_view``) and acknowledges it, and one simulated inference server the orchestrator
-checks at start. Lag is
-reported over the machine's idle floor: an empty uvloop loop with the same 1 ms monitor, in a probe process
-during the pass (bench_scheduler.lag_probe). The workers run at local workers' default niceness
-(``scheduler.worker_nice = 5``), and so does the trainer, which stands in for another host, as the
-simulated server does. Workers pace their rollouts, so every length runs at the same
-rate and per-second costs (heartbeats, the 1 ms sampler) weigh the same per rollout.
+/proc, its loop lag from its own per-step metrics, sampled every 1 ms unless said otherwise), two synthetic env
+workers (``orchestrator.testing.synthetic_worker``: the real worker, record path and column pool, with rollouts
+of a fixed shape instead of environments and inference) admitted as remote workers, a trainer that takes each
+step as zero-copy views (``recv_view``) and acknowledges it, and one simulated inference server the
+orchestrator checks at start. Lag is reported over the machine's idle floor: an empty uvloop loop with the same
+1 ms monitor, in a probe process during the pass (bench_scheduler.lag_probe). The workers run at local workers'
+default niceness (``scheduler.worker_nice = 5``), and so does the trainer, which stands in for another host, as
+the simulated server does. Workers pace their rollouts, so every length runs at the same rate and per-second
+costs (heartbeats, the lag sampler) weigh the same per rollout.
 
 1. Scaling: rollouts of 1k, 8k and 64k tokens with routed experts 48 x 8 (0.4, 3.2 and 25 MB each), both
    paths: the orchestrator's peak RSS and CPU per rollout. ``rss_ratio_64k_to_1k`` / ``cpu_ratio_64k_to_1k``
-   are the direct path's (target <= 1.1 both); ``through_*`` the old path's, same run.
+   are the direct path's (target <= 1.1 both); ``through_*`` the old path's, same run. These passes sample the
+   loop's lag every 10 ms, not 1 ms: a 1 ms sampler costs CPU of its own every second, which the CPU figure
+   would count.
 2. 1,024 buffered 64k-token rollouts (direct; one step of 1,024): the orchestrator's peak RSS,
    ``rss_mb_64k_1024`` (target < 300). The workers reserve their spans without writing them
    (``--no-write``): 25 GB of columns do not fit in this machine, and the orchestrator never reads them.
@@ -38,6 +39,7 @@ rate and per-second costs (heartbeats, the 1 ms sampler) weigh the same per roll
 
     .venv/bin/python scripts/perf/bench_data_plane.py --json
     .venv/bin/python scripts/perf/bench_data_plane.py --repeats 1 --quick --json   # a smoke run, ~3 min
+    .venv/bin/python scripts/perf/bench_data_plane.py --sections scale,bytes --json
 
 Progress goes to stderr, one line per pass. Last line with --json: one JSON object.
 """
@@ -83,6 +85,7 @@ uvloop.run(main())
 """
 PASS_GUARD_S = 600.0  # a pass takes seconds; this only bounds a hang
 NICE = 5  # the default scheduler.worker_nice: what local env workers get
+SECTIONS = ("scale", "buffered", "step", "ceiling", "bytes")  # the module docstring's 1, 2, 4, 5, 3; bytes last
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Pass:
     write: bool = True
     pool_mb: int = 0  # per worker (0: sized from the shape)
     section: str = ""
+    lag_interval_s: float = 0.001
 
     @property
     def name(self) -> str:
@@ -110,7 +114,8 @@ def rollout_bytes(tokens: int) -> int:
 
 def job_toml(out: Path, sim_url: str, p: Pass) -> str:
     pool_mb = p.pool_mb or (8 * p.batch + 64) * rollout_bytes(p.tokens) // 2 // 2**20 + 64  # room: no throttling
-    monitor = "[monitor]\nlag_interval_s = 0.001\nlag_window = 200000\nlag_warn_ms = 1000.0\nlag_error_ms = 10000.0\n"
+    monitor = (f"[monitor]\nlag_interval_s = {p.lag_interval_s}\nlag_window = 200000\nlag_warn_ms = 1000.0\n"
+               "lag_error_ms = 10000.0\n")
     return synthetic_job(out, sim_url, data_plane=p.mode, batch=p.batch, steps=p.steps, workers=2, pool_mb=pool_mb,
                          buffered=p.buffered or None, extra=monitor)
 
@@ -374,7 +379,8 @@ async def processes_piped(*cmds: list[str]) -> AsyncIterator[list[str]]:
 def plan(args: argparse.Namespace) -> dict[str, list[Pass]]:
     """The orchestrator passes of one repeat, by section."""
     lengths = LENGTHS[:2] if args.quick else LENGTHS
-    scale = [Pass(mode, n, args.scale_rate, 32, 12, section="scale") for n in lengths for mode in ("direct", "through")]
+    scale = [Pass(mode, n, args.scale_rate, 32, 12, section="scale", lag_interval_s=0.01)  # sampling, a cost of
+             for n in lengths for mode in ("direct", "through")]  # its own per second: 10 ms here, not 1 ms
     buffered_64k = 16 if args.quick else 1024
     buffered = [Pass("direct", 65536, None, buffered_64k, 3, warm=1, buffered=buffered_64k, write=False,
                      pool_mb=4 * buffered_64k * rollout_bytes(65536) // 2 // 2**20 + 64, section="buffered")]
@@ -404,7 +410,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             os.setpriority(os.PRIO_PROCESS, sim.pid, 5)  # it stands in for GPU servers; the sim does no work here
             index = 0
             for rep in range(args.repeats):
-                for section in ("scale", "buffered", "step", "ceiling"):
+                for section in [s for s in SECTIONS[:-1] if s in args.sections]:
                     for p in passes[section]:
                         r = await orchestrator_pass(Path(tmp), sim.url, p, index)
                         index += 1
@@ -414,6 +420,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                               f"peak RSS {r['peak_rss_mb']:.0f} MB, lag max {r['lag_max_ms']:.1f} ms "
                               f"(idle {r['idle_max_ms']:.1f}), step build {r['step_build_s'] * 1e3:.1f} ms "
                               f"[{time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
+                if "bytes" not in args.sections:
+                    continue
                 bytes_dir = Path(tmp) / f"bytes{rep}"
                 bytes_dir.mkdir()
                 byte_runs.append({**await same_node_bytes(bytes_dir, args.step_tokens, 128, 7),
@@ -428,28 +436,38 @@ def summarize(args: argparse.Namespace, passes: dict[str, list[Pass]], med: dict
     def of(p: Pass) -> dict[str, Any]:
         return med[p.name]
 
-    scale = {(p.mode, p.tokens): of(p) for p in passes["scale"]}
-    lo, hi = min(n for _, n in scale), max(n for _, n in scale)
     out: dict[str, Any] = {}
-    for mode, prefix in (("direct", ""), ("through", "through_")):
-        out[f"{prefix}rss_ratio_64k_to_1k"] = round(scale[mode, hi]["peak_rss_mb"] / scale[mode, lo]["peak_rss_mb"], 3)
-        out[f"{prefix}cpu_ratio_64k_to_1k"] = round(scale[mode, hi]["cpu_ms_per_rollout"]
-                                                     / scale[mode, lo]["cpu_ms_per_rollout"], 3)
-    out["rss_mb_64k_1024"] = round(of(passes["buffered"][0])["peak_rss_mb"], 1)
-    out["buffered_rollouts"] = passes["buffered"][0].batch
-    busy, idle, through = (of(p) for p in passes["step"])
+    if "scale" in args.sections:
+        scale = {(p.mode, p.tokens): of(p) for p in passes["scale"]}
+        lo, hi = min(n for _, n in scale), max(n for _, n in scale)
+        for mode, prefix in (("direct", ""), ("through", "through_")):
+            out[f"{prefix}rss_ratio_64k_to_1k"] = round(scale[mode, hi]["peak_rss_mb"]
+                                                         / scale[mode, lo]["peak_rss_mb"], 3)
+            out[f"{prefix}cpu_ratio_64k_to_1k"] = round(scale[mode, hi]["cpu_ms_per_rollout"]
+                                                         / scale[mode, lo]["cpu_ms_per_rollout"], 3)
+    if "buffered" in args.sections:
+        out["rss_mb_64k_1024"] = round(of(passes["buffered"][0])["peak_rss_mb"], 1)
+        out["buffered_rollouts"] = passes["buffered"][0].batch
+    if "step" in args.sections:
+        out.update(step_figures(*(of(p) for p in passes["step"])))
+    if "ceiling" in args.sections:
+        fits = [of(p)["rollouts_per_s"] for p in passes["ceiling"] if of(p)["lag_max_over_idle_ms"] <= 5.0]
+        out["max_records_per_s"] = round(max(fits), 1) if fits else 0.0
+    for k in byte_runs[0] if byte_runs else ():
+        out[k] = statistics.median(r[k] for r in byte_runs)
+    out["repeats"] = args.repeats
+    out["passes"] = med
+    return out
+
+
+def step_figures(busy: dict[str, Any], idle: dict[str, Any], through: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     out["step_max_lag_over_idle_ms"] = round(busy["lag_max_over_idle_ms"], 3)
     out["step_wall_ratio_to_idle"] = round(busy["step_build_s"] / idle["step_build_s"], 3)
     out["step_build_ms"] = round(busy["step_build_s"] * 1e3, 2)
     out["step_build_idle_ms"] = round(idle["step_build_s"] * 1e3, 2)
     out["through_step_max_lag_over_idle_ms"] = round(through["lag_max_over_idle_ms"], 3)
     out["through_step_build_ms"] = round(through["step_build_s"] * 1e3, 2)
-    fits = [of(p)["rollouts_per_s"] for p in passes["ceiling"] if of(p)["lag_max_over_idle_ms"] <= 5.0]
-    out["max_records_per_s"] = round(max(fits), 1) if fits else 0.0
-    for k in byte_runs[0]:
-        out[k] = statistics.median(r[k] for r in byte_runs)
-    out["repeats"] = args.repeats
-    out["passes"] = med
     return out
 
 
@@ -464,8 +482,12 @@ def main() -> None:
     p.add_argument("--ceiling-rates", type=float, nargs="*", default=[1000.0, 2000.0, 4000.0],
                    help="ceiling: paced rates tried, besides unpaced workers")
     p.add_argument("--step-tokens", type=int, default=1 << 20, help="bytes section: tokens in the step (1M)")
+    p.add_argument("--sections", type=lambda t: t.split(","), default=list(SECTIONS),
+                   help=f"comma-separated, of {','.join(SECTIONS)} (default: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args()
+    if unknown := set(args.sections) - set(SECTIONS):
+        p.error(f"--sections: unknown {sorted(unknown)}; expected some of {','.join(SECTIONS)}")
     result = run_async(main_async(args))
     if not args.json:
         for k, v in result.items():
