@@ -145,12 +145,14 @@ async def wait_for(path: Path, proc: asyncio.subprocess.Process, what: str, time
 
 
 @contextlib.asynccontextmanager
-async def processes(*cmds: list[str]) -> AsyncIterator[list[asyncio.subprocess.Process]]:
-    """Start ``cmds`` (stdout discarded); each is ended by its pid when the block ends."""
+async def processes(*cmds: list[str], stdout: int = asyncio.subprocess.DEVNULL
+                    ) -> AsyncIterator[list[asyncio.subprocess.Process]]:
+    """Start ``cmds`` (stdout discarded unless ``stdout`` says otherwise); each is ended by its pid when the
+    block ends."""
     procs = []
     try:
         for cmd in cmds:
-            procs.append(await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.DEVNULL))
+            procs.append(await asyncio.create_subprocess_exec(*cmd, stdout=stdout))
         yield procs
     finally:
         for proc in procs:
@@ -357,13 +359,10 @@ async def tcp_bytes(tokens: int, rollouts: int, repeats: int) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def processes_piped(*cmds: list[str]) -> AsyncIterator[list[str]]:
-    """Start ``cmds``; yield the first stdout line of each; each is ended by its pid when the block ends."""
-    procs = []
-    try:
+    """``processes`` yielding the first stdout line of each (what it says when it is ready)."""
+    async with processes(*cmds, stdout=asyncio.subprocess.PIPE) as procs:
         lines = []
-        for cmd in cmds:
-            proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
-            procs.append(proc)
+        for cmd, proc in zip(cmds, procs, strict=True):
             assert proc.stdout is not None
             async with asyncio.timeout(120):
                 line = await proc.stdout.readline()
@@ -371,9 +370,6 @@ async def processes_piped(*cmds: list[str]) -> AsyncIterator[list[str]]:
                 raise RuntimeError(f"{cmd[:3]} exited ({await proc.wait()}) before it was ready")
             lines.append(line.decode())
         yield lines
-    finally:
-        for proc in procs:
-            await terminate(proc, 10)
 
 
 def plan(args: argparse.Namespace) -> dict[str, list[Pass]]:
