@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
-from orchestrator.dataplane.fetch import SpanClient, SpanServer, fetch_spans
+from orchestrator.dataplane.fetch import SpanClient, SpanServer, _request, fetch_spans
 from orchestrator.dataplane.layout import span_layout
 from orchestrator.dataplane.manifest import StepManifest, build_manifest
 from orchestrator.dataplane.reader import PoolMaps, PoolsLost, StepView
@@ -147,3 +150,22 @@ async def test_a_client_keeps_one_connection_per_server_and_replaces_it_after_a_
         assert client.connections == 1
         assert (server.served, server.refused) == (4, 1)
         client.close()
+
+
+def test_a_request_with_no_connection_to_its_server_ends_within_its_timeout() -> None:
+    """A DEALER with no pipe to its server (here IMMEDIATE and nothing listening; in a job, a refused handshake
+    being retried) blocks a plain send for ever: the request's send is bounded by the fetch's timeout too."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"  # bound, never listening: connections are refused
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no pipe until a connection is made
+        sock.connect(address)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(WireError, match="no answer"):
+                _request(sock, address, "pool", [(0, 64)], REFUSED_S)
+        finally:
+            sock.close()
+    assert time.monotonic() - t0 < WAIT_S  # bounded (it used to block until the test's own timeout)

@@ -28,6 +28,7 @@ import contextlib
 import errno
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
@@ -212,9 +213,19 @@ def fetch_spans(address: str, pool_id: str, spans: Sequence[tuple[int, int]], ti
 
 def _request(sock: zmq.Socket[bytes], address: str, pool_id: str, spans: Sequence[tuple[int, int]],
              timeout_s: float) -> list[memoryview]:
+    """One request on ``sock`` and its reply, all within ``timeout_s``: the send is bounded too, since a DEALER
+    with no pipe to its server (a refused handshake being retried) blocks its sender until one comes back, which
+    hung a fetch with a key the server does not accept, once, under load."""
     req = secrets.randbits(31)  # pairs the reply with this request
-    sock.send(msgpack.packb({"req": req, "pool": pool_id, "spans": [list(s) for s in spans]}))
-    if not sock.poll(int(timeout_s * 1000)):
+    deadline = time.monotonic() + timeout_s
+    sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
+    try:
+        sock.send(msgpack.packb({"req": req, "pool": pool_id, "spans": [list(s) for s in spans]}))
+    except zmq.Again:
+        raise WireError(f"pool {pool_id}: no answer from the span server at {address} within {timeout_s} s (no "
+                        "connection took the request: its worker gone or unreachable, or not the key expected)"
+                        ) from None
+    if not sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
         raise WireError(f"pool {pool_id}: no answer from the span server at {address} within {timeout_s} s "
                         "(its worker gone or unreachable, or not the key expected)")
     frames = sock.recv_multipart(copy=False)
