@@ -14,6 +14,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              "(those whose transport is kind = zmq with keep_acked = 0, through the data_plane fixture; the others "
              "keep their own); with direct, tests that do not take the fixture are deselected (they ran already); "
              "scripts/test.sh runs those files once more with direct")
+    parser.addoption(
+        "--real-stack", default=None, metavar="DIR",
+        help="run the real-stack tests (tests/real: a real vLLM server, real models, the PyTorch trainer) with the "
+             "stack set up in DIR by scripts/real-stack.sh (.real-stack); without it tests/real is not collected")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/real needs the real stack (minutes to set up, GBs on disk): collected only with ``--real-stack``."""
+    if collection_path.name == "real" and collection_path.parent == REPO / "tests":
+        return config.getoption("--real-stack") is None or None
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -29,6 +29,7 @@ COMMANDS = {
     "eval": "eval",
     "demo": "demo",
     "receive": "receive",
+    "real-stack": "real_stack",
     "report": "report",
     "keys": "keys",
     "prepare-worker-host": "prepare_worker_host",

@@ -1,14 +1,19 @@
 """``orchestrator receive ADDRESS``: the reference trainer, for demos and debugging; ``--learn`` trains the tiny
-policy the simulated servers sample from."""
+policy the simulated servers sample from, ``--torch-model DIR`` a real Hugging Face model with PyTorch (the
+``[torch]`` extra; trainer/torch_learner.py), reporting every step how far the shipped logprobs are from its own."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import run_async
 from orchestrator.commands.client_keys import add_key_arguments, client_keys, file_path, zmq_address
+
+if TYPE_CHECKING:
+    from orchestrator.transport.trainer import Learner
 
 HELP = "run the reference trainer: receive batches, print a line per step, announce checkpoints"
 
@@ -27,30 +32,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learn", action="store_true",
                    help="train the simulated servers' tiny policy on every batch (clipped policy-gradient steps) "
                         "and save it into each checkpoint directory (needs --checkpoint-dir)")
-    p.add_argument("--lr", type=float, default=None, help="--learn: step size (default: 1.0)")
-    p.add_argument("--passes", type=int, default=None, help="--learn: gradient steps per batch (default: 2)")
+    p.add_argument("--torch-model", type=Path, default=None, metavar="DIR",
+                   help="train this Hugging Face causal-LM directory with PyTorch on every batch, report the "
+                        "train/inference logprob mismatch per step, and save safetensors checkpoints (needs "
+                        "--checkpoint-dir and the [torch] extra)")
+    p.add_argument("--device", default="cpu", help="--torch-model: torch device (cuda for GPUs; untested here)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="--learn: step size (default: 1.0); --torch-model: AdamW's (default: 1e-6)")
+    p.add_argument("--passes", type=int, default=None,
+                   help="gradient steps per batch (default: --learn 2, --torch-model 1)")
     p.add_argument("--temperature", type=float, default=None,
-                   help="--learn: the sampling temperature of batches that carry none (default: 1.0)")
+                   help="the sampling temperature of batches that carry none (default: 1.0)")
 
 
 def main(args: argparse.Namespace) -> int:
     import zmq.asyncio
 
-    from orchestrator.transport.learner import LearnConfig, PolicyLearner
     from orchestrator.transport.trainer import ReferenceTrainer
 
-    if args.learn and (args.checkpoint_dir is None or args.no_announce):
-        print("receive: --learn needs --checkpoint-dir (it saves the policy there) and announcements",
-              file=sys.stderr)
+    learns = args.learn or args.torch_model is not None
+    if args.learn and args.torch_model is not None:
+        print("receive: --learn and --torch-model are two learners: choose one", file=sys.stderr)
+        return 2
+    if learns and (args.checkpoint_dir is None or args.no_announce):
+        print("receive: --learn and --torch-model need --checkpoint-dir (the weights are saved there) and "
+              "announcements", file=sys.stderr)
         return 2
     given = {k: v for k in ("lr", "passes", "temperature") if (v := getattr(args, k)) is not None}
     try:
-        config = LearnConfig(**given)
-    except ValueError as e:
+        learner = _learner(args, given) if learns else None
+    except (ValueError, OSError, ImportError) as e:
         print(f"receive: {e}", file=sys.stderr)
         return 2
     keys = client_keys(args, args.address, "trainer")
-    learner = PolicyLearner(config) if args.learn else None
     trainer = ReferenceTrainer(args.address, args.train_s, not args.no_announce, args.steps, journal=args.journal,
                                keys=keys, checkpoint_dir=args.checkpoint_dir, learner=learner)
     try:
@@ -61,3 +75,18 @@ def main(args: argparse.Namespace) -> int:
         # terminated, and pyzmq does not terminate the shared one at exit: do it, so they go out first.
         zmq.asyncio.Context.instance().term()
     return 0
+
+
+def _learner(args: argparse.Namespace, given: dict[str, Any]) -> Learner:
+    """The learner the flags name: the tiny policy's (--learn) or a real model's (--torch-model)."""
+    if args.torch_model is None:
+        from orchestrator.transport.learner import LearnConfig, PolicyLearner
+
+        return PolicyLearner(LearnConfig(**given))
+    try:
+        from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
+    except ImportError as e:
+        raise ImportError(f"--torch-model needs torch and transformers: pip install -e '.[torch]' ({e})") from None
+    if not (args.torch_model / "config.json").is_file():
+        raise OSError(f"--torch-model {args.torch_model}: no config.json there (a Hugging Face model directory)")
+    return TorchLearner(args.torch_model, TorchLearnConfig(**given, device=args.device))

@@ -217,15 +217,18 @@ def pool_ref(worker: str, pool: PoolInfo) -> PoolRef:
 
 
 def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, float]],
-                   pools: Mapping[str, PoolInfo], attempt: int = 0) -> StepManifest:
+                   pools: Mapping[str, PoolInfo], attempt: int = 0,
+                   temperatures: Mapping[str, float] | None = None) -> StepManifest:
     """The manifest of a step from its trained records (with their advantages) and each worker's current pool
     (by worker name). WireError for a record whose span is not in its worker's current pool: its columns are
-    gone (the worker restarted or renewed its pool), so that rollout cannot train."""
+    gone (the worker restarted or renewed its pool), so that rollout cannot train. ``temperatures``: each env's
+    sampling temperature, a per-sample scalar (the trainer recomputes processed logprobs at it)."""
     refs: dict[str, int] = {}
     pool_refs: list[PoolRef] = []
     spans: list[SpanRef] = []
     samples: list[SampleRef] = []
-    scalars: dict[str, list[Scalar]] = {"advantage": [], "reward": [], "env": [], "rollout": []}
+    scalars: dict[str, list[Scalar]] = {"advantage": [], "reward": [], "env": [], "rollout": [], "temperature": []}
+    temperatures = temperatures or {}
     for rec, advantage in trained:
         h = rec.header
         pool = pools.get(h.worker)
@@ -244,5 +247,6 @@ def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, f
             scalars["reward"].append(rec.reward)
             scalars["env"].append(h.env)
             scalars["rollout"].append(h.rid)
+            scalars["temperature"].append(temperatures.get(h.env, 1.0))
     return StepManifest(run=run, step=step, attempt=attempt, pools=pool_refs, spans=spans, samples=samples,
                         columns=expected_columns(spans), scalars=scalars)

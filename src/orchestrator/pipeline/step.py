@@ -52,6 +52,9 @@ class StepResult(Generic[B]):
 class StepBuilder:
     def __init__(self, cfg: JobConfig, vocab_size: int) -> None:
         self.run = cfg.run.name
+        # each sample's sampling temperature goes to the trainer (a per-sample scalar): processed logprobs are
+        # those of the tempered distribution, which the trainer must recompute at the same temperature
+        self.temperatures = {e.label: e.sampling.temperature for e in cfg.env}
         self.advantage = AdvantageFn(cfg.pipeline)
         self.vocab_size = vocab_size
         self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
@@ -85,7 +88,7 @@ class StepBuilder:
         rows, trained, phase = self._rows(step, groups, dropped, self.worker_filters)
         t = time.perf_counter()
         manifest = build_manifest(self.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools,
-                                  attempt)
+                                  attempt, self.temperatures)
         phase["assemble"] = time.perf_counter() - t
         return self._result(manifest, rows, phase, groups, trained)
 
@@ -138,7 +141,7 @@ class StepBuilder:
     def assemble(self, step: int, trained: Sequence[tuple[RolloutRecord, float]]) -> Batch:
         """Phase ``assemble``: concatenate every trained rollout's column frames once; scalars per sample."""
         lengths: list[int] = []
-        scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": []}
+        scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": [], "temperature": []}
         tails = {s[1:] for rec, _ in trained for s in rec.header.samples}
         with_routed = len(tails) == 1 and (0, 0) not in tails
         if len(tails) > 1:
@@ -161,6 +164,7 @@ class StepBuilder:
                 scalars["reward"].append(rec.reward)
                 scalars["env"].append(rec.env)
                 scalars["rollout"].append(rec.rid)
+                scalars["temperature"].append(self.temperatures.get(rec.env, 1.0))
         return Batch.from_columns(self.run, step, chunks, lengths, scalars)
 
 

@@ -141,3 +141,11 @@ class PolicyLearner:
     def save(self, directory: Path) -> Path:
         """Save the current policy into ``directory`` (the checkpoint a weight update names)."""
         return self.policy.save(directory)
+
+    def resume(self, directory: Path) -> bool:
+        """Go on from the policy saved in ``directory`` (False: none there)."""
+        policy = Policy.load(directory)
+        if policy is None:
+            return False
+        self.policy = policy
+        return True

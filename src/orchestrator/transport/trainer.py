@@ -20,19 +20,34 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
 
-from orchestrator.policy import Policy
 from orchestrator.security import ClientKeys
 from orchestrator.transport.checkpoints import Checkpoint
-from orchestrator.transport.learner import LearnStats, PolicyLearner
 from orchestrator.transport.receiver import BatchReceiver
 from orchestrator.transport.wire import Batch
 
 log = logging.getLogger(__name__)
+
+
+class Learner(Protocol):
+    """What learns from each batch: ``PolicyLearner`` (the simulated servers' tiny policy, transport/learner.py) or
+    ``TorchLearner`` (a real model, trainer/torch_learner.py)."""
+
+    def update(self, batch: Batch) -> Any:
+        """Learn from ``batch``; what it saw and did (a dataclass, journaled, and its ``str`` logged)."""
+        ...
+
+    def save(self, directory: Path) -> object:
+        """Write the current weights into ``directory`` (the checkpoint the orchestrator loads)."""
+        ...
+
+    def resume(self, directory: Path) -> bool:
+        """Go on from the weights saved in ``directory`` (False: none there)."""
+        ...
 
 
 @dataclass
@@ -43,7 +58,7 @@ class ReceivedStep:
     trained_tokens: int
     mean_advantage: float
     routed_shape: tuple[int, ...] | None
-    learned: LearnStats | None = None  # what the learner's update saw and did
+    learned: Any = None  # what the learner's update saw and did (its stats dataclass)
 
 
 @dataclass
@@ -57,7 +72,7 @@ class ReferenceTrainer:
     journal: Path | None = None
     keys: ClientKeys | None = None  # CURVE: for an orchestrator that binds tcp:// with [security] keys
     checkpoint_dir: Path | None = None
-    learner: PolicyLearner | None = None  # learn from each batch and save the policy into the checkpoint
+    learner: Learner | None = None  # learn from each batch and save the weights into the checkpoint
 
     def __post_init__(self) -> None:
         if self.learner is not None and (self.checkpoint_dir is None or not self.announce):
@@ -107,11 +122,9 @@ class ReferenceTrainer:
 
     def _resume_policy(self, step: int) -> None:
         """A learner restarted after checkpoint ``step`` goes on from the policy saved in it, as a trainer would."""
-        if self.learner is not None and self.checkpoint_dir is not None:
-            policy = Policy.load(self.checkpoint_dir / f"step_{step}")
-            if policy is not None:
-                self.learner.policy = policy
-                log.info("trainer: learning on from the policy of checkpoint %d", step)
+        if self.learner is not None and self.checkpoint_dir is not None and \
+                self.learner.resume(self.checkpoint_dir / f"step_{step}"):
+            log.info("trainer: learning on from the weights of checkpoint %d", step)
 
     async def train(self, batch: Batch) -> None:
         """Training on ``batch``, after it is acknowledged and before its weights are announced: ``train_s`` of

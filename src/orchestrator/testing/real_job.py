@@ -1,0 +1,151 @@
+"""A job on the real stack, in one process: the orchestrator against real vLLM servers, the PyTorch trainer on a
+real model (``orchestrator.trainer.torch_learner``), the built-in environments in real env workers.
+
+``await run_real_job(RealJob(out, model_dir, urls, ...))`` writes the job's TOML (``job.toml``), runs the
+orchestrator and the trainer (a ``ReferenceTrainer`` with a ``TorchLearner``, journaling every step) until
+``steps`` steps are trained, and returns what both saw. The real-stack tests and ``bench_real_vllm.py`` use it; so
+can a user checking their own setup. ``reload_base`` puts a server back on the weights it started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from orchestrator.app import Orchestrator, RunSummary
+from orchestrator.config import load_config
+from orchestrator.realstack.install import StackPaths
+from orchestrator.realstack.server import VLLMServer
+from orchestrator.transport.trainer import Learner, ReferenceTrainer, read_journal
+
+ENVS = {
+    "arith": "orchestrator-arithmetic",  # single turn
+    "guess": "orchestrator-guess-number",  # 2-6 turns
+}
+
+
+@dataclass
+class Servers:
+    """The real servers a test session shares (tests/real/conftest.py)."""
+
+    dense: list[VLLMServer]  # on the dense model, float32, processed logprobs
+    moe: VLLMServer  # on the MoE model, float32, raw logprobs (vLLM's default)
+    paths: StackPaths
+
+    def model(self, kind: str) -> Path:
+        return self.paths.model(kind)
+
+
+@dataclass(frozen=True)
+class RealJob:
+    """A job's shape; ``config_text`` is its TOML."""
+
+    out: Path
+    model: Path  # the served model's directory (its tokenizer is model.tokenizer)
+    urls: tuple[str, ...]
+    steps: int = 4
+    envs: tuple[str, ...] = ("arith", "guess")
+    batch_size: int = 16
+    group_size: int = 4
+    max_tokens: int = 4
+    temperature: float = 1.0
+    max_async_level: int = 0  # 0: every step trains on rollouts of the weights the trainer saved last
+    workers: int = 1  # env workers per environment
+    seed: int = 0
+    extra: str = ""  # more TOML, appended
+
+    @property
+    def trainer_address(self) -> str:
+        return f"ipc://{self.out / 'out'}/trainer.sock"
+
+    def config_text(self) -> str:
+        envs = "".join(f"""
+[[env]]
+name = "{name}"
+taskset = "{ENVS[name]}"
+group_size = {self.group_size}
+workers = {self.workers}
+sampling = {{ max_tokens = {self.max_tokens}, temperature = {self.temperature} }}
+""" for name in self.envs)
+        return f"""
+[run]
+name = "real"
+output_dir = "{self.out / 'out'}"
+max_steps = {self.steps}
+seed = {self.seed}
+
+[model]
+name = "tiny"
+tokenizer = "{self.model}"
+
+[inference]
+servers = {json.dumps(list(self.urls))}
+backend = "vllm"
+request_timeout_s = 120.0
+probe_interval_s = 0.5
+
+[scheduler]
+batch_size = {self.batch_size}
+max_inflight = {self.batch_size}
+max_async_level = {self.max_async_level}
+max_off_policy_steps = {self.max_async_level + 1}
+
+[pipeline]
+gates = []  # every finished group trains
+{envs}{self.extra}"""
+
+
+@dataclass
+class RealJobResult:
+    summary: RunSummary
+    journal: list[dict[str, Any]]  # the trainer's journal: a row per step trained, with its learner's report
+    checkpoints: Path
+    orchestrator: Orchestrator | None = field(default=None, repr=False)
+
+
+async def run_real_job(job: RealJob, learner: Learner, *,
+                       trainer: Callable[..., ReferenceTrainer] = ReferenceTrainer,
+                       during: Callable[[Orchestrator], Coroutine[Any, Any, None]] | None = None,
+                       timeout_s: float = 900.0) -> RealJobResult:
+    """Run ``job`` with ``learner`` behind a reference trainer (``trainer``: its class, e.g. a test's subclass);
+    ``during(orch)`` runs beside them (a test's fault injection). A hang guard of ``timeout_s``."""
+    job.out.mkdir(parents=True, exist_ok=True)
+    path = job.out / "job.toml"
+    path.write_text(job.config_text())
+    cfg = load_config(path)
+    journal, ckpt = job.out / "journal.jsonl", job.out / "ckpt"
+    run = trainer(job.trainer_address, journal=journal, checkpoint_dir=ckpt, learner=learner, max_steps=job.steps)
+    async with asyncio.timeout(timeout_s), Orchestrator.open(cfg) as orch, asyncio.TaskGroup() as tg:
+        trained = tg.create_task(run.run())
+        side = tg.create_task(during(orch)) if during is not None else None
+        summary = await orch.run()
+        await trained
+        if side is not None and not side.done():
+            side.cancel()
+    return RealJobResult(summary, read_journal(journal), ckpt, orch)
+
+
+async def reload_base(url: str, model: Path) -> None:
+    """Pause, reload ``model``'s own weights, resume: a shared server back on the weights it started with."""
+    root = url.removesuffix("/v1")
+    async with aiohttp.ClientSession() as session:
+        for path, body in (("/pause?mode=keep&clear_cache=false", None),
+                           ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}),
+                           ("/update_weight_version", {"new_version": "0"}), ("/resume", None)):
+            async with session.post(root + path, json=body) as reply:
+                if reply.status != 200:
+                    raise RuntimeError(f"{root}{path}: HTTP {reply.status}: {(await reply.text())[:300]}")
+
+
+async def get_json(url: str) -> Any:
+    async with aiohttp.ClientSession() as session, session.get(url) as reply:
+        with contextlib.suppress(aiohttp.ContentTypeError):
+            return await reply.json()
+        return None
