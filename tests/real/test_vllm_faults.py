@@ -1,0 +1,68 @@
+"""Faults with real servers: one of two vLLM servers SIGKILLed mid-run, and a checkpoint that cannot be loaded.
+
+A killed server's rollouts fail, it leaves rotation, the job goes on with the other; restarted (a real start: tens
+of seconds), it is synced to the current weights before it rejoins. The proof is the trainer's parity report: the
+steps after it rejoined, sampled on both servers, still match the trainer's weights to 1e-4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.app import Orchestrator
+from orchestrator.testing.procs import wait_until
+from orchestrator.testing.real_job import RealJob, Servers, get_json, reload_base, run_real_job
+from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
+from orchestrator.transport.trainer import ReferenceTrainer
+from orchestrator.transport.wire import Batch
+
+pytestmark = pytest.mark.timeout(900)
+STEPS = 6
+KILL_AFTER = 1  # steps trained before the kill
+REJOIN_TIMEOUT_S = 400.0  # a vLLM start on a loaded 2-core machine, then a probe
+
+
+async def test_a_killed_server_rejoins_with_the_current_weights(servers: Servers, tmp_path: Path) -> None:
+    model = servers.model("dense")
+    for s in servers.dense:
+        await reload_base(s.url, model)
+    victim = servers.dense[1]
+    rejoined = asyncio.Event()
+    facts: dict[str, float] = {}
+
+    class HeldTrainer(ReferenceTrainer):
+        async def train(self, batch: Batch) -> None:  # holds the run after the kill until the server is back
+            if batch.step == KILL_AFTER + 1:
+                async with asyncio.timeout(REJOIN_TIMEOUT_S):
+                    await rejoined.wait()
+
+    async def kill_and_restart(orch: Orchestrator) -> None:
+        await wait_until(lambda: orch.summary.steps >= KILL_AFTER, REJOIN_TIMEOUT_S, f"step {KILL_AFTER}")
+        await victim.kill()
+        t0 = time.monotonic()
+        await victim.start()
+        facts["restart_s"] = time.monotonic() - t0
+        server = next(s for s in orch.pool.servers if s.url == victim.url)
+        await wait_until(lambda: server.in_rotation and server.version == orch.pool.target.step
+                         and orch.pool.metrics["rejoins"] > 0, REJOIN_TIMEOUT_S, f"{victim.url} to rejoin")
+        facts["rejoined_at_step"] = orch.summary.steps
+        rejoined.set()
+
+    job = RealJob(tmp_path, model, tuple(s.url for s in servers.dense), steps=STEPS, temperature=0.7)
+    result = await run_real_job(job, TorchLearner(model, TorchLearnConfig(lr=1e-2)), trainer=HeldTrainer,
+                                during=kill_and_restart)
+
+    assert [row["step"] for row in result.journal] == list(range(STEPS))  # nothing lost, nothing twice
+    assert result.orchestrator is not None
+    assert result.orchestrator.pool.metrics["evictions"] >= 1
+    after = [row["learned"] for row in result.journal if row["step"] > facts["rejoined_at_step"]]
+    assert after, facts
+    assert max(r["mismatch_max"] for r in after) <= 1e-4, [r["mismatch_max"] for r in after]
+    synced = (await get_json(victim.root + "/weight_info"))["weight_version"]
+    assert int(synced) >= facts["rejoined_at_step"]  # it was given the trained weights, not left on its own
+    log = victim.log_path.read_text(errors="replace").split("=== start")[-1]
+    assert "POST /inference/v1/generate" in log  # it served rollouts after it rejoined
