@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Quick start, line 2 (and what CI runs): set up .venv, then lint, type check and the whole test suite, then the
-# end-to-end, resume, fault, shutdown, supervision and sinks tests again on the direct data plane (docs/data-plane.md).
-# Extra arguments go to both pytest runs.
+# Quick start, line 2 (and what CI runs): set up .venv (with the [torch] extra: the PyTorch trainer's tests), then
+# lint, type check and the whole test suite, then the end-to-end, resume, fault, shutdown, supervision and sinks
+# tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md): a real vLLM
+# server for CPUs and tiny real models set up in .real-stack (cached), and the tests against them (tests/real).
+# Extra arguments go to every pytest run. REAL_STACK=0 skips the real stack (say so when you report a run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+EXTRAS=dev,torch bash scripts/setup.sh
 echo "== ruff" >&2
 .venv/bin/ruff check src tests scripts
 echo "== mypy" >&2
@@ -18,3 +20,15 @@ status=0
 .venv/bin/pytest --data-plane direct tests/test_orchestrator.py tests/test_resume.py tests/test_faults.py \
     tests/test_shutdown.py tests/test_supervision.py tests/test_run_command.py tests/test_sinks.py "$@" || status=$?
 [ "$status" -eq 0 ] || [ "$status" -eq 5 ] || exit "$status"  # 5: the extra arguments selected none of them
+if [ "${REAL_STACK:-1}" = 0 ]; then
+    echo "== real stack: skipped (REAL_STACK=0)" >&2
+    exit 0
+fi
+echo "== real stack: setup (.real-stack; cached)" >&2
+start=$SECONDS
+.venv/bin/orchestrator real-stack setup --dir .real-stack
+echo "== pytest --real-stack .real-stack tests/real" >&2
+status=0
+.venv/bin/pytest --real-stack .real-stack tests/real "$@" || status=$?
+echo "== real stack: $((SECONDS - start)) s, setup included" >&2
+[ "$status" -eq 0 ] || [ "$status" -eq 5 ] || exit "$status"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import verifiers.v1 as vf
 
@@ -46,15 +46,20 @@ class ArithmeticTasksetConfig(vf.TasksetConfig):
     seed: int = 0
 
 
+def problems(seed: int = 0, num_tasks: int = 1000, max_operand: int = 50) -> Iterator[tuple[str, int]]:
+    """The taskset's (prompt, answer) pairs, in its order (bench_real_vllm.py sends the same prompts directly)."""
+    rng = random.Random(seed)
+    for _ in range(num_tasks):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        op = rng.choice("+-")
+        yield f"What is {a} {op} {b}? Answer with the number.", a + b if op == "+" else a - b
+
+
 class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticTasksetConfig]):
     def load(self) -> Iterable[ArithmeticTask]:
-        rng = random.Random(self.config.seed)
-        for _ in range(self.config.num_tasks):
-            a, b = rng.randint(0, self.config.max_operand), rng.randint(0, self.config.max_operand)
-            op = rng.choice("+-")
-            answer = a + b if op == "+" else a - b
-            yield ArithmeticTask(ArithmeticData(prompt=f"What is {a} {op} {b}? Answer with the number.",
-                                                answer=answer))
+        c = self.config
+        for prompt, answer in problems(c.seed, c.num_tasks, c.max_operand):
+            yield ArithmeticTask(ArithmeticData(prompt=prompt, answer=answer))
 
 
 class ArithmeticHarness(ChatHarness):

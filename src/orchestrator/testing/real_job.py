@@ -53,12 +53,14 @@ class RealJob:
     steps: int = 4
     envs: tuple[str, ...] = ("arith", "guess")
     batch_size: int = 16
+    max_inflight: int | None = None  # default: batch_size
     group_size: int = 4
     max_tokens: int = 4
     temperature: float = 1.0
     max_async_level: int = 0  # 0: every step trains on rollouts of the weights the trainer saved last
     workers: int = 1  # env workers per environment
     seed: int = 0
+    sampling: str = ""  # more items of each env's sampling table, e.g. 'extra_body = { ignore_eos = true }'
     extra: str = ""  # more TOML, appended
 
     @property
@@ -66,13 +68,15 @@ class RealJob:
         return f"ipc://{self.out / 'out'}/trainer.sock"
 
     def config_text(self) -> str:
+        sampling = ", ".join(x for x in (f"max_tokens = {self.max_tokens}", f"temperature = {self.temperature}",
+                                         self.sampling) if x)
         envs = "".join(f"""
 [[env]]
 name = "{name}"
 taskset = "{ENVS[name]}"
 group_size = {self.group_size}
 workers = {self.workers}
-sampling = {{ max_tokens = {self.max_tokens}, temperature = {self.temperature} }}
+sampling = {{ {sampling} }}
 """ for name in self.envs)
         return f"""
 [run]
@@ -93,7 +97,7 @@ probe_interval_s = 0.5
 
 [scheduler]
 batch_size = {self.batch_size}
-max_inflight = {self.batch_size}
+max_inflight = {self.max_inflight or self.batch_size}
 max_async_level = {self.max_async_level}
 max_off_policy_steps = {self.max_async_level + 1}
 
