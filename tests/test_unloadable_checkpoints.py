@@ -1,7 +1,7 @@
 """Checkpoints that cannot be loaded, with real processes (issue #27 item 3, issue #28 item 4): `orchestrator run`
-against a simulated server process and a trainer announcing a corrupt or missing checkpoint. On a real vLLM
-such a load kills the engine (REAL-VLLM.md), so no server may see it; and a job whose checkpoints never load
-must end, not wait for ever.
+against a simulated server process and a trainer announcing a corrupt or missing checkpoint, and `orchestrator
+check --servers`. On a real vLLM such a load kills the engine (REAL-VLLM.md), so no server may see it; and a
+job whose checkpoints never load must end, not wait for ever.
 
 Every wait is for an event (a log line, an exit); the bounds are hang guards for process start-ups on a busy
 machine.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from orchestrator.commands.check import check_servers
+from orchestrator.config import load_config
+from orchestrator.inference.preflight import PreflightError
 from orchestrator.testing.procs import logged, orchestrator_process, wait_until, write_job
 from orchestrator.testing.sim import sim_process
 from orchestrator.transport.trainer import ReferenceTrainer
@@ -120,3 +124,23 @@ async def test_a_job_whose_checkpoints_never_load_exits_1_naming_the_path(tmp_pa
     assert f" cannot be loaded: {nowhere}/step_{step} does not exist; no checkpoint has loaded for 3 s since the " \
            "first was refused (inference.unloadable_checkpoint_s), so the run stops" in error, error
     assert not [c for c in log["admin"] if c["path"] in ("/pause", "/collective_rpc")]
+
+
+async def test_check_servers_says_what_it_can_of_weights_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                              ) -> None:
+    async with sim_process() as server:
+        job, _ = write_job(tmp_path, server.url, 1, "check")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "orchestrator", "--log-level", "ERROR", "check", str(job), "--servers",
+            "--set", f'inference.weights_path="{tmp_path}/nowhere/step_{{step}}"',
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), HANG_GUARD_S)
+        assert proc.returncode == 1, (out, err)
+        assert (f"inference.weights_path = '{tmp_path}/nowhere/step_{{step}}': {tmp_path}/nowhere does not exist on "
+                "this host").encode() in err, err
+        (tmp_path / "ckpt").mkdir()  # the trainer's directory, no checkpoint in it yet: a template of future steps
+        await check_servers(load_config(job, [f'inference.weights_path="{tmp_path}/ckpt/step_{{step}}"']))
+        assert f"# inference.weights_path: {tmp_path}/ckpt exists; no checkpoint in it yet\n" in capsys.readouterr().out
+        (tmp_path / "ckpt" / "step_3").mkdir()  # written, but empty
+        with pytest.raises(PreflightError, match=f"step 3, the newest there, {tmp_path}/ckpt/step_3 is empty"):
+            await check_servers(load_config(job, [f'inference.weights_path="{tmp_path}/ckpt/step_{{step}}"']))
