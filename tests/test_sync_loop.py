@@ -41,7 +41,7 @@ class Job:
         self.dir = tmp_path
         self.fake = FakeInferenceServer()
         self.pool = InferencePool(cfg.inference, [self.fake])
-        self.sched = Scheduler(cfg, self.pool, FakeWorkerHub({"a": 50}), 0)  # type: ignore[arg-type]
+        self.sched = Scheduler(cfg, self.pool, FakeWorkerHub({"a": 50}), 0)
         self.state = OrchestratorState("t")
         self.now = 0.0
         self.loop = WeightSyncLoop(self.pool, self.sched, self.state, cfg.inference, recheck_s=0.01,
