@@ -20,7 +20,7 @@ from orchestrator.sim.server import Faults
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.receiver import BatchReceiver
-from orchestrator.transport.trainer import ReferenceTrainer
+from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps
 
 pytestmark = pytest.mark.slow
@@ -68,8 +68,7 @@ async def test_a_worker_killed_before_the_trainer_maps_its_pool_makes_the_step_r
                                 [str(r) for r in batch.scalars["rollout"]]))
                     del view
                     await receiver.ack(batch.step)
-                    step_dir = ckpt / f"step_{batch.step + 1}"
-                    step_dir.mkdir(parents=True, exist_ok=True)
+                    step_dir = await asyncio.to_thread(save_initial_checkpoint, ckpt, batch.step + 1)
                     await receiver.announce(batch.step + 1, str(step_dir))
 
             try:

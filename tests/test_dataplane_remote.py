@@ -20,6 +20,7 @@ from orchestrator.dataplane.reader import StepView
 from orchestrator.testing.procs import Process, orchestrator_process
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.receiver import BatchReceiver
+from orchestrator.transport.trainer import save_initial_checkpoint
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps
 
 pytestmark = pytest.mark.slow
@@ -51,8 +52,7 @@ async def fetching_trainer(address: str, ckpt: Path, got: list[tuple[int, list[s
             got.append((batch.step, [str(r) for r in batch.scalars["rollout"]]))
             del view
             await receiver.ack(batch.step)
-            step_dir = ckpt / f"step_{batch.step + 1}"
-            step_dir.mkdir(parents=True, exist_ok=True)
+            step_dir = await asyncio.to_thread(save_initial_checkpoint, ckpt, batch.step + 1)
             await receiver.announce(batch.step + 1, str(step_dir))
     finally:
         receiver.close()

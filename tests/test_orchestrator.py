@@ -20,7 +20,7 @@ from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.checkpoints import write_marker
 from orchestrator.transport.filesystem import FileBatchReceiver
-from orchestrator.transport.trainer import ReferenceTrainer
+from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
 from orchestrator.transport.wire import Batch
 
 pytestmark = pytest.mark.slow
@@ -248,7 +248,7 @@ marker_dir = "{markers}"
             while len(got) < cfg.run.max_steps:
                 batch = await receiver.arecv()
                 got.append(batch.step)
-                (tmp_path / "ckpt" / f"step_{batch.step + 1}").mkdir(parents=True)  # the weights, saved
+                await asyncio.to_thread(save_initial_checkpoint, tmp_path / "ckpt", batch.step + 1)  # the weights
                 await asyncio.to_thread(write_marker, markers, batch.step + 1)  # no path: weights_path names it
 
         async with Orchestrator.open(cfg) as orch, asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:

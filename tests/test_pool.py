@@ -10,23 +10,29 @@ import gc
 import logging
 import random
 import re
+import shutil
+import struct
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import orjson
 import pytest
 
 from orchestrator.config import InferenceConfig
-from orchestrator.errors import CheckpointError, Failure, InferenceError, MalformedReply
+from orchestrator.errors import CheckpointError, Failure, InferenceError, MalformedReply, UnloadableCheckpoint
 from orchestrator.inference.pool import PROBE_CACHE_SALT, InferencePool
 from orchestrator.inference.replies import parse_generate_reply
+from orchestrator.policy import Policy
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport.checkpoints import Checkpoint
 
 
 def config(n: int, **kw: object) -> InferenceConfig:
+    # check_checkpoints off: these tests are about the calls each server gets, for paths that exist nowhere
     defaults: dict[str, object] = {"failures_to_evict": 2, "probe_interval_s": 0.01, "weight_sync_timeout_s": 5.0,
-                                   "no_server_warn_interval_s": 30.0, "weights_path": "/ckpt/step_{step}"}
+                                   "no_server_warn_interval_s": 30.0, "weights_path": "/ckpt/step_{step}",
+                                   "check_checkpoints": False}
     urls = tuple(f"http://fake-{i}.invalid/v1" for i in range(n))
     return InferenceConfig(servers=urls, **{**defaults, **kw})  # type: ignore[arg-type]
 
@@ -81,6 +87,50 @@ async def test_an_announced_path_wins_over_the_template_and_no_path_is_an_error(
         with pytest.raises(CheckpointError, match="weights_path"):
             await pool.update_weights(Checkpoint(2))
         assert fake.calls == []  # nothing paused for a checkpoint that cannot load
+
+
+async def test_an_unloadable_checkpoint_reaches_no_server_and_every_server_keeps_its_weights_and_rotation(
+        tmp_path: Path) -> None:
+    """Issue #27 item 3: a real vLLM asked to load a missing or weightless directory dies at its next forward
+    pass, so such a checkpoint is refused before any call; the servers keep serving the last good one."""
+    Policy.initial().save(tmp_path / "step_1")
+    safetensors = tmp_path / "step_3" / "model.safetensors"
+    safetensors.parent.mkdir()
+    safetensors.write_bytes(struct.pack("<Q", 64) + b"{}")  # its header runs past the end: a cut copy
+    async with pool_of(2, probe=False, weights_path=f"{tmp_path}/step_{{step}}", check_checkpoints=True) as (
+            pool, fakes):
+        await pool.update_weights(Checkpoint(1))
+        before = [len(f.calls) for f in fakes]
+        with pytest.raises(UnloadableCheckpoint, match=f"^checkpoint 2 cannot be loaded: {tmp_path}/step_2 does "
+                                                       "not exist$"):
+            await pool.update_weights(Checkpoint(2))
+        with pytest.raises(UnloadableCheckpoint, match=r"^checkpoint 3 cannot be loaded: .*/step_3 holds a corrupt "
+                                                       r"file model\.safetensors: its header length says 64 bytes"):
+            await pool.update_weights(Checkpoint(3))
+        with pytest.raises(UnloadableCheckpoint, match="/announced/4 does not exist"):
+            await pool.update_weights(Checkpoint(4, f"{tmp_path}/announced/4"))  # an announced path too
+        assert [len(f.calls) for f in fakes] == before  # not even a pause
+        assert all(s.in_rotation and s.version == 1 for s in pool.servers)
+        assert (pool.target.step, pool.metrics["checkpoints_refused"]) == (1, 3)
+        assert [f.weights_path for f in fakes] == [f"{tmp_path}/step_1"] * 2
+
+
+async def test_the_probe_does_not_sync_a_server_to_weights_deleted_since(tmp_path: Path) -> None:
+    Policy.initial().save(tmp_path / "step_1")
+    async with pool_of(2, weights_path=f"{tmp_path}/step_{{step}}", check_checkpoints=True,
+                       backend="prime-rl") as (pool, fakes):
+        fakes[1].fail_with = InferenceError("down")
+        await pool.update_weights(Checkpoint(1))
+        assert not pool.servers[1].in_rotation
+        shutil.rmtree(tmp_path / "step_1")  # a trainer keeping only its newest checkpoints
+        fakes[1].fail_with = None
+        await wait_until(lambda: "cannot be loaded" in pool.servers[1].last_error, 20, "the probe's refusal",
+                         poll_s=0.01)
+        assert not pool.servers[1].in_rotation  # it would serve other weights than the rest
+        assert "/update_weights" not in [c[1] for c in fakes[1].calls]
+        Policy.initial().save(tmp_path / "step_1")
+        await wait_until(lambda: pool.servers[1].in_rotation, 20, "the server back", poll_s=0.01)
+        assert fakes[1].weights_path == f"{tmp_path}/step_1"
 
 
 async def test_resume_follows_a_failed_load_and_the_server_leaves_rotation() -> None:

@@ -30,7 +30,7 @@ import orjson
 from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.config import JobConfig, to_toml
 from orchestrator.dataplane.manifest import StepManifest
-from orchestrator.errors import WireError
+from orchestrator.errors import UnloadableCheckpoint, WireError
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
@@ -54,6 +54,7 @@ from orchestrator.security import KeyPair, load_authorized_keys, load_key_pair
 from orchestrator.sinks import Sinks, open_sinks
 from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
+from orchestrator.sync_loop import WeightSyncLoop
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
 from orchestrator.transport.primerl import PrimeRLSender
@@ -163,15 +164,19 @@ class Orchestrator:
             background = [tg.create_task(self.lag.run()), tg.create_task(self.pool.run()),
                           tg.create_task(self.hub.run())]
             await start_workers(tg, self.hub, background)
-            if self.state.policy_step:  # resumed: the servers may have restarted since; load the policy again
-                await self.pool.update_weights(Checkpoint(self.state.policy_step, self.state.policy_path))
+            refused = await self._reload_policy()
             try:
                 sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None,
                                   checkpoints=self.sender, first_step=self.state.acked_step + 1)
             except (KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign state file
                 raise StateError(f"{self.out / STATE_FILE}: the scheduler's saved state is unusable ({e!r}); fix the "
                                  "file or start fresh (without --resume)") from None
-            background += [tg.create_task(sched.run()), tg.create_task(self._weight_sync(sched)),
+            syncs = WeightSyncLoop(self.pool, sched, self.state, cfg.inference)
+            if refused is not None:
+                syncs.refuse(*refused)
+            t = cfg.transport
+            marker = Path(t.marker_dir) if t.checkpoint_source == "marker" and t.marker_dir else None
+            background += [tg.create_task(sched.run()), tg.create_task(syncs.run(self.sender.announcements(marker))),
                            tg.create_task(self._evaluations(sched))]
             if self.unacked is not None:
                 background += [tg.create_task(self._announce_pools()), tg.create_task(self.unacked.run(sched))]
@@ -209,26 +214,17 @@ class Orchestrator:
             worker, pool = await self.hub.pools.news.get()
             self.sender.announce_pool(worker, msgspec.structs.asdict(pool))
 
-    async def _weight_sync(self, sched: Scheduler) -> None:
-        """Consumes checkpoint announcements; produces weight updates on every server, then a new policy."""
-        t = self.cfg.transport
-        marker = Path(t.marker_dir) if t.checkpoint_source == "marker" and t.marker_dir else None
-        async for ckpt in self.sender.announcements(marker):
-            if ckpt.step <= sched.policy:
-                continue
-            ev = sched.evaluator
-            if ev is not None and ev.cfg.hold_weights and not ev.idle.is_set():
-                log.info("weights of step %d wait for the evaluation round in progress", ckpt.step)
-                sched.loading = f"weights of step {ckpt.step} wait for the evaluation round in progress"
-                await ev.idle.wait()
-            sched.syncing = True  # no evaluation round starts until the new policy is in (set_policy)
-            sched.loading = f"weights of step {ckpt.step} are loading on the inference servers"
-            t0 = time.monotonic()
-            result = await self.pool.update_weights(ckpt)
-            log.info("weights of step %d on %d/%d servers in %.1f s", ckpt.step, len(result.updated),
-                     len(self.pool.servers), time.monotonic() - t0)
-            self.state.policy_path = ckpt.path
-            await sched.set_policy(ckpt.step)
+    async def _reload_policy(self) -> tuple[Checkpoint, UnloadableCheckpoint] | None:
+        """Resumed: the servers may have restarted since; load the saved policy again. A refused one (its
+        directory gone or corrupt) is the weight sync loop's to retry, on the clock of any refusal."""
+        if not self.state.policy_step:
+            return None
+        ckpt = Checkpoint(self.state.policy_step, self.state.policy_path)
+        try:
+            await self.pool.update_weights(ckpt)
+        except UnloadableCheckpoint as e:
+            return ckpt, e
+        return None
 
     async def _evaluations(self, sched: Scheduler) -> None:
         """Consumes finished evaluation rounds; produces their rows (metrics.jsonl, eval_rollouts.jsonl), a log

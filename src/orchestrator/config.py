@@ -60,6 +60,14 @@ class InferenceConfig:
         "resume) or 'prime-rl' (prime-rl's inference server: pause, update_weights {weight_dir}, resume)")
     weights_path: str | None = opt(None, doc="where the weights of checkpoint step N are, '{step}' standing for N, "
                                    "e.g. /ckpt/step_{step}; a path the trainer announces wins")
+    check_checkpoints: bool = opt(True, doc="before a weight sync, check here that the checkpoint's directory exists "
+                                  "and holds weight files that are not corrupt (*.safetensors, *.bin, *.pt, or the "
+                                  "simulator's tiny_policy.npz); one that fails is refused and no server is asked to "
+                                  "load it (a real vLLM's engine dies on such a load). false: for hosts that do not "
+                                  "see the servers' files at the same paths")
+    unloadable_checkpoint_s: float = opt(600.0, gt=0, doc="after a checkpoint is refused (check_checkpoints), the "
+                                         "run stops with exit status 1 if no checkpoint has loaded this long "
+                                         "after; a newer or mended one that loads cancels it")
     api_key_env: str | None = opt(None, doc="environment variable holding the servers' API key (vLLM --api-key)")
     preflight: bool = opt(True, doc="check every server before the run (reachable, model, admin routes, "
                           "tokenizer, one generate round trip) and stop with what to fix")

@@ -12,7 +12,8 @@
     ├── TransportError                the transport cannot start or go on as configured
     │   └── TrainerRefused            the orchestrator refused this trainer (another holds the link, or it lacks
     │                                 steps that are gone); raised by the trainer library's ``recv``
-    ├── CheckpointError               a checkpoint that cannot be loaded (no weights path)
+    ├── CheckpointError               a checkpoint that cannot be loaded (no weights path; none loads for too long)
+    │   └── UnloadableCheckpoint      its directory is missing, holds no weight files or a corrupt one
     ├── EnvironmentLoadError          an environment could not be loaded
     └── WorkerError                   env workers cannot serve the job (none became ready in time)
 
@@ -104,6 +105,17 @@ class TrainerRefused(TransportError):
 
 class CheckpointError(OrchestratorError):
     """A checkpoint the trainer announced that cannot be loaded (e.g. no path for its weights)."""
+
+
+class UnloadableCheckpoint(CheckpointError):
+    """A checkpoint whose directory no server could load (``why``: "does not exist", "holds a corrupt file ...");
+    it is refused before any server is asked to load it (inference/checkpoint_files.py)."""
+
+    def __init__(self, step: int, path: str, why: str) -> None:
+        self.step = step
+        self.path = path
+        self.why = why
+        super().__init__(f"checkpoint {step} cannot be loaded: {path} {why}")
 
 
 class EnvironmentLoadError(OrchestratorError):

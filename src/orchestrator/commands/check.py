@@ -1,12 +1,14 @@
 """``orchestrator check FILE [--servers]``: validate a job config and print it resolved (defaults filled in);
 each environment's verifiers configuration is validated by verifiers itself (imported here, a few seconds);
-with ``--servers``, also run the preflight checks of every inference server it names (read-only)."""
+with ``--servers``, also run the preflight checks of every inference server it names (read-only), and check
+what can be checked now of ``inference.weights_path`` (checkpoint_files.weights_path_report: the directory above
+``{step}`` exists and the newest checkpoint already there loads; steps not written yet are not a problem)."""
 
 from __future__ import annotations
 
 import argparse
 
-from orchestrator.config import JobConfig, load_config, to_toml
+from orchestrator.config import InferenceConfig, JobConfig, load_config, to_toml
 from orchestrator.errors import ConfigError
 
 HELP = "validate a job config and print the resolved config"
@@ -16,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="job config (TOML)")
     p.add_argument("--servers", action="store_true",
                    help="also check each inference server: reachable, serves model.name, admin routes of the "
-                        "backend, tokenizer, one generate round trip (exit 1 naming every problem)")
+                        "backend, tokenizer, one generate round trip; and inference.weights_path: its directory "
+                        "exists, the newest checkpoint in it loads (exit 1 naming every problem)")
     add_set_argument(p)
 
 
@@ -59,15 +62,35 @@ def check_environments(cfg: JobConfig, source: str) -> list[str]:
 
 
 async def check_servers(cfg: JobConfig) -> None:
+    import asyncio
     from pathlib import Path
 
     from orchestrator.assets import tokenizer_dir
     from orchestrator.inference.pool import InferencePool
-    from orchestrator.inference.preflight import preflight
+    from orchestrator.inference.preflight import PreflightError, preflight
 
     tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+    problem, weights = await asyncio.to_thread(check_weights_path, cfg.inference)
     async with InferencePool.open(cfg.inference) as pool:
-        reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
-                                  model=cfg.model.name, tokenizer=tokenizer, resume=False)
+        try:
+            reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+                                      model=cfg.model.name, tokenizer=tokenizer, resume=False)
+        except PreflightError as e:
+            raise PreflightError(e.problems + ([problem] if problem else [])) from None
+    if problem is not None:
+        raise PreflightError([problem])
     for r in reports:
         print(f"# {r.url}: OK ({cfg.inference.backend}, {cfg.model.name!r}, max_model_len {r.max_model_len})")
+    if weights:
+        print(f"# inference.weights_path: {weights}")
+
+
+def check_weights_path(inference: InferenceConfig) -> tuple[str | None, str]:
+    """(a problem or None, what was checked) of ``inference.weights_path`` on this host; blocking."""
+    from orchestrator.inference.checkpoint_files import weights_path_report
+
+    if inference.weights_path is None:
+        return None, ""  # checkpoints come with their paths; each is checked when announced
+    if not inference.check_checkpoints:
+        return None, "not checked (inference.check_checkpoints = false)"
+    return weights_path_report(inference.weights_path)

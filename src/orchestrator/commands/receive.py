@@ -27,8 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="append a JSON line per step received; when restarted, resume after its last step")
     add_key_arguments(p, "trainer")
     p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
-                   help="announce checkpoint N with the directory DIR/step_N (created); without it the "
-                        "orchestrator's inference.weights_path names the weights")
+                   help="announce checkpoint N with the directory DIR/step_N, written whole: the unchanged "
+                        "initial policy (hard-linked to one copy in DIR/.initial), or with --learn what it "
+                        "learned; without it the orchestrator's inference.weights_path names the weights")
     p.add_argument("--learn", action="store_true",
                    help="train the simulated servers' tiny policy on every batch (clipped policy-gradient steps) "
                         "and save it into each checkpoint directory (needs --checkpoint-dir)")

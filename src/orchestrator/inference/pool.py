@@ -33,6 +33,12 @@ Use (the orchestrator)::
   that, then leaves rotation, named in the log; servers out of rotation are synced by the probe before they
   rejoin, so no server serves old weights unnoticed and none is waited for while it is out. No real server
   reports which weights it serves, so ``server.version`` is what the last successful sync loaded.
+- **No unloadable checkpoint reaches a server.** With ``check_checkpoints`` (default), ``update_weights``
+  first checks the checkpoint's directory (checkpoint_files.py) and refuses one that is missing, holds no
+  weight files or a corrupt one (UnloadableCheckpoint) before any call: every server keeps its weights and
+  its place in rotation (a real vLLM asked to load such a directory dies at its next forward pass). The probe
+  checks the target again before it syncs a server to it (its directory may have been deleted since). The
+  same check covers the reload of the saved policy at ``--resume``.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from orchestrator.config import InferenceConfig
-from orchestrator.errors import Failure, InferenceError
+from orchestrator.errors import CheckpointError, Failure, InferenceError, UnloadableCheckpoint
+from orchestrator.inference.checkpoint_files import why_unloadable
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
 from orchestrator.inference.weights import weight_sync, weights_dir
@@ -245,11 +252,12 @@ class InferencePool:
                 async with server.sync_lock:
                     await self._timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
             while server.version != self.target.step:  # newer weights may be announced while it loads
+                await self.loadable(self.target)  # checked when announced; it may have been deleted since
                 await self._sync_one(server, self.target)  # ends with a resume
             if self.model is not None:
                 await self._canary(server, timeout_s)
             self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
-        except InferenceError as e:
+        except (InferenceError, CheckpointError) as e:
             server.last_error = str(e)
             level = logging.DEBUG if server.probe_failures else logging.INFO
             server.probe_failures += 1
@@ -292,8 +300,10 @@ class InferencePool:
         A server that fails any call leaves rotation (and is counted in ``failed``); the probe in ``run()``
         syncs it and brings it back. A server out of rotation is not waited for: the probe syncs it to the
         newest weights before it rejoins, so a hung server holds one sync, not every sync while it hangs.
-        CheckpointError when there is no path for the weights."""
-        weights_dir(ckpt, self.cfg.weights_path)  # no path: an error for the job, before any server is paused
+        CheckpointError when there is no path for the weights; UnloadableCheckpoint (``check_checkpoints``)
+        when its directory cannot be loaded: then no server is called, every one keeps its weights and its
+        place in rotation, and the target stays the last good checkpoint."""
+        await self.loadable(ckpt)  # before any server is paused: a bad load kills a real vLLM's engine
         self.target = ckpt
         result = WeightSyncResult(ckpt.step)
         live = [s for s in self.servers if s.in_rotation]
@@ -312,6 +322,17 @@ class InferencePool:
             log.warning("weight sync to step %d failed on %d of %d servers: %s", ckpt.step, len(result.failed),
                         len(self.servers), result.failed)
         return result
+
+    async def loadable(self, ckpt: Checkpoint) -> str:
+        """The directory of ``ckpt``'s weights; CheckpointError without one, UnloadableCheckpoint when
+        ``check_checkpoints`` finds it cannot be loaded (checkpoint_files.py, in a worker thread)."""
+        path = weights_dir(ckpt, self.cfg.weights_path)
+        if self.cfg.check_checkpoints:
+            why = await asyncio.to_thread(why_unloadable, path)
+            if why is not None:
+                self.metrics["checkpoints_refused"] += 1
+                raise UnloadableCheckpoint(ckpt.step, path, why)
+        return path
 
     async def _sync_one(self, server: Server, ckpt: Checkpoint) -> None:
         """The backend's pause / load / resume; one sync per server at a time; logged when slow."""

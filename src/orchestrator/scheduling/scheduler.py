@@ -123,7 +123,8 @@ class Scheduler:
         self._taken = 0  # rollouts the step being filled has taken so far
         self._filling: list[_Filling] = []  # the steps being taken now: next_step's and a refill's
         self.refilling: int | None = None  # the step being refilled (direct mode: the trainer lost it), meanwhile
-        self.loading: str | None = None  # what the weight sync to a newer policy waits for, while it runs
+        # what the weight sync to a newer policy waits for while it runs, or why its checkpoint was refused
+        self.loading: str | None = None
         self.clock = clock
         self.envs = {e.label: e for e in cfg.env}
         state = state or {}
@@ -385,6 +386,12 @@ class Scheduler:
         self.loading = None
         self._wake.set()
         self._expire()
+
+    def sync_refused(self, why: str) -> None:
+        """The weight sync's checkpoint was refused: the servers keep ``policy``; ``why`` goes into stall lines."""
+        self.syncing = False
+        self.loading = why
+        self._wake.set()  # an evaluation round held by the sync may start
 
     # -------------------------------------------------------------------------------------------- steps
 

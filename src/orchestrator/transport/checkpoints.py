@@ -52,15 +52,21 @@ class CheckpointFeed:
         self._offered.set()
         return True
 
+    async def newer(self, step: int) -> Checkpoint:
+        """The latest checkpoint as soon as it is newer than ``step`` (at once if it is). Safe to cancel (a
+        wait under a timeout), unlike a step of ``updates()``, which ends the generator."""
+        while self.latest is None or self.latest.step <= step:
+            self._offered.clear()
+            await self._offered.wait()
+        return self.latest
+
     async def updates(self) -> AsyncIterator[Checkpoint]:
         """The latest checkpoint now (if any), then each newer one; a slow consumer skips to the newest."""
         seen = -1
         while True:
-            while self.latest is None or self.latest.step <= seen:
-                self._offered.clear()
-                await self._offered.wait()
-            seen = self.latest.step
-            yield self.latest
+            ckpt = await self.newer(seen)
+            seen = ckpt.step
+            yield ckpt
 
 
 def write_marker(directory: Path, step: int, path: str | None = None) -> Path:

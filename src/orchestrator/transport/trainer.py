@@ -2,11 +2,14 @@
 
 For demos, tests and debugging (``orchestrator receive``). It behaves like a trainer on the wire: it reads
 every step in order, takes ``train_s`` per step, then announces weights ``step + 1`` (with ``checkpoint_dir``:
-in the directory ``checkpoint_dir/step_<N>``, which it creates, as a trainer saving its weights would; without
+in the directory ``checkpoint_dir/step_<N>``, which it writes, as a trainer saving its weights would; without
 it the orchestrator's ``inference.weights_path`` must name them). With a ``learner`` (``orchestrator receive
 --learn``, ``transport/learner.py``) it trains the tiny policy the simulated servers sample from on each batch
 and saves it into that directory before announcing it, so the servers sample from what it learned; without
-one it trains nothing and the directory stays empty (the servers keep their weights).
+one it trains nothing and each directory holds the unchanged initial policy (the servers' starting weights),
+written once per ``checkpoint_dir`` (in ``.initial/``) and hard-linked into each ``step_<N>``: a checkpoint
+that loads, as the orchestrator's check of checkpoints requires, at no cost per step. Each ``step_<N>``
+appears whole: written under a temp name, then renamed (an existing one has its file replaced atomically).
 With a ``journal`` file it appends one JSON line per step received and, when started again, tells the
 orchestrator the last step in it and the checkpoint after it (as a real trainer restarting from its checkpoint
 would: weights ``last + 1``, the ones it trained on that step), so tests can check delivery across crashes of
@@ -16,7 +19,10 @@ either side: every step once, in order, and no wait for weights that were announ
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +31,8 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
+from orchestrator.policy import FILE as POLICY_FILE
+from orchestrator.policy import Policy
 from orchestrator.security import ClientKeys
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.receiver import BatchReceiver
@@ -133,14 +141,64 @@ class ReferenceTrainer:
             await asyncio.sleep(self.train_s)
 
     def _save(self, step: int) -> str | None:
-        """The directory of checkpoint ``step`` (created; the learner's policy saved in it), or None."""
+        """The directory of checkpoint ``step``, written (the learner's policy, else the initial one), or None."""
         if self.checkpoint_dir is None:
             return None
+        if self.learner is None:
+            return str(save_initial_checkpoint(self.checkpoint_dir, step))
         path = (self.checkpoint_dir / f"step_{step}").resolve()
-        path.mkdir(parents=True, exist_ok=True)
-        if self.learner is not None:
-            self.learner.save(path)
+        publish_dir(path, self.learner.save)
         return str(path)
+
+
+def save_initial_checkpoint(checkpoint_dir: Path, step: int) -> Path:
+    """``checkpoint_dir/step_<step>`` (resolved) holding the unchanged initial policy, hard-linked to the one copy
+    written per ``checkpoint_dir``: a checkpoint any simulated server loads, for trainers that learn nothing (the
+    reference trainer, tests). It appears whole (``publish_dir``). Blocking."""
+    path = (checkpoint_dir / f"step_{step}").resolve()
+    initial = initial_policy(checkpoint_dir)
+    publish_dir(path, lambda d: link_or_copy(initial, d / POLICY_FILE))
+    return path
+
+
+def publish_dir(path: Path, fill: Callable[[Path], object]) -> None:
+    """Make directory ``path`` appear with what ``fill(directory)`` writes, whole: filled under a temp name in
+    the same directory, then renamed, so no reader sees it half written. An existing ``path`` is filled in
+    place (``fill`` replaces each file atomically)."""
+    if path.is_dir():
+        fill(path)
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed writer of this pid
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def initial_policy(checkpoint_dir: Path) -> Path:
+    """``checkpoint_dir/.initial/tiny_policy.npz``: the unchanged initial policy, written once per directory."""
+    path = checkpoint_dir / ".initial" / POLICY_FILE
+    if not path.exists():
+        Policy.initial().save(path.parent)  # atomic: a reader never sees half a file
+    return path
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` becomes ``src``'s file: a hard link (no copy of the bytes), a copy where the two are on different
+    filesystems (or links are not supported); replaced atomically (temp name, then rename)."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        shutil.copyfile(src, tmp)
+    tmp.replace(dst)
 
 
 def read_journal(path: Path | None) -> list[dict[str, Any]]:
