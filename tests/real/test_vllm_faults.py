@@ -8,6 +8,7 @@ steps after it rejoined, sampled on both servers, still match the trainer's weig
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -66,3 +67,47 @@ async def test_a_killed_server_rejoins_with_the_current_weights(servers: Servers
     assert int(synced) >= facts["rejoined_at_step"]  # it was given the trained weights, not left on its own
     log = victim.log_path.read_text(errors="replace").split("=== start")[-1]
     assert "POST /inference/v1/generate" in log  # it served rollouts after it rejoined
+
+
+BAD = 2  # the checkpoint announced without weights
+
+
+async def test_a_checkpoint_without_weights_is_refused_and_the_servers_are_unharmed(
+        servers: Servers, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A trainer announces checkpoint BAD before its files are written (a real vLLM asked to load that directory
+    answers 500 and its engine dies at the next forward pass: REAL-VLLM.md). The orchestrator refuses it without
+    asking any server, the servers keep serving the previous weights in rotation, and when the files appear the
+    checkpoint loads and the run goes on."""
+    model = servers.model("dense")
+    for s in servers.dense:
+        await reload_base(s.url, model)
+    learner = TorchLearner(model, TorchLearnConfig(lr=1e-2))
+
+    class EarlyAnnouncer(ReferenceTrainer):
+        def _save(self, step: int) -> str | None:
+            if step != BAD:
+                return super()._save(step)
+            assert self.checkpoint_dir is not None
+            empty = self.checkpoint_dir / f"step_{step}"
+            empty.mkdir(parents=True)
+            return str(empty)
+
+    async def refused_then_written(orch: Orchestrator) -> None:
+        await wait_until(lambda: any("no server is asked to load it" in r.message for r in caplog.records), 300,
+                         "the refusal")
+        for s in servers.dense:  # unharmed: alive, in rotation, still on the weights before BAD
+            assert (await get_json(s.root + "/weight_info"))["weight_version"] == str(BAD - 1)
+            assert s.running
+        assert all(s.in_rotation for s in orch.pool.servers)
+        learner.save(job.out / "ckpt" / f"step_{BAD}")  # the files arrive: the refused checkpoint is checked again
+
+    job = RealJob(tmp_path, model, tuple(s.url for s in servers.dense), steps=BAD + 2, envs=("arith",))
+    with caplog.at_level(logging.INFO, logger="orchestrator"):
+        result = await run_real_job(job, learner, trainer=EarlyAnnouncer, during=refused_then_written)
+
+    assert [row["step"] for row in result.journal] == list(range(BAD + 2))
+    assert result.orchestrator is not None
+    assert result.orchestrator.pool.metrics["evictions"] == 0
+    assert max(row["learned"]["mismatch_max"] for row in result.journal) <= 1e-4  # BAD's weights, once written
+    for s in servers.dense:
+        assert (await get_json(s.root + "/weight_info"))["weight_version"] == str(BAD + 1)
