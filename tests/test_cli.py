@@ -51,5 +51,5 @@ def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
                 continue
             expected = getattr(cfg.sim, f.name)
             if f.name == "profile" and expected is None:  # unset: the one inference.backend names
-                expected = {"prime-rl": "prime-rl", "vllm": "vllm-0.26"}[cfg.inference.backend]
+                expected = {"prime-rl": "prime-rl", "vllm": "vllm-0.31"}[cfg.inference.backend]
             assert getattr(parsed, f.name) == expected, f.name

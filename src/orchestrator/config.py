@@ -76,8 +76,8 @@ class InferenceConfig:
 class SimConfig:
     """The built-in simulated inference server (demo, tests, benchmarks); flags of `sim-inference` match."""
 
-    profile: Literal["vllm-0.26", "vllm-0.32", "vllm-0.33", "prime-rl"] | None = opt(
-        None, doc="server the simulator plays; unset: the one inference.backend names")
+    profile: Literal["vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33", "prime-rl"] | None = opt(
+        None, doc="server the simulator plays; unset: the one inference.backend names (vllm: vllm-0.31)")
     dev_mode: bool = opt(True, doc="vLLM profiles: serve the admin routes, as VLLM_SERVER_DEV_MODE=1 does")
     servers: int = opt(2, ge=1, doc="simulated servers the demo starts")
     seed: int = opt(0, ge=0, doc="seeds sampled tokens and injected faults")

@@ -95,7 +95,9 @@ def sim_profile(cfg: JobConfig) -> str:
     """The server the simulator plays: ``sim.profile``, else the one ``inference.backend`` names."""
     if cfg.sim.profile is not None:
         return cfg.sim.profile
-    return "prime-rl" if cfg.inference.backend == "prime-rl" else "vllm-0.26"
+    from orchestrator.sim.profiles import DEFAULT_PROFILE
+
+    return "prime-rl" if cfg.inference.backend == "prime-rl" else DEFAULT_PROFILE
 
 
 def sim_arguments(cfg: JobConfig) -> list[str]:

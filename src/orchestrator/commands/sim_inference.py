@@ -1,6 +1,6 @@
 """``orchestrator sim-inference``: serve the simulated inference server until interrupted.
 
-``--profile`` picks the real server it plays (vllm-0.26, vllm-0.32, vllm-0.33, prime-rl); ``--no-dev-mode``
+``--profile`` picks the real server it plays (vllm-0.26, vllm-0.31, vllm-0.32, vllm-0.33, prime-rl); ``--no-dev-mode``
 plays a vLLM started without ``VLLM_SERVER_DEV_MODE=1`` (no admin routes). ``GET /sim/log`` on the printed
 address's root says what the server saw.
 """

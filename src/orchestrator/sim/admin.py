@@ -61,7 +61,7 @@ def admin_routes(server: SimServer) -> list[web.RouteDef]:
               web.get("/is_paused", admin.is_paused), web.post("/collective_rpc", admin.collective_rpc),
               web.post("/update_weights", admin.update_weights),
               web.post("/reset_prefix_cache", admin.reset_prefix_cache)]
-    if server.profile.weight_versions:
+    if server.profile.weight_version_routes:
         routes += [web.post("/update_weight_version", admin.update_weight_version),
                    web.get("/weight_info", admin.weight_info)]
     return routes

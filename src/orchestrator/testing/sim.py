@@ -1,8 +1,8 @@
 """Simulated inference servers for tests: in-process (controllable, killable) or as real subprocesses.
 
 - ``sim_cluster(n, profile=..., **server_kwargs)`` starts ``n`` servers playing ``profile`` (``vllm-0.26``,
-  ``vllm-0.32``, ``vllm-0.33`` or ``prime-rl``) in this process on 127.0.0.1 (free ports) and yields a
-  ``SimCluster``: ``cluster.urls``, ``cluster[i]`` (the live ``SimServer``: change ``.faults``, read
+  ``vllm-0.31``: the default, ``vllm-0.32``, ``vllm-0.33`` or ``prime-rl``) in this process on 127.0.0.1 (free
+  ports) and yields a ``SimCluster``: ``cluster.urls``, ``cluster[i]`` (the live ``SimServer``: change ``.faults``, read
   ``.counters``, ``.weights_path``/``.loads`` and ``.log``), ``await cluster.kill(i)`` (the port refuses
   connections, in-flight requests are cut) and ``await cluster.restart(i)`` (a fresh server on the same port:
   no weights loaded, as after a real crash). Every server is stopped on exit.
