@@ -148,6 +148,9 @@ BREAKS = [  # (profile, server options, backend, check kwargs, words the one mes
     ("vllm-0.26", {"dev_mode": False}, "prime-rl", {}, "start prime-rl's inference server"),
     ("prime-rl", {}, "prime-rl", {"model": "Qwen/Qwen3-4B"}, "set model.name to the served name"),
     ("prime-rl", {}, "prime-rl", {"tokenizer": "other"}, "set model.tokenizer to the served model's tokenizer"),
+    # started without --enable-scale-out: 0.31 has no generate route (404), 0.32 refuses it (403)
+    ("vllm-0.31", {"scale_out": False}, "vllm", {}, "restart vllm serve with --enable-scale-out"),
+    ("vllm-0.32", {"scale_out": False}, "vllm", {}, "restart vllm serve with --enable-scale-out"),
 ]
 
 

@@ -79,6 +79,8 @@ class SimConfig:
     profile: Literal["vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33", "prime-rl"] | None = opt(
         None, doc="server the simulator plays; unset: the one inference.backend names (vllm: vllm-0.31)")
     dev_mode: bool = opt(True, doc="vLLM profiles: serve the admin routes, as VLLM_SERVER_DEV_MODE=1 does")
+    scale_out: bool = opt(True, doc="vLLM 0.31+ profiles: serve POST /inference/v1/generate, as vLLM started with "
+                          "--enable-scale-out does (false: 0.31 answers 404, 0.32+ 403)")
     servers: int = opt(2, ge=1, doc="simulated servers the demo starts")
     seed: int = opt(0, ge=0, doc="seeds sampled tokens and injected faults")
     latency_ms: float = opt(0.0, ge=0, doc="added latency per request (lower bound of the range)")

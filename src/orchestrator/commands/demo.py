@@ -112,6 +112,8 @@ def sim_arguments(cfg: JobConfig) -> list[str]:
         args += ["--latency-max-ms", str(sim.latency_max_ms)]
     if not sim.dev_mode:
         args.append("--no-dev-mode")
+    if not sim.scale_out:
+        args.append("--no-scale-out")
     return args
 
 

@@ -1,8 +1,9 @@
 """``orchestrator sim-inference``: serve the simulated inference server until interrupted.
 
-``--profile`` picks the real server it plays (vllm-0.26, vllm-0.31, vllm-0.32, vllm-0.33, prime-rl); ``--no-dev-mode``
-plays a vLLM started without ``VLLM_SERVER_DEV_MODE=1`` (no admin routes). ``GET /sim/log`` on the printed
-address's root says what the server saw.
+``--profile`` picks the real server it plays (vllm-0.26, vllm-0.31, vllm-0.32, vllm-0.33, prime-rl);
+``--no-dev-mode`` plays a vLLM started without ``VLLM_SERVER_DEV_MODE=1`` (no admin routes), ``--no-scale-out``
+one started without ``--enable-scale-out`` (0.31: no generate route; 0.32+: 403). ``GET /sim/log`` on the
+printed address's root says what the server saw.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the real server to play (default: {DEFAULT_PROFILE})")
     p.add_argument("--dev-mode", action=argparse.BooleanOptionalAction, default=d.dev_mode,
                    help="vLLM profiles: serve the admin routes, as VLLM_SERVER_DEV_MODE=1 does (default: on)")
+    p.add_argument("--scale-out", action=argparse.BooleanOptionalAction, default=d.scale_out,
+                   help="vLLM 0.31+ profiles: serve POST /inference/v1/generate, as --enable-scale-out does "
+                   "(default: on; --no-scale-out plays a server started without it: 0.31 404, 0.32+ 403)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
     p.add_argument("--model", default="sim-model", help="model name served (default: sim-model)")
@@ -71,7 +75,7 @@ async def _serve(args: argparse.Namespace, faults: object) -> int:
         loop.add_signal_handler(sig, stop.set)
     async with SimServer.open(args.host, args.port, profile=args.profile, dev_mode=args.dev_mode, model=args.model,
                               seed=args.seed, layers=args.layers, top_k=args.top_k, num_experts=args.num_experts,
-                              faults=faults, record_replies=args.record_replies) as server:
+                              faults=faults, record_replies=args.record_replies, scale_out=args.scale_out) as server:
         print(server.url, flush=True)
         await stop.wait()
     return 0

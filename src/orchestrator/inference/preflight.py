@@ -9,7 +9,8 @@ For each server, concurrently (``orchestrator run`` at start, and ``orchestrator
    the other (prime-rl's server started with dev mode has its weight routes shadowed by vLLM's);
 4. ``POST /tokenize`` encodes a probe text as ``model.tokenizer`` does (a wrong or missing tokenizer);
 5. one tiny ``POST /inference/v1/generate`` round trip parses the way env workers' client parses it
-   (replies.py: catches vLLM >= 0.32's logprobs and upstream vLLM's routed-experts string).
+   (replies.py: catches vLLM >= 0.32's logprobs and upstream vLLM's routed-experts string); a vLLM >= 0.30
+   started without ``--enable-scale-out`` answers it 404 (0.31) or 403 (0.32): one line naming that flag.
 
 A run first resumes each server (``resume=True``): a run killed during a weight sync leaves its servers
 paused, and a paused server holds every request.
@@ -109,9 +110,25 @@ async def _check(server: InferenceServer, backend: str, model: str, encoded: lis
         parse_generate_reply(await _call(server, "POST", "/inference/v1/generate", body), len(prompt))
     except MalformedReply as e:
         problems.append(f"{server.url}: env workers could not read its generate replies: {e}")
+    except HttpStatusError as e:
+        problems.append(f"{server.url}: {_scale_out_problem(e) or f'a 2-token generate request failed ({e})'}")
     except InferenceError as e:
         problems.append(f"{server.url}: a 2-token generate request failed ({e})")
     return ServerReport(server.url, max_len, tuple(problems))
+
+
+def _scale_out_problem(e: HttpStatusError) -> str | None:
+    """What a vLLM >= 0.30 started without ``--enable-scale-out`` answers to a generate request, as one line:
+    0.31 has no such route (404 ``{"detail": "Not Found"}``, observed on vLLM 0.31.0), 0.32 refuses it (403
+    PermissionDeniedError "Scale-out endpoints are disabled...", observed on vLLM 0.32.0). None: another error."""
+    if e.status == 404 and b'"Not Found"' in e.body:
+        why = "is not served (HTTP 404: no such route)"
+    elif e.status == 403 and b"--enable-scale-out" in e.body:
+        why = "is refused (HTTP 403: scale-out endpoints are disabled)"
+    else:
+        return None
+    return (f"POST /inference/v1/generate {why}: restart vllm serve with --enable-scale-out (vLLM >= 0.30 "
+            "serves it only with that flag)")
 
 
 async def _call(server: InferenceServer, method: str, path: str, body: Any = None) -> bytes:

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 MAX_EXPERTS = 65535  # expert ids travel as uint16 above 256 experts
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+SCALE_OUT_DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class SimServer:
     - ``profile``: the real server played, one of ``profiles.PROFILE_NAMES`` (ValueError otherwise);
     - ``dev_mode``: vLLM profiles serve their admin routes only with it (``VLLM_SERVER_DEV_MODE=1``);
       prime-rl's server always has its own and never runs in dev mode, so it ignores this;
+    - ``scale_out``: False plays a server started without ``--enable-scale-out``, on the profiles that have
+      that flag (0.31: no generate route, 404; 0.32+: 403 ``PermissionDeniedError``); others ignore it;
     - ``model``: the served name (other names: 404); ``max_model_len``: on the model card, and the
       default ``max_tokens`` is what remains of it after the prompt;
     - ``layers``/``top_k``/``num_experts`` (<= 65535): routed experts in replies when ``layers`` is set;
@@ -91,13 +94,14 @@ class SimServer:
 
     def __init__(self, *, profile: str = DEFAULT_PROFILE, dev_mode: bool = True, model: str = "sim-model",
                  seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
-                 faults: Faults = Faults(), record_replies: bool = False) -> None:
+                 faults: Faults = Faults(), record_replies: bool = False, scale_out: bool = True) -> None:
         if (layers == 0) != (top_k == 0):
             raise ValueError("set layers and top_k both (routed experts) or neither")
         if not 1 <= num_experts <= MAX_EXPERTS or top_k > num_experts:
             raise ValueError(f"num_experts must be in 1..{MAX_EXPERTS} and at least top_k ({top_k})")
         self.profile = get_profile(profile)
         self.dev_mode = dev_mode  # vLLM profiles: serve the admin routes (prime-rl's server always has its own)
+        self.scale_out = scale_out  # started with --enable-scale-out (profiles without the flag always serve)
         self.model = model
         self.layers, self.top_k, self.num_experts = layers, top_k, num_experts
         self.max_model_len = max_model_len
@@ -167,11 +171,26 @@ class SimServer:
         app = web.Application(client_max_size=64 * 2**20, middlewares=[self._outermost, fastapi_errors])
         app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models), web.get("/version", self.version),
-            web.post("/tokenize", self.tokenize), web.post("/inference/v1/generate", self.generate),
+            web.post("/tokenize", self.tokenize), *self._generate_route(),
             web.post("/v1/chat/completions", self.chat), *admin_routes(self),
             web.post("/sim/faults", self.set_faults), web.get("/sim/log", self.get_log),
         ])
         return app
+
+    def _generate_route(self) -> list[web.RouteDef]:
+        """``POST /inference/v1/generate``, or what a server started without ``--enable-scale-out`` has in its
+        place: nothing on 0.31 (the route is not registered: v031:entrypoints/scale_out/factories.py; observed
+        404 ``{"detail": "Not Found"}``), a 403 on 0.32+ (observed on 0.32, REAL-VLLM.md)."""
+        flag = self.profile.scale_out_flag
+        if flag is None or self.scale_out:
+            return [web.post("/inference/v1/generate", self.generate)]
+        if flag == "refused":
+            return [web.post("/inference/v1/generate", self._scale_out_refused)]
+        return []
+
+    async def _scale_out_refused(self, _request: web.Request) -> web.Response:
+        self._log_generate(403, None, self.gate.mode)
+        return json_response(error_body(SCALE_OUT_DISABLED, "PermissionDeniedError", 403), 403)
 
     def release_hung(self) -> None:
         """Fail every request the server is holding unanswered (on shutdown, or when a test says so)."""
