@@ -18,7 +18,7 @@ from orchestrator.app import Orchestrator
 from orchestrator.dataplane.reader import StepView
 from orchestrator.sim.server import Faults
 from orchestrator.testing.procs import wait_until
-from orchestrator.testing.sim import sim_servers
+from orchestrator.testing.sim import sim_servers, weights_dir
 from orchestrator.transport.receiver import BatchReceiver
 from orchestrator.transport.trainer import ReferenceTrainer
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps
@@ -69,7 +69,7 @@ async def test_a_worker_killed_before_the_trainer_maps_its_pool_makes_the_step_r
                     del view
                     await receiver.ack(batch.step)
                     step_dir = ckpt / f"step_{batch.step + 1}"
-                    step_dir.mkdir(parents=True, exist_ok=True)
+                    await asyncio.to_thread(weights_dir, step_dir)  # the weights the servers load
                     await receiver.announce(batch.step + 1, str(step_dir))
 
             try:

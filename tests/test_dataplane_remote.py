@@ -18,7 +18,7 @@ import pytest
 from orchestrator.app import Orchestrator
 from orchestrator.dataplane.reader import StepView
 from orchestrator.testing.procs import Process, orchestrator_process
-from orchestrator.testing.sim import sim_servers
+from orchestrator.testing.sim import sim_servers, weights_dir
 from orchestrator.transport.receiver import BatchReceiver
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps
 
@@ -52,7 +52,7 @@ async def fetching_trainer(address: str, ckpt: Path, got: list[tuple[int, list[s
             del view
             await receiver.ack(batch.step)
             step_dir = ckpt / f"step_{batch.step + 1}"
-            step_dir.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(weights_dir, step_dir)  # the weights the servers load
             await receiver.announce(batch.step + 1, str(step_dir))
     finally:
         receiver.close()

@@ -17,7 +17,7 @@ from orchestrator.pipeline.dump import load_dump
 from orchestrator.sim.server import Faults
 from orchestrator.state import load_state
 from orchestrator.testing.procs import wait_until
-from orchestrator.testing.sim import sim_servers
+from orchestrator.testing.sim import sim_servers, weights_dir
 from orchestrator.transport.checkpoints import write_marker
 from orchestrator.transport.filesystem import FileBatchReceiver
 from orchestrator.transport.trainer import ReferenceTrainer
@@ -248,7 +248,7 @@ marker_dir = "{markers}"
             while len(got) < cfg.run.max_steps:
                 batch = await receiver.arecv()
                 got.append(batch.step)
-                (tmp_path / "ckpt" / f"step_{batch.step + 1}").mkdir(parents=True)  # the weights, saved
+                await asyncio.to_thread(weights_dir, tmp_path / "ckpt" / f"step_{batch.step + 1}")  # the weights
                 await asyncio.to_thread(write_marker, markers, batch.step + 1)  # no path: weights_path names it
 
         async with Orchestrator.open(cfg) as orch, asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:

@@ -7,12 +7,17 @@ Real HTTP on 127.0.0.1; tests synchronise on replies and process exits, never on
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from orchestrator.testing.sim import sim_process, sim_servers
+from orchestrator.policy import FILE
+from orchestrator.sim.profiles import DEFAULT_PROFILE, get_profile
+from orchestrator.testing.sim import sim_process, sim_servers, weights_dir
+from orchestrator.transport.trainer import link_unchanged_policy
 
 PROMPT = [2, 5, 14, 11, 113]
 SCALE_OUT_403 = {"error": {"message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out "
@@ -65,3 +70,102 @@ async def test_sim_inference_no_scale_out_flag() -> None:
     async with sim_process(["--no-scale-out"]) as proc, aiohttp.ClientSession() as s:  # the default: vllm-0.31
         assert await generate(s, proc) == (404, {"detail": "Not Found"})
         assert await call(s, "GET", root(proc) + "/version") == (200, {"version": "0.31.0"})
+
+
+# ----------------------------------------------------------------------------------- a failed weight load
+
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+DEAD_500 = {"error": {"message": ENGINE_DEAD, "type": "InternalServerError", "param": None, "code": 500}}
+WORKER_ERRORS = {  # what vLLM 0.31.0 answered, paths sanitized to <path> (OBSERVED.md)
+    "missing": "Repo id must be in the form 'repo_name' or 'namespace/repo_name': '<path>'. Use `repo_type` "
+               "argument if needed.",
+    "empty": "Cannot find any model weights with `<path>`",
+}
+
+
+def bad_weights(tmp_path: Path, kind: str) -> Path:
+    """A weights path whose load fails: missing, an existing directory without weights, a corrupt file."""
+    path = tmp_path / kind
+    if kind != "missing":
+        path.mkdir()
+    if kind == "corrupt":
+        (path / FILE).write_bytes(b"not a policy")
+    return path
+
+
+async def load(s: aiohttp.ClientSession, srv: Any, path: Path) -> tuple[int, Any]:
+    if srv.profile.prime_rl:
+        return await call(s, "POST", root(srv) + "/update_weights", json={"weight_dir": str(path)})
+    return await call(s, "POST", root(srv) + "/collective_rpc",
+                      json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "corrupt"])
+@pytest.mark.parametrize("profile", ["vllm-0.31", "vllm-0.26", "vllm-0.33", "prime-rl"])
+async def test_a_failed_load_kills_the_engine_at_the_next_request(tmp_path: Path, profile: str, kind: str) -> None:
+    async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
+        status, body = await load(s, srv, bad_weights(tmp_path, kind))
+        assert (status, body["error"]["type"], body["error"]["code"]) == (500, "InternalServerError", 500)
+        if profile == "vllm-0.31" and kind in WORKER_ERRORS:  # the body, exactly as observed
+            assert body["error"] == {"message": f"Call to collective_rpc method failed: Worker failed with error "
+                                                f"'{WORKER_ERRORS[kind]}', please check the stack trace above "
+                                                "for the root cause", "type": "InternalServerError",
+                                     "param": None, "code": 500}
+        # broken, not yet dead: the server still answers as healthy (observed)
+        assert await call(s, "POST", root(srv) + "/resume") == (200, {"status": "resumed"})
+        assert await call(s, "GET", root(srv) + "/health") == (200, b"")
+        if not srv.profile.prime_rl:
+            assert await call(s, "GET", root(srv) + "/is_paused") == (200, {"is_paused": False})
+        assert not srv.engine.died.is_set()
+        assert await generate(s, srv) == (500, DEAD_500)  # the next forward pass kills it
+        assert srv.engine.died.is_set()
+        assert await call(s, "GET", root(srv) + "/health") == (503, b"")
+        pause = await call(s, "POST", root(srv) + "/pause", params={"mode": "keep"})
+        assert pause == ((500, DEAD_500) if srv.profile.prime_rl else
+                         (500, {"error": f"Failed to pause generation: {ENGINE_DEAD}"}))
+        assert await generate(s, srv) == (500, DEAD_500)
+        assert (await load(s, srv, weights_dir(tmp_path / "good")))[0] == 500  # no load revives it
+        assert (await call(s, "GET", srv.url + "/models"))[0] == 200  # the API server itself still answers
+        assert [g.status for g in srv.log.generate] == [500, 500]
+
+
+async def test_an_invalid_request_does_not_reach_a_broken_engine(tmp_path: Path) -> None:
+    async with sim_servers(1) as [srv], aiohttp.ClientSession() as s:
+        assert (await load(s, srv, bad_weights(tmp_path, "empty")))[0] == 500
+        assert (await call(s, "POST", root(srv) + "/inference/v1/generate", json={"token_ids": []}))[0] == 400
+        assert (srv.engine.state, await call(s, "GET", root(srv) + "/health")) == ("broken", (200, b""))
+
+
+async def test_the_sim_process_exits_after_its_engine_dies(tmp_path: Path) -> None:
+    async with sim_process() as proc, aiohttp.ClientSession() as s:
+        assert (await load(s, _Vllm(proc.url), bad_weights(tmp_path, "empty")))[0] == 500
+        assert await call(s, "GET", root(proc) + "/health") == (200, b"")
+        assert await generate(s, proc) == (500, DEAD_500)
+        async with asyncio.timeout(60):  # a hang guard: it exits about a second later
+            assert await proc.proc.wait() == 1
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await call(s, "GET", root(proc) + "/health")
+
+
+class _Vllm:
+    """A subprocess server's URL, with the profile ``load`` asks for."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.profile = get_profile(DEFAULT_PROFILE)
+
+
+async def test_a_trainer_that_learns_nothing_announces_one_linked_weights_file(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    steps = [ckpt / "step_1", ckpt / "step_2"]
+    for step in steps:
+        step.mkdir(parents=True)
+        link_unchanged_policy(ckpt, step)
+    assert len({(step / FILE).stat().st_ino for step in steps}) == 1  # one file, hard-linked
+    async with sim_servers(1) as [srv], aiohttp.ClientSession() as s:
+        assert await load(s, srv, steps[0]) == (200, {"results": [None]})
+        first = srv.policy.model
+        assert await load(s, srv, steps[1]) == (200, {"results": [None]})
+        assert srv.policy.model is first  # the same file: nothing read again
+        assert (srv.loads, srv.weights_path) == (2, str(steps[1]))
+        assert (await generate(s, srv))[0] == 200

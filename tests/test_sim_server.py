@@ -21,7 +21,7 @@ import pytest
 from orchestrator.policy import FILE, Policy
 from orchestrator.sim.server import Faults, SimServer
 from orchestrator.sim.vocab import SimVocab
-from orchestrator.testing.sim import PROFILE_NAMES, sim_cluster, sim_process, sim_servers
+from orchestrator.testing.sim import PROFILE_NAMES, sim_cluster, sim_process, sim_servers, weights_dir
 
 PROMPT = [2, 5, 14, 11, 113]
 VLLM = ["vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33"]
@@ -199,6 +199,7 @@ async def test_prime_rl_pause_ignores_its_parameters() -> None:
 
 @pytest.mark.parametrize("profile", VLLM)
 async def test_vllm_weight_loads(profile: str, tmp_path: Any) -> None:
+    weights_dir(tmp_path)
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         rpc = root(srv) + "/collective_rpc"
         reload = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
@@ -239,6 +240,7 @@ async def test_weight_version_routes(profile: str) -> None:
 
 
 async def test_prime_rl_update_weights(tmp_path: Any) -> None:
+    weights_dir(tmp_path)
     async with sim_servers(1, profile="prime-rl") as [srv], aiohttp.ClientSession() as s:
         url = root(srv) + "/update_weights"
         assert await call(s, "POST", url, json={"weight_dir": str(tmp_path)}) == (200, {"status": "ok"})
@@ -378,8 +380,7 @@ async def test_routed_experts(profile: str, num_experts: int) -> None:
 
 
 async def test_deterministic_under_seed_and_changed_by_loaded_weights(tmp_path: Any) -> None:
-    empty, trained = tmp_path / "empty", tmp_path / "trained"
-    empty.mkdir()
+    unchanged, trained = weights_dir(tmp_path / "unchanged"), tmp_path / "trained"
     other = Policy.initial().weights
     other["context"][0] = np.random.default_rng(1).normal(0, 2, other["context"].shape[1])
     Policy(other, step=7).save(trained)
@@ -389,9 +390,9 @@ async def test_deterministic_under_seed_and_changed_by_loaded_weights(tmp_path: 
         rb = [(await generate(s, b))[1]["choices"] for _ in range(4)]
         assert ra == rc
         assert ra != rb
-        for srv in (a, c):  # a directory without a policy file keeps the weights
+        for srv in (a, c):  # the weights they started with: the same tokens
             await call(s, "POST", root(srv) + "/collective_rpc",
-                       json={"method": "reload_weights", "kwargs": {"weights_path": str(empty)}})
+                       json={"method": "reload_weights", "kwargs": {"weights_path": str(unchanged)}})
         assert [(await generate(s, c))[1]["choices"] for _ in range(2)] == \
             [(await generate(s, a))[1]["choices"] for _ in range(2)]
         await call(s, "POST", root(c) + "/collective_rpc",
@@ -504,6 +505,7 @@ async def test_subprocess_server_plays_its_profile_and_reports_its_log() -> None
 
 
 async def test_cluster_kill_and_restart_keep_the_url(tmp_path: Any) -> None:
+    weights_dir(tmp_path)
     async with sim_cluster(2, profile="prime-rl", layers=2, top_k=2) as cluster, aiohttp.ClientSession() as s:
         url = cluster.urls[0]
         await call(s, "POST", root(cluster[0]) + "/update_weights", json={"weight_dir": str(tmp_path)})

@@ -33,7 +33,7 @@ from orchestrator.config import InferenceConfig, JobConfig, load_config
 from orchestrator.inference.pool import PROBE_CACHE_SALT, InferencePool
 from orchestrator.sim.server import SimServer
 from orchestrator.testing.procs import orchestrator_process, wait_until
-from orchestrator.testing.sim import Faults, sim_cluster, sim_process
+from orchestrator.testing.sim import Faults, sim_cluster, sim_process, weights_dir
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.trainer import ReferenceTrainer
 
@@ -325,7 +325,7 @@ async def test_weight_sync_on_a_stopped_server_is_bounded_and_named_and_it_rejoi
     weight_sync_timeout_s while the other server's completes, the log names it, and once it continues the probe
     syncs it to the current weights and it rejoins."""
     for step in (1, 2):
-        (tmp_path / f"step_{step}").mkdir()
+        weights_dir(tmp_path / f"step_{step}")
     async with sim_process() as stopped, sim_process() as running:
         cfg = InferenceConfig(servers=(stopped.url, running.url), weight_sync_timeout_s=WEIGHT_SYNC_TIMEOUT_S,
                               request_timeout_s=REQUEST_TIMEOUT_S, probe_interval_s=0.1,

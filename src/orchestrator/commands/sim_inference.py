@@ -3,7 +3,8 @@
 ``--profile`` picks the real server it plays (vllm-0.26, vllm-0.31, vllm-0.32, vllm-0.33, prime-rl);
 ``--no-dev-mode`` plays a vLLM started without ``VLLM_SERVER_DEV_MODE=1`` (no admin routes), ``--no-scale-out``
 one started without ``--enable-scale-out`` (0.31: no generate route; 0.32+: 403). ``GET /sim/log`` on the
-printed address's root says what the server saw.
+printed address's root says what the server saw. Like a real vLLM, the process exits (status 1) shortly after
+its engine dies: a weight load failed, then a request reached the engine (``orchestrator.sim.engine``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from orchestrator.cli import run_async
 from orchestrator.config import SimConfig
 
 HELP = "run the simulated inference server, playing vLLM or prime-rl (prints its base URL on stdout)"
+DEAD_EXIT_S = 1.0  # how long the process outlives its engine (a real vLLM 0.31: ~1-3 s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,5 +79,22 @@ async def _serve(args: argparse.Namespace, faults: object) -> int:
                               seed=args.seed, layers=args.layers, top_k=args.top_k, num_experts=args.num_experts,
                               faults=faults, record_replies=args.record_replies, scale_out=args.scale_out) as server:
         print(server.url, flush=True)
-        await stop.wait()
+        if await _first_set(stop, server.engine.died) is server.engine.died:
+            # the real process exits a second or three after its engine died (observed on vLLM 0.31.0); until
+            # then its API server answers (/health 503, generate 500): so does this one
+            await asyncio.sleep(DEAD_EXIT_S)
+            print("sim-inference: its engine died (a weight load failed, then a request reached it); exiting, as "
+                  "vLLM does", file=sys.stderr)
+            return 1
     return 0
+
+
+async def _first_set(*events: asyncio.Event) -> asyncio.Event:
+    """The first of ``events`` to be set (both waits are cancelled before returning)."""
+    waits = {asyncio.ensure_future(e.wait()): e for e in events}
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    return waits[next(iter(done))]

@@ -13,19 +13,19 @@ FastAPI's 404 ``{"detail": "Not Found"}``, as it does for prime-rl's missing ``/
 - ``POST /update_weights``: vLLM needs ``update_info`` (0.26: 400 "Missing 'update_info' in request body";
   0.32+: a 400 validation error); prime-rl takes ``{"weight_dir": DIR}`` -> ``{"status": "ok"}``.
 - ``POST /reset_prefix_cache`` -> ``{"success": true}`` (vLLM only).
-- 0.32+: ``POST /update_weight_version {"new_version": str}`` -> ``{"success": true, "new_version"}``,
+- 0.31+: ``POST /update_weight_version {"new_version": str}`` -> ``{"success": true, "new_version"}``,
   ``GET /weight_info`` -> ``{"weight_version"}`` (``"default"`` until set).
 - prime-rl: ``GET /liveness`` -> ``{"status": "ok"}``.
 
-A weights directory that does not exist fails the load with 500 (the worker's exception reaching vLLM's
-generic handler). ``/update_weights`` with an ``update_info`` answers 500 too: the simulator has no weight
-transfer engine, like a server started without ``--weight-transfer-config``.
+A weight load that fails (a path that is not a directory, a directory without the simulator's weights file, a
+file it cannot read) answers 500 with the worker's error, as observed on vLLM 0.31.0, and breaks the engine:
+``orchestrator.sim.engine`` says what a real server does next. ``/update_weights`` with an ``update_info``
+answers 500 too: the simulator has no weight transfer engine, like a server started without
+``--weight-transfer-config``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -74,10 +74,6 @@ def _pause_mode(raw: str) -> PauseMode:
     raise validation_error(("query", "mode"), "literal_error", "Input should be 'abort', 'wait' or 'keep'", raw)
 
 
-async def _is_dir(path: Any) -> bool:
-    return isinstance(path, str) and await asyncio.to_thread(os.path.isdir, path)
-
-
 class _Admin:
     def __init__(self, server: SimServer) -> None:
         self.server = server
@@ -121,9 +117,7 @@ class _Admin:
             raise engine_error(500, f"sim: collective_rpc method {method!r} is not simulated (only reload_weights)")
         kwargs = body.get("kwargs") or {}
         path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
-        if path is not None and not await _is_dir(path):
-            raise engine_error(500, f"reload_weights: weights_path {path!r} is not a directory")
-        self.server.load(path)
+        await self.server.load(path, none_reloads=True)
         return json_response({"results": [None]})
 
     async def update_weights(self, request: web.Request) -> web.Response:
@@ -180,10 +174,7 @@ class _Admin:
             raise engine_error(400, str(e)) from e
         if not isinstance(body, dict):
             raise engine_error(500, f"'{type(body).__name__}' object has no attribute 'get'")
-        weight_dir = body.get("weight_dir")
-        if not await _is_dir(weight_dir):
-            raise engine_error(500, f"update_weights_from_path: weight_dir {weight_dir!r} is not a directory")
-        self.server.load(weight_dir)
+        await self.server.load(body.get("weight_dir"))
         return json_response({"status": "ok"})
 
     async def liveness(self, _request: web.Request) -> web.Response:

@@ -7,14 +7,17 @@ token's logprob is exact under the request's sampling parameters, as vLLM report
 tokens these exclude have logprob -inf, reported as vLLM's floor, -9999.0. ``min_p`` and the penalties are
 accepted and ignored.
 
-``load(path)`` reads the parameters the trainer saved in the weights directory (``orchestrator.policy.FILE``);
-a directory without that file (a trainer that saves nothing, like the reference trainer without ``--learn``)
-leaves them as they are; an unreadable one raises ``CheckpointError``. Before any load the server samples from
-``Policy.initial()``. The sampling state after a prompt is kept for the last ``PROMPT_CACHE`` prompts (every
-rollout of a group sends the same one) until new parameters load. ``route(rows)`` draws the MoE routing of a
-sequence. Sampling and routing draw from
-generators seeded at construction, so a server's replies are deterministic under its seed for a given order
-of requests and weight loads.
+``read(path)`` (blocking: a worker thread) reads the parameters the trainer saved in the weights directory
+(``orchestrator.policy.FILE``) and ``install`` puts them in place. The simulator's weights are that file, so a
+path that is not a directory, a directory without it, or a file it cannot read fail the load as a real
+server's do (``LoadFailed`` with the worker's error: ``orchestrator.sim.engine``). Reading the very file loaded
+last (the same inode, size and mtime: the reference trainer hard-links one unchanged policy into each
+checkpoint) reuses the parameters in hand. Before any load the server samples from ``Policy.initial()``.
+
+The sampling state after a prompt is kept for the last ``PROMPT_CACHE`` prompts (every rollout of a group
+sends the same one) until new parameters load. ``route(rows)`` draws the MoE routing of a sequence. Sampling
+and routing draw from generators seeded at construction, so a server's replies are deterministic under its
+seed for a given order of requests and weight loads.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.policy import Cursor, Policy
+from orchestrator.errors import CheckpointError
+from orchestrator.policy import FILE, Cursor, Policy
+from orchestrator.sim.engine import LoadFailed
 from orchestrator.sim.requests import SamplingParams
 from orchestrator.sim.vocab import SimVocab
 
 LOGPROB_FLOOR = -9999.0  # vLLM floors logprobs at -9999.0
 PROMPT_CACHE = 256  # prompts whose cursor is kept (a group's rollouts send the same prompt)
+FileId = tuple[int, int, int, int]  # device, inode, size, mtime (ns)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class SimPolicy:
         self._model = Policy.initial()
         self.weights_path: str | None = None  # the last directory loaded; None: the weights it started with
         self.loads = 0
+        self._file_id: FileId | None = None  # the weights file loaded last
         self._rng = np.random.default_rng(tokens_seed)
         self._routing_rng = np.random.default_rng(routing_seed)
 
@@ -78,12 +85,37 @@ class SimPolicy:
         self._model = policy
         self._prompts.clear()
 
-    def load(self, path: str | None) -> None:
-        """Load the parameters saved in directory ``path`` (None: keep the current ones)."""
+    def read(self, path: object) -> tuple[Policy | None, FileId]:
+        """Blocking: the parameters saved in directory ``path`` and which file held them (None: the file loaded
+        last, whose parameters are in hand). LoadFailed with the worker's error as vLLM words it."""
+        if not isinstance(path, str):  # prime-rl's update_weights with no weight_dir: os.path.isdir(None)
+            raise LoadFailed(f"stat: path should be string, bytes, os.PathLike or integer, not {type(path).__name__}")
+        directory = Path(path)
+        if not directory.is_dir():  # vLLM takes it for a hub repo id (observed: it tries the hub, then this)
+            raise LoadFailed(f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{path}'. Use "
+                             "`repo_type` argument if needed.")
+        try:
+            st = (directory / FILE).stat()
+        except FileNotFoundError:
+            raise LoadFailed(f"Cannot find any model weights with `{path}`") from None
+        file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if file_id == self._file_id:
+            return None, file_id
+        try:
+            model = Policy.load(directory)
+        except CheckpointError as e:
+            raise LoadFailed(str(e)) from None
+        if model is None:  # removed since the stat above
+            raise LoadFailed(f"Cannot find any model weights with `{path}`")
+        return model, file_id
+
+    def install(self, path: str | None, model: Policy | None = None, file_id: FileId | None = None) -> None:
+        """Count a load of ``path`` and sample from ``model`` from now on (None: the parameters in hand, as
+        vLLM's reload_weights without a path reloads the last ones)."""
+        if model is not None:
+            self.model = model
+            self._file_id = file_id
         if path is not None:
-            model = Policy.load(Path(path))
-            if model is not None:
-                self.model = model
             self.weights_path = path
         self.loads += 1
 

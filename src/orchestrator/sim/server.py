@@ -19,6 +19,7 @@ turning them on does not change the tokens of requests that still succeed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -31,9 +32,9 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from orchestrator.errors import CheckpointError
 from orchestrator.sim import replies
 from orchestrator.sim.admin import ADMIN_PATHS, admin_routes
+from orchestrator.sim.engine import Engine, LoadFailed, dead_error, load_error_message, sanitize
 from orchestrator.sim.gate import Gate
 from orchestrator.sim.log import AdminCall, Counters, GenerateCall, SimLog
 from orchestrator.sim.policy import Experts, SimPolicy
@@ -112,6 +113,7 @@ class SimServer:
         self.record_replies = record_replies  # the log keeps each reply's tokens and routed experts (tests)
         self.weight_version = "default"  # vLLM 0.32+'s engine version string (/update_weight_version)
         self.counters = Counters()
+        self.engine = Engine()  # broken by a failed weight load, dead at the next request that reaches it
         self.log = SimLog()
         self._fault_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
         self._created = int(time.time())
@@ -137,12 +139,21 @@ class SimServer:
         """How many times weights were loaded since start."""
         return self.policy.loads
 
-    def load(self, path: str | None) -> None:
-        """Load the weights in directory ``path``; an unreadable weights file is a 500, as a worker's exception."""
+    async def load(self, path: object, *, none_reloads: bool = False) -> None:
+        """Load the weights in directory ``path`` (None with ``none_reloads``: the ones in hand, as vLLM's
+        reload_weights without a path). A load that fails is a 500 with the worker's error and breaks the engine
+        (engine.py): the next request that reaches it kills it."""
+        if path is None and none_reloads:
+            self.policy.install(None)
+            return
         try:
-            self.policy.load(path)
-        except CheckpointError as e:
-            raise engine_error(500, f"loading weights from {path}: {e}") from e
+            model, file_id = await asyncio.to_thread(self.policy.read, path)  # reading a file: off the loop
+        except LoadFailed as e:
+            self.engine.load_failed()
+            message = load_error_message(str(e))
+            log.warning("sim server %s: weight load of %s failed; its engine is broken", self.url, path)
+            raise engine_error(500, sanitize(message) if self.profile.sanitized_errors else message) from None
+        self.policy.install(str(path), model, file_id)
         log.info("sim server %s: weights loaded from %s (load %d)", self.url, path, self.loads)
 
     # ------------------------------------------------------------------------------------------- serving
@@ -208,11 +219,15 @@ class SimServer:
                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """A down server answers 503 (the generate handler logs its own); admin calls are logged."""
         path = request.path
-        if self.faults.down and not path.startswith(("/sim/", "/inference/")):
+        dead = None
+        if self.engine.dead and request.match_info.http_exception is None:  # a route it serves
+            dead = self.engine.dead_response(path, prime_rl=self.profile.prime_rl)
+        if dead is not None:
+            response: web.StreamResponse = dead
+        elif self.faults.down and not path.startswith(("/sim/", "/inference/")):
             if path == "/v1/chat/completions":
                 self.counters.down += 1
-            response: web.StreamResponse = (empty_response(503) if path == "/health" else
-                                            json_response(_down_body(), 503))
+            response = empty_response(503) if path == "/health" else json_response(_down_body(), 503)
         else:
             response = await handler(request)
         if path in ADMIN_PATHS:
@@ -276,6 +291,9 @@ class SimServer:
             self._log_generate(r.status, salt if isinstance(salt, str) else None, arrival,
                                fault="down" if self.faults.down else None)
             return r.response()
+        if self.engine.dead:  # refused at once: the engine client knows its core is gone
+            self._log_generate(500, req.cache_salt, arrival)
+            return dead_error()
         failed, delay_s = await self._fault(
             request, lambda: self._log_generate(0, req.cache_salt, arrival, fault="hang"))
         if failed is not None:
@@ -288,8 +306,12 @@ class SimServer:
         request_id = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
         async with self.gate.inflight() as aborted:
             aborted = aborted or await self.gate.hold(delay_s)
-            reply = self._reply(req, request_id, aborted)
+            # the forward pass: a broken engine dies here (engine.py)
+            reply = self._reply(req, request_id, aborted) if aborted or self.engine.forward() else None
             sampled_with = (self.weights_path, self.loads)
+        if reply is None:
+            self._log_generate(500, req.cache_salt, arrival)
+            return dead_error()
         raw, fault = self._maybe_malformed(reply)
         first = reply["choices"][0]
         recorded = {"token_ids": [*req.token_ids, *first["token_ids"]],
@@ -303,11 +325,15 @@ class SimServer:
         body = await read_json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             raise validation_error(("body", "messages"), "missing", "Field required", body)
+        if self.engine.dead:
+            return dead_error()
         failed, delay_s = await self._fault(request)
         if failed is not None:
             return failed
         async with self.gate.inflight() as aborted:
             aborted = aborted or await self.gate.hold(delay_s)
+            if not aborted and not self.engine.forward():
+                return dead_error()
             max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
             sample = None if aborted else self.policy.sample([], SamplingParams(
                 max_tokens=max(1, max_tokens), temperature=float(body.get("temperature", 1.0))))

@@ -12,24 +12,41 @@
   ``sim_process(args, profile=..., dev_mode=...)`` runs ``python -m orchestrator sim-inference --port 0`` as a
   subprocess, reads the printed address and always stops it by its pid (re-exported from
   ``orchestrator.sim.process``, which the demo uses too); its ``GET /sim/log`` says what it saw.
+- ``weights_dir(path)`` makes ``path`` a checkpoint directory the simulated servers load (the initial policy, or
+  the one given): a directory without weights fails the load and kills the server's engine, as on vLLM.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from orchestrator.policy import Policy
 from orchestrator.sim.process import SimProcess, sim_process, sim_servers
 from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILE_NAMES, ProfileName
 from orchestrator.sim.server import Faults, SimServer
 from orchestrator.testing.fake_server import FakeInferenceServer
 
 __all__ = ["PROFILE_NAMES", "FakeInferenceServer", "Faults", "ProfileName", "SimCluster", "SimProcess", "sim_cluster",
-           "sim_process", "sim_servers"]
+           "sim_process", "sim_servers", "weights_dir"]
+
+
+@functools.cache
+def _initial() -> Policy:
+    return Policy.initial()  # 0.2 s to build: once per process
+
+
+def weights_dir(path: Path, policy: Policy | None = None) -> Path:
+    """``path`` (created) holding ``policy``'s weights file (default: the initial policy, which servers start
+    with); returns ``path``."""
+    (policy or _initial()).save(path)
+    return path
 
 
 class SimCluster:

@@ -6,7 +6,9 @@ in the directory ``checkpoint_dir/step_<N>``, which it creates, as a trainer sav
 it the orchestrator's ``inference.weights_path`` must name them). With a ``learner`` (``orchestrator receive
 --learn``, ``transport/learner.py``) it trains the tiny policy the simulated servers sample from on each batch
 and saves it into that directory before announcing it, so the servers sample from what it learned; without
-one it trains nothing and the directory stays empty (the servers keep their weights).
+one it trains nothing and each directory holds the unchanged initial policy (written once per
+``checkpoint_dir``, then hard-linked): a real server fails to load a directory without weights, and its engine
+dies (``orchestrator.sim.engine``), so a trainer announces none.
 With a ``journal`` file it appends one JSON line per step received and, when started again, tells the
 orchestrator the last step in it and the checkpoint after it (as a real trainer restarting from its checkpoint
 would: weights ``last + 1``, the ones it trained on that step), so tests can check delivery across crashes of
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +29,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from orchestrator.policy import Policy
+from orchestrator.policy import FILE, Policy
 from orchestrator.security import ClientKeys
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.learner import LearnStats, PolicyLearner
@@ -127,7 +131,28 @@ class ReferenceTrainer:
         path.mkdir(parents=True, exist_ok=True)
         if self.learner is not None:
             self.learner.save(path)
+        else:
+            link_unchanged_policy(self.checkpoint_dir, path)
         return str(path)
+
+
+UNCHANGED = ".unchanged"  # checkpoint_dir/.unchanged/tiny_policy.npz: the policy a trainer that learns nothing links
+
+
+def link_unchanged_policy(checkpoint_dir: Path, step_dir: Path) -> None:
+    """Put the initial policy's weights file into ``step_dir``: written once per ``checkpoint_dir`` (atomically),
+    hard-linked into each step (a copy where links fail: another filesystem). A server loading the same file
+    again reads nothing new (``orchestrator.sim.policy``)."""
+    source = checkpoint_dir / UNCHANGED / FILE
+    if not source.exists():
+        Policy.initial().save(source.parent)
+    target = step_dir / FILE
+    if target.exists():
+        return
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def read_journal(path: Path | None) -> list[dict[str, Any]]:
