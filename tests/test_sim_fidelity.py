@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 
-from orchestrator.policy import FILE
+from orchestrator.policy import FILE, Cursor
 from orchestrator.sim.profiles import DEFAULT_PROFILE, get_profile
 from orchestrator.testing.sim import sim_process, sim_servers, weights_dir
 from orchestrator.transport.trainer import link_unchanged_policy
@@ -169,3 +170,48 @@ async def test_a_trainer_that_learns_nothing_announces_one_linked_weights_file(t
         assert srv.policy.model is first  # the same file: nothing read again
         assert (srv.loads, srv.weights_path) == (2, str(steps[1]))
         assert (await generate(s, srv))[0] == 200
+
+
+# ------------------------------------------------------------------------------------------ logprobs mode
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    shifted = z - z.max()
+    out: np.ndarray = shifted - np.log(np.exp(shifted).sum())
+    return out
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+async def test_replies_report_the_logprobs_of_the_mode_and_server_info_says_which(mode: str) -> None:
+    """At temperature 0.7 raw logprobs are the log-softmax of the unscaled logits, processed ones that of the
+    logits over T (observed on vLLM 0.31.0, each to ~5e-7 of a float32 recomputation, 0.19-0.32 off the other)."""
+    async with sim_servers(1, logprobs_mode=mode) as [srv], aiohttp.ClientSession() as s:
+        status, info = await call(s, "GET", root(srv) + "/server_info", params={"config_format": "json"})
+        assert status == 200
+        assert set(info) == {"vllm_config", "vllm_env", "system_env"}
+        assert info["vllm_config"]["model_config"]["logprobs_mode"] == mode
+        status, text = await call(s, "GET", root(srv) + "/server_info")
+        assert (status, type(text["vllm_config"])) == (200, str)  # without config_format=json: a string
+        status, body = await call(s, "GET", root(srv) + "/server_info", params={"config_format": "yaml"})
+        assert (status, body["error"]["param"]) == (400, "query.config_format")
+        logits = Cursor(srv.policy.model, np.array(PROMPT)).logits()  # the weights it samples from
+        for _ in range(8):
+            status, reply = await generate(s, srv, max_tokens=1, temperature=0.7)
+            [token], [entry] = reply["choices"][0]["token_ids"], reply["choices"][0]["logprobs"]["content"]
+            raw, tempered = log_softmax(logits)[token], log_softmax(logits / 0.7)[token]
+            assert abs(raw - tempered) > 1e-3  # the modes differ at this temperature
+            assert entry["logprob"] == pytest.approx(raw if mode == "raw_logprobs" else tempered, abs=1e-9)
+
+
+@pytest.mark.parametrize(("profile", "dev_mode"), [("prime-rl", True), ("vllm-0.31", False)])
+async def test_server_info_is_a_dev_route(profile: str, dev_mode: bool) -> None:
+    """prime-rl's server never runs in dev mode (it sets no --logprobs-mode either: vLLM's raw default)."""
+    async with sim_servers(1, profile=profile, dev_mode=dev_mode) as [srv], aiohttp.ClientSession() as s:
+        assert await call(s, "GET", root(srv) + "/server_info", params={"config_format": "json"}) == (
+            404, {"detail": "Not Found"})
+
+
+async def test_sim_inference_logprobs_mode_flag() -> None:
+    async with sim_process(["--logprobs-mode", "processed_logprobs"]) as proc, aiohttp.ClientSession() as s:
+        _, info = await call(s, "GET", root(proc) + "/server_info", params={"config_format": "json"})
+        assert info["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"

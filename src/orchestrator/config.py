@@ -81,6 +81,9 @@ class SimConfig:
     dev_mode: bool = opt(True, doc="vLLM profiles: serve the admin routes, as VLLM_SERVER_DEV_MODE=1 does")
     scale_out: bool = opt(True, doc="vLLM 0.31+ profiles: serve POST /inference/v1/generate, as vLLM started with "
                           "--enable-scale-out does (false: 0.31 answers 404, 0.32+ 403)")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = opt(
+        "raw_logprobs", doc="which logprobs the servers report, as vLLM's --logprobs-mode: raw_logprobs (vLLM's "
+        "default: the log-softmax of the unscaled logits) or processed_logprobs (of the distribution sampled from)")
     servers: int = opt(2, ge=1, doc="simulated servers the demo starts")
     seed: int = opt(0, ge=0, doc="seeds sampled tokens and injected faults")
     latency_ms: float = opt(0.0, ge=0, doc="added latency per request (lower bound of the range)")

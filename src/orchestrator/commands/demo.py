@@ -104,6 +104,7 @@ def sim_arguments(cfg: JobConfig) -> list[str]:
     """``orchestrator sim-inference`` flags for every key of the config's ``[sim]`` table."""
     sim = cfg.sim
     args = ["--profile", sim_profile(cfg), "--model", cfg.model.name, "--layers", str(sim.layers),
+            "--logprobs-mode", sim.logprobs_mode,
             "--top-k", str(sim.top_k),
             "--num-experts", str(sim.num_experts), "--latency-ms", str(sim.latency_ms),
             "--error-rate", str(sim.error_rate), "--hang-rate", str(sim.hang_rate),

@@ -22,6 +22,7 @@ DEAD_EXIT_S = 1.0  # how long the process outlives its engine (a real vLLM 0.31:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from orchestrator.sim.policy import LOGPROBS_MODES
     from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILE_NAMES
 
     d = SimConfig()
@@ -32,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-out", action=argparse.BooleanOptionalAction, default=d.scale_out,
                    help="vLLM 0.31+ profiles: serve POST /inference/v1/generate, as --enable-scale-out does "
                    "(default: on; --no-scale-out plays a server started without it: 0.31 404, 0.32+ 403)")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d.logprobs_mode,
+                   help="which logprobs replies report, as vLLM's --logprobs-mode: raw_logprobs (the log-softmax of "
+                   "the unscaled logits; vLLM's default) or processed_logprobs (those of the distribution "
+                   f"sampled from) (default: {d.logprobs_mode})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
     p.add_argument("--model", default="sim-model", help="model name served (default: sim-model)")
@@ -77,7 +82,8 @@ async def _serve(args: argparse.Namespace, faults: object) -> int:
         loop.add_signal_handler(sig, stop.set)
     async with SimServer.open(args.host, args.port, profile=args.profile, dev_mode=args.dev_mode, model=args.model,
                               seed=args.seed, layers=args.layers, top_k=args.top_k, num_experts=args.num_experts,
-                              faults=faults, record_replies=args.record_replies, scale_out=args.scale_out) as server:
+                              faults=faults, record_replies=args.record_replies, scale_out=args.scale_out,
+                              logprobs_mode=args.logprobs_mode) as server:
         print(server.url, flush=True)
         if await _first_set(stop, server.engine.died) is server.engine.died:
             # the real process exits a second or three after its engine died (observed on vLLM 0.31.0); until

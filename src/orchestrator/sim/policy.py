@@ -1,11 +1,19 @@
 """The simulated model: what a sim server samples from, and what loading weights changes.
 
 ``SimPolicy.sample(prompt_ids, sampling_params)`` is the one place tokens come from: token by token from the
-tiny policy (``orchestrator.policy``), conditioned on the prompt and on what it sampled so far. Each sampled
-token's logprob is exact under the request's sampling parameters, as vLLM reports processed logprobs:
-``temperature`` (0: greedy, the sampled token's logprob is 0), then ``top_k`` (-1 or 0: off), then ``top_p``;
-tokens these exclude have logprob -inf, reported as vLLM's floor, -9999.0. ``min_p`` and the penalties are
-accepted and ignored.
+tiny policy (``orchestrator.policy``), conditioned on the prompt and on what it sampled so far, from the
+distribution the request's sampling parameters make: ``temperature`` (0: greedy), then ``top_k`` (-1 or 0:
+off), then ``top_p``. ``min_p`` and the penalties are accepted and ignored. The logprobs a reply reports, as
+vLLM's ``--logprobs-mode`` says (``v031:v1/sample/sampler.py``; observed on vLLM 0.31.0 to 5e-7 against a
+float32 recomputation, OBSERVED.md), are exact:
+
+- ``raw_logprobs`` (vLLM's default): the log-softmax of the unscaled logits, whatever the temperature, top-k
+  or top-p: not those of the distribution sampled from, unless temperature is 1 and nothing is cut;
+- ``processed_logprobs``: those of the distribution sampled from (temperature, top-k, top-p applied; tokens
+  these exclude have logprob -inf, reported as vLLM's floor, -9999.0), except for a greedy request (temperature
+  0), whose logprobs are the raw ones (vLLM's greedy path skips the processing).
+
+The ranks and top logprobs of a reply are of the same distribution as its logprobs.
 
 ``read(path)`` (blocking: a worker thread) reads the parameters the trainer saved in the weights directory
 (``orchestrator.policy.FILE``) and ``install`` puts them in place. The simulator's weights are that file, so a
@@ -26,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -38,6 +47,16 @@ from orchestrator.sim.vocab import SimVocab
 LOGPROB_FLOOR = -9999.0  # vLLM floors logprobs at -9999.0
 PROMPT_CACHE = 256  # prompts whose cursor is kept (a group's rollouts send the same prompt)
 FileId = tuple[int, int, int, int]  # device, inode, size, mtime (ns)
+LogprobsModeName = Literal["raw_logprobs", "processed_logprobs"]  # vLLM's --logprobs-mode values simulated
+LOGPROBS_MODES: tuple[LogprobsModeName, ...] = get_args(LogprobsModeName)
+
+
+def logprobs_mode_named(name: str) -> LogprobsModeName:
+    """The mode called ``name``; ValueError naming the valid ones otherwise."""
+    for mode in LOGPROBS_MODES:
+        if name == mode:
+            return mode
+    raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, not {name!r}")
 
 
 @dataclass(frozen=True)
@@ -63,10 +82,12 @@ class Experts:
 
 
 class SimPolicy:
-    def __init__(self, vocab: SimVocab, seed: int, experts: Experts | None = None) -> None:
+    def __init__(self, vocab: SimVocab, seed: int, experts: Experts | None = None,
+                 logprobs_mode: LogprobsModeName = "raw_logprobs") -> None:
         tokens_seed, routing_seed = np.random.SeedSequence(seed).spawn(2)
         self.vocab = vocab
         self.experts = experts
+        self.logprobs_mode = logprobs_mode  # what replies report (vLLM's --logprobs-mode; raw is its default)
         self._prompts: OrderedDict[bytes, Cursor] = OrderedDict()  # least recently used first
         self._model = Policy.initial()
         self.weights_path: str | None = None  # the last directory loaded; None: the weights it started with
@@ -140,16 +161,17 @@ class SimPolicy:
         logprobs, ranks, top_ids, top_lps = [], [], [], []
         finish, stop_reason = "length", None
         for _ in range(max(sp.max_tokens, 1)):
-            z = processed_logits(cursor.logits(), sp)  # its maximum is 0
+            logits = cursor.logits()
+            z = processed_logits(logits, sp)  # its maximum is 0
             cdf = np.cumsum(np.exp(z))
             token = int(min(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"), cdf.size - 1))
-            log_total = float(np.log(cdf[-1]))
+            lp = self._reported(logits, z, float(np.log(cdf[-1])), sp)
             ids.append(token)
-            logprobs.append(float(z[token]) - log_total)
-            ranks.append(1 + int(np.count_nonzero(z > z[token])))
-            top = np.argsort(-z, kind="stable")[:k] if k > 1 else np.full(k, np.argmax(z))
+            logprobs.append(float(lp[token]))
+            ranks.append(1 + int(np.count_nonzero(lp > lp[token])))
+            top = np.argsort(-lp, kind="stable")[:k] if k > 1 else np.full(k, np.argmax(lp))
             top_ids.append(top)
-            top_lps.append(z[top] - log_total)
+            top_lps.append(lp[top])
             if token in stops:
                 finish, stop_reason = "stop", None if token == self.vocab.eos_id else token
                 break
@@ -158,6 +180,16 @@ class SimPolicy:
         return Sample(np.array(ids, np.int64), np.maximum(logprobs, floor), np.array(ranks, np.int64), finish,
                       stop_reason, np.array(top_ids, np.int64).reshape(len(ids), k),
                       np.maximum(np.array(top_lps).reshape(len(ids), k), floor))
+
+    def _reported(self, logits: np.ndarray, z: np.ndarray, log_total: float, sp: SamplingParams) -> np.ndarray:
+        """The logprobs a reply reports for every id: those of the sampling distribution (processed, but not for
+        greedy requests: vLLM's greedy path returns the log-softmax of the unscaled logits,
+        ``v031:v1/sample/sampler.py`` ``Sampler.sample``), or the log-softmax of the unscaled logits (raw)."""
+        if self.logprobs_mode == "processed_logprobs" and sp.temperature > 0:
+            return z - log_total
+        shifted = logits - logits[int(np.argmax(logits))]
+        out: np.ndarray = shifted - float(np.log(np.sum(np.exp(shifted))))
+        return out
 
     def route(self, rows: int) -> np.ndarray:
         """Expert ids ``[rows, layers, top_k]`` (distinct within a token's layer), as int64."""
@@ -171,7 +203,7 @@ class SimPolicy:
 def processed_logits(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
     """The logits of the distribution ``sp`` samples from (vLLM's order: temperature, top-k, top-p), shifted
     so their maximum is 0; excluded ids get -inf. Temperature 0 (greedy) is the point mass on the most likely
-    id. ``z - log(sum(exp(z)))`` are the logprobs vLLM reports as processed."""
+    id. ``z - log(sum(exp(z)))`` are the logprobs vLLM reports as processed (for a temperature above 0)."""
     if sp.temperature <= 0:
         out = np.full(logits.size, -np.inf)
         out[int(np.argmax(logits))] = 0.0

@@ -37,7 +37,7 @@ from orchestrator.sim.admin import ADMIN_PATHS, admin_routes
 from orchestrator.sim.engine import Engine, LoadFailed, dead_error, load_error_message, sanitize
 from orchestrator.sim.gate import Gate
 from orchestrator.sim.log import AdminCall, Counters, GenerateCall, SimLog
-from orchestrator.sim.policy import Experts, SimPolicy
+from orchestrator.sim.policy import Experts, SimPolicy, logprobs_mode_named
 from orchestrator.sim.profiles import DEFAULT_PROFILE, get_profile
 from orchestrator.sim.requests import GenerateRequest, SamplingParams, parse_generate
 from orchestrator.sim.responses import (
@@ -83,6 +83,8 @@ class SimServer:
       prime-rl's server always has its own and never runs in dev mode, so it ignores this;
     - ``scale_out``: False plays a server started without ``--enable-scale-out``, on the profiles that have
       that flag (0.31: no generate route, 404; 0.32+: 403 ``PermissionDeniedError``); others ignore it;
+    - ``logprobs_mode``: vLLM's ``--logprobs-mode``, ``raw_logprobs`` (its default) or ``processed_logprobs``:
+      which logprobs replies report (policy.py); vLLM profiles in dev mode say it in ``GET /server_info``;
     - ``model``: the served name (other names: 404); ``max_model_len``: on the model card, and the
       default ``max_tokens`` is what remains of it after the prompt;
     - ``layers``/``top_k``/``num_experts`` (<= 65535): routed experts in replies when ``layers`` is set;
@@ -95,7 +97,8 @@ class SimServer:
 
     def __init__(self, *, profile: str = DEFAULT_PROFILE, dev_mode: bool = True, model: str = "sim-model",
                  seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
-                 faults: Faults = Faults(), record_replies: bool = False, scale_out: bool = True) -> None:
+                 faults: Faults = Faults(), record_replies: bool = False, scale_out: bool = True,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         if (layers == 0) != (top_k == 0):
             raise ValueError("set layers and top_k both (routed experts) or neither")
         if not 1 <= num_experts <= MAX_EXPERTS or top_k > num_experts:
@@ -107,7 +110,8 @@ class SimServer:
         self.layers, self.top_k, self.num_experts = layers, top_k, num_experts
         self.max_model_len = max_model_len
         self.vocab = SimVocab.load()
-        self.policy = SimPolicy(self.vocab, seed, Experts(layers, top_k, num_experts) if layers else None)
+        self.policy = SimPolicy(self.vocab, seed, Experts(layers, top_k, num_experts) if layers else None,
+                                logprobs_mode_named(logprobs_mode))
         self.gate = Gate()
         self.faults = faults
         self.record_replies = record_replies  # the log keeps each reply's tokens and routed experts (tests)
