@@ -23,7 +23,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from orchestrator.app import Orchestrator
 from orchestrator.assets import tokenizer_dir
 from orchestrator.config import load_config
-from orchestrator.inference.preflight import PreflightError, preflight
+from orchestrator.inference.logprobs import LogprobsCheck
+from orchestrator.inference.preflight import Preflight, PreflightError, preflight
 from orchestrator.inference.server import HttpInferenceServer
 from orchestrator.testing.procs import orchestrator_process
 from orchestrator.testing.sim import Faults, SimServer, sim_process, sim_servers
@@ -120,12 +121,12 @@ async def test_a_run_through_weight_syncs_speaks_each_servers_protocol(tmp_path:
 
 
 @contextlib.asynccontextmanager
-async def checked(servers: list[SimServer], backend: str, model: str = "sim-model",
-                  tokenizer: Path | None = None) -> AsyncIterator[None]:
+async def checked(servers: list[SimServer], backend: str, model: str = "sim-model", tokenizer: Path | None = None,
+                  logprobs: LogprobsCheck | None = None) -> AsyncIterator[Preflight]:
     async with aiohttp.ClientSession() as session:
         apis = [HttpInferenceServer(s.url, session) for s in servers]
-        await preflight(apis, backend=backend, model=model, tokenizer=tokenizer or tokenizer_dir(), resume=True)
-        yield
+        yield await preflight(apis, backend=backend, model=model, tokenizer=tokenizer or tokenizer_dir(), resume=True,
+                              logprobs=logprobs)
 
 
 def other_tokenizer(directory: Path) -> Path:

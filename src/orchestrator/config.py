@@ -61,6 +61,12 @@ class InferenceConfig:
     weights_path: str | None = opt(None, doc="where the weights of checkpoint step N are, '{step}' standing for N, "
                                    "e.g. /ckpt/step_{step}; a path the trainer announces wins")
     api_key_env: str | None = opt(None, doc="environment variable holding the servers' API key (vLLM --api-key)")
+    logprobs_mode: Literal["auto", "raw", "processed"] = opt(
+        "auto", doc="which logprobs the servers report, as vLLM's --logprobs-mode: 'raw' (raw_logprobs, vLLM's "
+        "default: log-softmax of the unscaled logits) or 'processed' (processed_logprobs: of the distribution "
+        "sampled from); 'auto': what each server's GET /server_info says (vLLM in dev mode), raw where none can "
+        "say. Preflight refuses servers that disagree, and raw logprobs with a sampling temperature other than 1 "
+        "unless this says 'raw'; every batch tells the trainer the mode")
     preflight: bool = opt(True, doc="check every server before the run (reachable, model, admin routes, "
                           "tokenizer, one generate round trip) and stop with what to fix")
     request_timeout_s: float = opt(600.0, gt=0, doc="timeout of one request, env workers' generate calls included "

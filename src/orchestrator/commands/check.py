@@ -62,12 +62,15 @@ async def check_servers(cfg: JobConfig) -> None:
     from pathlib import Path
 
     from orchestrator.assets import tokenizer_dir
+    from orchestrator.inference.logprobs import LogprobsCheck
     from orchestrator.inference.pool import InferencePool
     from orchestrator.inference.preflight import preflight
 
     tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
     async with InferencePool.open(cfg.inference) as pool:
-        reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
-                                  model=cfg.model.name, tokenizer=tokenizer, resume=False)
-    for r in reports:
+        checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+                                  model=cfg.model.name, tokenizer=tokenizer, resume=False,
+                                  logprobs=LogprobsCheck.of(cfg))
+    for r in checked.servers:
         print(f"# {r.url}: OK ({cfg.inference.backend}, {cfg.model.name!r}, max_model_len {r.max_model_len})")
+    print(f"# logprobs_mode: {checked.logprobs_mode} ({checked.logprobs.how}); batches say so to the trainer")
