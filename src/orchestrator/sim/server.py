@@ -115,7 +115,7 @@ class SimServer:
         self.gate = Gate()
         self.faults = faults
         self.record_replies = record_replies  # the log keeps each reply's tokens and routed experts (tests)
-        self.weight_version = "default"  # vLLM 0.32+'s engine version string (/update_weight_version)
+        self.weight_version = "default"  # vLLM 0.31+'s engine version string (/update_weight_version)
         self.counters = Counters()
         self.engine = Engine()  # broken by a failed weight load, dead at the next request that reaches it
         self.log = SimLog()
