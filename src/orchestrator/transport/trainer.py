@@ -69,6 +69,11 @@ class ReferenceTrainer:
 
     async def run(self) -> None:
         """Consumes batches; produces checkpoint announcements. Ends after ``max_steps`` or when cancelled."""
+        if self.announce and self.checkpoint_dir is not None and self.learner is None:
+            # before the first step, so that a checkpoint is announced as soon as its step is in: writing the
+            # file (~0.3 s) then would let the next step arrive meanwhile, its checkpoint follow at once, and the
+            # orchestrator skip to that newer one (a slow consumer of announcements takes the newest)
+            await asyncio.to_thread(unchanged_policy_file, self.checkpoint_dir)
         done = read_journal(self.journal)
         last = int(done[-1]["step"]) if done else None
         resumed = None
@@ -139,13 +144,19 @@ class ReferenceTrainer:
 UNCHANGED = ".unchanged"  # checkpoint_dir/.unchanged/tiny_policy.npz: the policy a trainer that learns nothing links
 
 
-def link_unchanged_policy(checkpoint_dir: Path, step_dir: Path) -> None:
-    """Put the initial policy's weights file into ``step_dir``: written once per ``checkpoint_dir`` (atomically),
-    hard-linked into each step (a copy where links fail: another filesystem). A server loading the same file
-    again reads nothing new (``orchestrator.sim.policy``)."""
+def unchanged_policy_file(checkpoint_dir: Path) -> Path:
+    """The initial policy's weights file of ``checkpoint_dir``, written (atomically) if it is not there yet."""
     source = checkpoint_dir / UNCHANGED / FILE
     if not source.exists():
         Policy.initial().save(source.parent)
+    return source
+
+
+def link_unchanged_policy(checkpoint_dir: Path, step_dir: Path) -> None:
+    """Put the initial policy's weights file into ``step_dir``: written once per ``checkpoint_dir``,
+    hard-linked into each step (a copy where links fail: another filesystem). A server loading the same file
+    again reads nothing new (``orchestrator.sim.policy``)."""
+    source = unchanged_policy_file(checkpoint_dir)
     target = step_dir / FILE
     if target.exists():
         return
