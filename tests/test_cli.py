@@ -43,7 +43,8 @@ def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     for sets in (["sim.hang_rate=0.1", "sim.drop_rate=0.2", "sim.latency_max_ms=9.0", "sim.num_experts=32"],
-                 ['sim.profile="vllm-0.33"', "sim.dev_mode=false", "sim.num_experts=512"]):
+                 ['sim.profile="vllm-0.33"', "sim.dev_mode=false", "sim.num_experts=512", "sim.scale_out=false",
+                  'sim.logprobs_mode="processed_logprobs"']):
         cfg = load_config(demo, sets)
         parsed = parser.parse_args(sim_arguments(cfg))
         for f in dataclasses.fields(SimConfig):
@@ -51,5 +52,5 @@ def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
                 continue
             expected = getattr(cfg.sim, f.name)
             if f.name == "profile" and expected is None:  # unset: the one inference.backend names
-                expected = {"prime-rl": "prime-rl", "vllm": "vllm-0.26"}[cfg.inference.backend]
+                expected = {"prime-rl": "prime-rl", "vllm": "vllm-0.31"}[cfg.inference.backend]
             assert getattr(parsed, f.name) == expected, f.name

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.errors import CheckpointError
 from orchestrator.policy import FILE, INITIAL_STOP_PROBABILITY, WEIGHTS, Cursor, Policy, Sequences
-from orchestrator.sim.policy import LOGPROB_FLOOR, SimPolicy
+from orchestrator.sim.policy import SimPolicy, logprobs_mode_named
 from orchestrator.sim.requests import SamplingParams
 from orchestrator.sim.vocab import SimVocab
 
@@ -105,14 +105,17 @@ def test_save_and_load(tmp_path: Path) -> None:
         Policy.load(tmp_path)
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 @pytest.mark.parametrize("sampling", [
     {"temperature": 1.0}, {"temperature": 0.6}, {"temperature": 1.5, "top_k": 40}, {"temperature": 0.8, "top_p": 0.7},
     {"temperature": 1.0, "top_k": 100, "top_p": 0.9},
 ])
-def test_sampled_logprobs_are_exact_under_the_sampling_parameters(sampling: dict[str, float]) -> None:
-    """What the server reports for each sampled token is log π(token | context) under temperature, then top-k,
-    then top-p (vLLM's processed logprobs), computed here from the batched logits independently."""
-    sim = SimPolicy(SimVocab.load(), seed=3)
+def test_sampled_logprobs_are_exact_in_each_logprobs_mode(sampling: dict[str, float], mode: str) -> None:
+    """Tokens come from the distribution of temperature, then top-k, then top-p. What the server reports for each
+    is, computed here from the batched logits independently: processed, log π(token | context) under that
+    distribution; raw (vLLM's default), the log-softmax of the unscaled logits (as observed on vLLM 0.31.0: to
+    5e-7 of a float32 recomputation, and 0.19 off the tempered one at T = 0.7)."""
+    sim = SimPolicy(SimVocab.load(), seed=3, logprobs_mode=logprobs_mode_named(mode))
     sim.model = perturbed(seed=5, scale=0.3)
     prompt = sequences(sim.model)[0][:10]
     sp = SamplingParams(max_tokens=12, logprobs=1, ignore_eos=True, **sampling)  # type: ignore[arg-type]
@@ -128,20 +131,28 @@ def test_sampled_logprobs_are_exact_under_the_sampling_parameters(sampling: dict
             p = np.exp(z[order] - z[order[0]])
             kept = order[: int(np.searchsorted(np.cumsum(p) / p.sum(), sp.top_p)) + 1]
             assert tok in kept  # never an excluded token
-            lp = z[tok] - z[kept].max() - np.log(np.exp(z[kept] - z[kept].max()).sum())
+            if mode == "raw_logprobs":
+                lp = row[tok] - row.max() - np.log(np.exp(row - row.max()).sum())
+            else:
+                lp = z[tok] - z[kept].max() - np.log(np.exp(z[kept] - z[kept].max()).sum())
             assert reported == pytest.approx(lp, abs=1e-6)
 
 
-def test_greedy_sampling_takes_the_most_likely_token() -> None:
-    sim = SimPolicy(SimVocab.load(), seed=3)
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_greedy_sampling_takes_the_most_likely_token_and_reports_raw_logprobs(mode: str) -> None:
+    """In either mode: vLLM's greedy path returns before any processing (v031:v1/sample/sampler.py)."""
+    sim = SimPolicy(SimVocab.load(), seed=3, logprobs_mode=logprobs_mode_named(mode))
     sim.model = perturbed(seed=6, scale=0.3)
     prompt = sequences(sim.model)[1][:8]
     sample = sim.sample(prompt.tolist(), SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True))
     ids = np.concatenate([prompt, sample.token_ids])
     logits = sim.model.logits_at(Sequences(ids, np.array([0, ids.size]), np.arange(prompt.size, ids.size)))
     assert np.array_equal(sample.token_ids, logits.argmax(axis=1))
-    assert np.all(sample.logprobs == 0.0)
-    assert np.all(sample.top_logprobs[:, 1] == LOGPROB_FLOOR)  # the runner-up has probability 0
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    raw = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    assert sample.logprobs == pytest.approx(raw.max(axis=1), abs=1e-6)
+    assert sample.top_logprobs[:, 1] == pytest.approx(np.sort(raw, axis=1)[:, -2], abs=1e-6)  # the runner-up
+    assert np.all(sample.ranks == 1)
 
 
 def test_new_weights_forget_every_prompt_s_sampling_state() -> None:

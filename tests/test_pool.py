@@ -238,7 +238,7 @@ def test_reply_parser_reads_what_verifiers_reads_and_names_the_fix() -> None:
     new_logprobs = orjson.loads(orjson.dumps(ok))
     new_logprobs["choices"][0]["logprobs"]["content"] = [{"token_id": 5, "logprob": -1.0, "rank": 1},
                                                          {"token_id": 6, "logprob": -0.5, "rank": 1}]
-    with pytest.raises(MalformedReply, match=r"vLLM 0\.26 or prime-rl"):
+    with pytest.raises(MalformedReply, match=r"use vLLM 0\.31 \(or 0\.26\) or prime-rl"):
         parse_generate_reply(orjson.dumps(new_logprobs), 5)
     npy = orjson.loads(orjson.dumps(ok))
     npy["choices"][0]["routed_experts"] = "k05VTVBZAQB2AHsnZGVzY3InOiAnfHUxJyw="

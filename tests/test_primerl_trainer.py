@@ -57,6 +57,9 @@ max_steps = {STEPS}
 [inference]
 servers = {orjson.dumps(urls).decode()}
 backend = "prime-rl"
+# prime-rl's trainer tempers its logprobs, so at temperature {TEMPERATURE} the servers must report processed ones;
+# prime-rl's server has no /server_info to say so: stated
+logprobs_mode = "processed"
 request_timeout_s = 120.0  # a slow reply on a busy host must not fail: timeouts evict servers, which then skip syncs
 
 [scheduler]
@@ -106,7 +109,8 @@ async def test_orchestrator_run_feeds_prime_rls_trainer(tmp_path: Path, layout: 
     address = f"tcp://127.0.0.1:{free_port_pair()}" if layout == "zmq" else None
     routed_dtype = "uint16" if num_experts > 256 else "uint8"
     steps: list[list[Sample]] = []
-    async with sim_cluster(2, profile="prime-rl", layers=2, top_k=2, num_experts=num_experts) as cluster:
+    async with sim_cluster(2, profile="prime-rl", layers=2, top_k=2, num_experts=num_experts,
+                           logprobs_mode="processed_logprobs") as cluster:
         cfg = write_job(tmp_path, cluster.urls, trainer_dir, ranks, address)
         trainer = FakePrimeRLTrainer(trainer_dir, ranks, address)
         trainer.start()  # before the orchestrator, as a launcher may start them: READY waits in its queue

@@ -23,7 +23,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from orchestrator.app import Orchestrator
 from orchestrator.assets import tokenizer_dir
 from orchestrator.config import load_config
-from orchestrator.inference.preflight import PreflightError, preflight
+from orchestrator.inference.logprobs import LogprobsCheck
+from orchestrator.inference.preflight import Preflight, PreflightError, preflight
 from orchestrator.inference.server import HttpInferenceServer
 from orchestrator.testing.procs import orchestrator_process
 from orchestrator.testing.sim import Faults, SimServer, sim_process, sim_servers
@@ -120,12 +121,12 @@ async def test_a_run_through_weight_syncs_speaks_each_servers_protocol(tmp_path:
 
 
 @contextlib.asynccontextmanager
-async def checked(servers: list[SimServer], backend: str, model: str = "sim-model",
-                  tokenizer: Path | None = None) -> AsyncIterator[None]:
+async def checked(servers: list[SimServer], backend: str, model: str = "sim-model", tokenizer: Path | None = None,
+                  logprobs: LogprobsCheck | None = None) -> AsyncIterator[Preflight]:
     async with aiohttp.ClientSession() as session:
         apis = [HttpInferenceServer(s.url, session) for s in servers]
-        await preflight(apis, backend=backend, model=model, tokenizer=tokenizer or tokenizer_dir(), resume=True)
-        yield
+        yield await preflight(apis, backend=backend, model=model, tokenizer=tokenizer or tokenizer_dir(), resume=True,
+                              logprobs=logprobs)
 
 
 def other_tokenizer(directory: Path) -> Path:
@@ -141,13 +142,16 @@ def other_tokenizer(directory: Path) -> Path:
 
 BREAKS = [  # (profile, server options, backend, check kwargs, words the one message must contain)
     ("vllm-0.26", {"dev_mode": False}, "vllm", {}, "start vLLM with VLLM_SERVER_DEV_MODE=1"),
-    ("vllm-0.33", {}, "vllm", {}, "use vLLM 0.26 or prime-rl's server"),
+    ("vllm-0.33", {}, "vllm", {}, "use vLLM 0.31 (or 0.26) or prime-rl's server"),
     ("vllm-0.26", {"layers": 2, "top_k": 2}, "vllm", {}, "for router replay use prime-rl's inference server"),
     ("prime-rl", {}, "vllm", {}, "set inference.backend = 'prime-rl'"),
     ("vllm-0.26", {}, "prime-rl", {}, "this is upstream vLLM, not prime-rl's inference server"),
     ("vllm-0.26", {"dev_mode": False}, "prime-rl", {}, "start prime-rl's inference server"),
     ("prime-rl", {}, "prime-rl", {"model": "Qwen/Qwen3-4B"}, "set model.name to the served name"),
     ("prime-rl", {}, "prime-rl", {"tokenizer": "other"}, "set model.tokenizer to the served model's tokenizer"),
+    # started without --enable-scale-out: 0.31 has no generate route (404), 0.32 refuses it (403)
+    ("vllm-0.31", {"scale_out": False}, "vllm", {}, "restart vllm serve with --enable-scale-out"),
+    ("vllm-0.32", {"scale_out": False}, "vllm", {}, "restart vllm serve with --enable-scale-out"),
 ]
 
 

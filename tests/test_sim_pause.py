@@ -22,7 +22,7 @@ import pytest
 
 from orchestrator.sim.gate import GateState
 from orchestrator.sim.server import Faults, SimServer
-from orchestrator.testing.sim import sim_servers
+from orchestrator.testing.sim import sim_servers, weights_dir
 from test_sim_server import HANG_GUARD_S, VLLM, call, error_of, generate, root
 
 PAUSED_503 = {"error": {"message": "Generation is paused. Please retry after it resumes.",
@@ -39,6 +39,7 @@ def started(s: aiohttp.ClientSession, srv: SimServer, **kwargs: Any) -> asyncio.
 
 
 async def load(s: aiohttp.ClientSession, srv: SimServer, path: Path) -> None:
+    weights_dir(path)
     if srv.profile.prime_rl:
         assert await call(s, "POST", root(srv) + "/update_weights", json={"weight_dir": str(path)}) == (
             200, {"status": "ok"})
@@ -60,7 +61,7 @@ async def test_keep_pause_holds_requests_until_resume_then_samples_new_weights(p
         new = started(s, srv)
         await until(srv, lambda st: st.queued == 1)
         await load(s, srv, tmp_path)
-        if srv.profile.weight_versions:
+        if srv.profile.weight_version_routes:
             await call(s, "POST", root(srv) + "/update_weight_version", json={"new_version": "1"})
         assert not inflight.done()
         assert not new.done()

@@ -21,11 +21,12 @@ import pytest
 from orchestrator.policy import FILE, Policy
 from orchestrator.sim.server import Faults, SimServer
 from orchestrator.sim.vocab import SimVocab
-from orchestrator.testing.sim import PROFILE_NAMES, sim_cluster, sim_process, sim_servers
+from orchestrator.testing.sim import PROFILE_NAMES, sim_cluster, sim_process, sim_servers, weights_dir
 
 PROMPT = [2, 5, 14, 11, 113]
-VLLM = ["vllm-0.26", "vllm-0.32", "vllm-0.33"]
+VLLM = ["vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33"]
 TOKEN_ID_LOGPROBS = ("vllm-0.32", "vllm-0.33")
+STRICT = ("vllm-0.31", "vllm-0.32", "vllm-0.33")  # cache_salt checked, routed_experts_prompt_start in 0..P
 ADMIN = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/collective_rpc"),
          ("POST", "/update_weights"), ("POST", "/reset_prefix_cache"), ("POST", "/update_weight_version"),
          ("GET", "/weight_info")]
@@ -113,7 +114,7 @@ async def test_health_models_version_and_unknown_routes(profile: str) -> None:
             "max_model_len": 2048}
         assert isinstance(card["created"], int)
         assert card["permission"][0]["object"] == "model_permission"
-        version = {"vllm-0.32": "0.32.0", "vllm-0.33": "0.33.0"}.get(profile, "0.26.0")  # prime-rl runs on 0.26
+        version = profile.removeprefix("vllm-") + ".0" if profile != "prime-rl" else "0.26.0"  # prime-rl: on 0.26
         assert await call(s, "GET", root(srv) + "/version") == (200, {"version": version})
         assert await call(s, "GET", root(srv) + "/no/such/route") == (404, {"detail": "Not Found"})
         assert await call(s, "GET", root(srv) + "/inference/v1/generate") == (405, {"detail": "Method Not Allowed"})
@@ -198,6 +199,7 @@ async def test_prime_rl_pause_ignores_its_parameters() -> None:
 
 @pytest.mark.parametrize("profile", VLLM)
 async def test_vllm_weight_loads(profile: str, tmp_path: Any) -> None:
+    weights_dir(tmp_path)
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         rpc = root(srv) + "/collective_rpc"
         reload = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
@@ -209,7 +211,7 @@ async def test_vllm_weight_loads(profile: str, tmp_path: Any) -> None:
                                                         "kwargs": {"weights_path": str(tmp_path / "missing")}})
         assert (status, error_of(body)) == (500, {"type": "InternalServerError", "param": None, "code": 500})
         status, body = await call(s, "POST", root(srv) + "/update_weights", json={"step": 3, "path": str(tmp_path)})
-        if profile == "vllm-0.26":
+        if profile in ("vllm-0.26", "vllm-0.31"):  # untyped bodies (v031:entrypoints/serve/dev/rlhf/api_router.py)
             assert (status, body) == (400, {"error": {"message": "Missing 'update_info' in request body",
                                                       "type": "Bad Request", "param": None, "code": 400}})
         else:
@@ -217,13 +219,15 @@ async def test_vllm_weight_loads(profile: str, tmp_path: Any) -> None:
         assert (srv.weights_path, srv.loads) == (str(tmp_path), 1)  # failed calls load nothing
 
 
-@pytest.mark.parametrize("profile", ["vllm-0.32", "vllm-0.33"])
+@pytest.mark.parametrize("profile", ["vllm-0.31", "vllm-0.32", "vllm-0.33"])
 async def test_weight_version_routes(profile: str) -> None:
+    spans = profile != "vllm-0.31"  # 0.31 has the routes, but its replies carry no weight_versions (observed)
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         assert await call(s, "GET", root(srv) + "/weight_info") == (200, {"weight_version": "default"})
         _, reply = await generate(s, srv)
         n = len(reply["choices"][0]["token_ids"])
-        assert reply["choices"][0]["weight_versions"] == [{"version": "default", "start": 0, "end": n}]
+        assert reply["choices"][0].get("weight_versions") == ([{"version": "default", "start": 0, "end": n}]
+                                                               if spans else None)
         url = root(srv) + "/update_weight_version"
         assert await call(s, "POST", url, json={"new_version": "7"}) == (200, {"success": True, "new_version": "7"})
         for body, param in (({"new_version": 7}, "body.new_version"), ({}, "body.new_version")):
@@ -231,11 +235,12 @@ async def test_weight_version_routes(profile: str) -> None:
             assert (status, error_of(err)) == (400, bad_request(param))
         assert await call(s, "GET", root(srv) + "/weight_info") == (200, {"weight_version": "7"})
         _, reply = await generate(s, srv)
-        assert reply["choices"][0]["weight_versions"][0]["version"] == "7"
+        assert not spans or reply["choices"][0]["weight_versions"][0]["version"] == "7"
         assert srv.loads == 0  # a version label is not a weight load
 
 
 async def test_prime_rl_update_weights(tmp_path: Any) -> None:
+    weights_dir(tmp_path)
     async with sim_servers(1, profile="prime-rl") as [srv], aiohttp.ClientSession() as s:
         url = root(srv) + "/update_weights"
         assert await call(s, "POST", url, json={"weight_dir": str(tmp_path)}) == (200, {"status": "ok"})
@@ -279,8 +284,12 @@ async def test_cache_salt_rules(profile: str) -> None:
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         for salt in bad:
             status, body = await generate(s, srv, {"cache_salt": salt})
-            if profile in TOKEN_ID_LOGPROBS:  # 0.32+ check it
-                assert (status, error_of(body)) == (400, bad_request("cache_salt")), salt
+            if profile in STRICT:  # 0.31+ check it, with vLLM's own bodies (observed on 0.31 and 0.32)
+                message = ("Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"
+                           if salt == "" else "Parameter 'cache_salt' must be at most 128 characters and must not "
+                           "contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)")
+                assert (status, body) == (400, {"error": {"message": message, "type": "BadRequestError",
+                                                          "param": "cache_salt", "code": 400}}), salt
             else:
                 assert status == 200, salt
         assert (await generate(s, srv, {"cache_salt": "7"}))[0] == 200
@@ -297,8 +306,17 @@ async def test_reply_shape(profile: str) -> None:
         n = len(choice["token_ids"])
         assert 1 <= n <= 12
         assert choice["finish_reason"] in ("stop", "length")
-        assert reply["usage"] == {"prompt_tokens": 5, "total_tokens": 5 + n, "completion_tokens": n,
-                                  "prompt_tokens_details": None}
+        usage = {"prompt_tokens": 5, "total_tokens": 5 + n, "completion_tokens": n, "prompt_tokens_details": None}
+        if profile == "vllm-0.31":  # every key, in the order a real 0.31.0 sent them (OBSERVED.md)
+            assert list(reply) == ["request_id", "model", "created", "choices", "usage", "prompt_logprobs",
+                                   "prompt_token_id_logprobs", "prompt_token_ids", "mm_placeholders", "metrics",
+                                   "kv_transfer_params", "ec_transfer_params"]
+            assert list(choice) == ["index", "logprobs", "finish_reason", "token_ids", "routed_experts",
+                                    "sampling_mask"]
+            usage["completion_tokens_details"] = None
+            assert list(reply["usage"]) == list(usage)
+            assert reply["request_id"].startswith("generate-tokens-")
+        assert reply["usage"] == usage
         assert (reply["model"], reply["created"] is None) == ((None, True) if profile == "prime-rl" else
                                                               ("sim-model", False))
         assert choice["routed_experts"] is None  # no layers/top_k: no routed experts
@@ -354,7 +372,7 @@ async def test_routed_experts(profile: str, num_experts: int) -> None:
                 assert b'"routed_experts":{"data":"' in raw  # what renderers' fast path looks for
             check_reply(profile, raw, len(PROMPT) - start)
         status, body = await generate(s, srv, routed_experts_prompt_start=len(PROMPT))
-        if profile in TOKEN_ID_LOGPROBS:  # 0.32+ take 0..P
+        if profile in STRICT:  # 0.31+ take 0..P
             assert decode_experts(profile, body["choices"][0]["routed_experts"]).shape[0] == \
                 len(body["choices"][0]["token_ids"]) - 1
         else:
@@ -362,8 +380,7 @@ async def test_routed_experts(profile: str, num_experts: int) -> None:
 
 
 async def test_deterministic_under_seed_and_changed_by_loaded_weights(tmp_path: Any) -> None:
-    empty, trained = tmp_path / "empty", tmp_path / "trained"
-    empty.mkdir()
+    unchanged, trained = weights_dir(tmp_path / "unchanged"), tmp_path / "trained"
     other = Policy.initial().weights
     other["context"][0] = np.random.default_rng(1).normal(0, 2, other["context"].shape[1])
     Policy(other, step=7).save(trained)
@@ -373,9 +390,9 @@ async def test_deterministic_under_seed_and_changed_by_loaded_weights(tmp_path: 
         rb = [(await generate(s, b))[1]["choices"] for _ in range(4)]
         assert ra == rc
         assert ra != rb
-        for srv in (a, c):  # a directory without a policy file keeps the weights
+        for srv in (a, c):  # the weights they started with: the same tokens
             await call(s, "POST", root(srv) + "/collective_rpc",
-                       json={"method": "reload_weights", "kwargs": {"weights_path": str(empty)}})
+                       json={"method": "reload_weights", "kwargs": {"weights_path": str(unchanged)}})
         assert [(await generate(s, c))[1]["choices"] for _ in range(2)] == \
             [(await generate(s, a))[1]["choices"] for _ in range(2)]
         await call(s, "POST", root(c) + "/collective_rpc",
@@ -488,6 +505,7 @@ async def test_subprocess_server_plays_its_profile_and_reports_its_log() -> None
 
 
 async def test_cluster_kill_and_restart_keep_the_url(tmp_path: Any) -> None:
+    weights_dir(tmp_path)
     async with sim_cluster(2, profile="prime-rl", layers=2, top_k=2) as cluster, aiohttp.ClientSession() as s:
         url = cluster.urls[0]
         await call(s, "POST", root(cluster[0]) + "/update_weights", json={"weight_dir": str(tmp_path)})

@@ -31,6 +31,7 @@ from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.config import JobConfig, to_toml
 from orchestrator.dataplane.manifest import StepManifest
 from orchestrator.errors import UnloadableCheckpoint, WireError
+from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
@@ -59,7 +60,7 @@ from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.filesystem import FileBatchSender
 from orchestrator.transport.primerl import PrimeRLSender
 from orchestrator.transport.sender import Sender
-from orchestrator.transport.wire import Batch
+from orchestrator.transport.wire import Batch, LogprobsMode
 from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.hub import WorkerHub
 from orchestrator.worker.process import Worker
@@ -81,7 +82,7 @@ class RunSummary:
 
 class Orchestrator:
     def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerHub, sender: Sender[Any],
-                 state: OrchestratorState, sinks: Sinks) -> None:
+                 state: OrchestratorState, sinks: Sinks, logprobs_mode: LogprobsMode | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.hub = hub
@@ -97,7 +98,7 @@ class Orchestrator:
         vocab = vocab_size(tokenizer)
         if vocab is None:
             log.warning("cannot read the vocabulary size of %s; the gibberish filter assumes 2^17 tokens", tokenizer)
-        self.builder = StepBuilder(cfg, vocab_size=vocab or 2**17)
+        self.builder = StepBuilder(cfg, vocab_size=vocab or 2**17, logprobs_mode=logprobs_mode)
         self.summary = RunSummary()
         # the step's blocking work (advantages, batch, dumps, JSONL, state) runs here, one job at a time; owned:
         # open() waits for it before its own state save, also when a step was cancelled mid-way
@@ -128,10 +129,10 @@ class Orchestrator:
             stack.callback(outdir.close)  # last out: the directory stays locked until everything else is done
             sinks = await asyncio.to_thread(open_sinks, cfg, out, resume=resume)  # W&B starts its service here
             stack.push_async_callback(asyncio.to_thread, sinks.close)
-            pool, hub = await open_engines(cfg, stack, out)
+            pool, hub, logprobs_mode = await open_engines(cfg, stack, out)
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume, state.acked_step))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
-            orch = cls(cfg, pool, hub, sender, state, sinks)
+            orch = cls(cfg, pool, hub, sender, state, sinks, logprobs_mode)
             orch.held = outdir.held
             try:
                 yield orch
@@ -387,11 +388,13 @@ def open_sender(cfg: JobConfig, address: str, resume: bool, acked_before: int = 
                             keep=t.keep_acked, acked_before=acked_before if resume else -1)
 
 
-async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *,
-                       evaluation_only: bool = False) -> tuple[InferencePool, WorkerHub]:
+async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *, evaluation_only: bool = False
+                       ) -> tuple[InferencePool, WorkerHub, LogprobsMode | None]:
     """The inference pool (checked by preflight unless turned off) and the env-worker hub, entered on
     ``stack``; the hub's workers load the training environments and the ``[[eval.env]]`` ones (under
-    EVAL_PREFIX), or only the latter with ``evaluation_only``."""
+    EVAL_PREFIX), or only the latter with ``evaluation_only``. Also the logprobs mode batches carry: the one
+    preflight settled, or without preflight the one ``inference.logprobs_mode`` states (None for "auto": not
+    known, and batches say nothing)."""
     tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
     train = () if evaluation_only else cfg.env
     evals = cfg.eval.env if cfg.eval is not None else ()
@@ -406,16 +409,20 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
     pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
+    stated = cfg.inference.logprobs_mode
+    logprobs_mode: LogprobsMode | None = None if stated == "auto" else stated
     if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
-        reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
-                                  model=cfg.model.name, tokenizer=tokenizer, resume=True)
-        log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(reports),
-                 sorted({r.max_model_len or 0 for r in reports}))
+        checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+                                  model=cfg.model.name, tokenizer=tokenizer, resume=True,
+                                  logprobs=LogprobsCheck.of(cfg, training=not evaluation_only))
+        log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(checked.servers),
+                 sorted({r.max_model_len or 0 for r in checked.servers}))
+        logprobs_mode = checked.logprobs_mode
     workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
     hub = await stack.enter_async_context(WorkerHub.open(
         worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
         cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s, cfg.transport.span_address))
-    return pool, hub
+    return pool, hub, logprobs_mode
 
 
 def span_clients(cfg: JobConfig) -> list[str]:

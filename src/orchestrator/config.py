@@ -69,6 +69,12 @@ class InferenceConfig:
                                          "run stops with exit status 1 if no checkpoint has loaded this long "
                                          "after; a newer or mended one that loads cancels it")
     api_key_env: str | None = opt(None, doc="environment variable holding the servers' API key (vLLM --api-key)")
+    logprobs_mode: Literal["auto", "raw", "processed"] = opt(
+        "auto", doc="which logprobs the servers report, as vLLM's --logprobs-mode: 'raw' (raw_logprobs, vLLM's "
+        "default: log-softmax of the unscaled logits) or 'processed' (processed_logprobs: of the distribution "
+        "sampled from); 'auto': what each server's GET /server_info says (vLLM in dev mode), raw where none can "
+        "say. Preflight refuses servers that disagree, and raw logprobs with a sampling temperature other than 1 "
+        "unless this says 'raw'; every batch tells the trainer the mode")
     preflight: bool = opt(True, doc="check every server before the run (reachable, model, admin routes, "
                           "tokenizer, one generate round trip) and stop with what to fix")
     request_timeout_s: float = opt(600.0, gt=0, doc="timeout of one request, env workers' generate calls included "
@@ -84,9 +90,14 @@ class InferenceConfig:
 class SimConfig:
     """The built-in simulated inference server (demo, tests, benchmarks); flags of `sim-inference` match."""
 
-    profile: Literal["vllm-0.26", "vllm-0.32", "vllm-0.33", "prime-rl"] | None = opt(
-        None, doc="server the simulator plays; unset: the one inference.backend names")
+    profile: Literal["vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33", "prime-rl"] | None = opt(
+        None, doc="server the simulator plays; unset: the one inference.backend names (vllm: vllm-0.31)")
     dev_mode: bool = opt(True, doc="vLLM profiles: serve the admin routes, as VLLM_SERVER_DEV_MODE=1 does")
+    scale_out: bool = opt(True, doc="vLLM 0.31+ profiles: serve POST /inference/v1/generate, as vLLM started with "
+                          "--enable-scale-out does (false: 0.31 answers 404, 0.32+ 403)")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = opt(
+        "raw_logprobs", doc="which logprobs the servers report, as vLLM's --logprobs-mode: raw_logprobs (vLLM's "
+        "default: the log-softmax of the unscaled logits) or processed_logprobs (of the distribution sampled from)")
     servers: int = opt(2, ge=1, doc="simulated servers the demo starts")
     seed: int = opt(0, ge=0, doc="seeds sampled tokens and injected faults")
     latency_ms: float = opt(0.0, ge=0, doc="added latency per request (lower bound of the range)")

@@ -31,7 +31,7 @@ async def evaluate(cfg: JobConfig, out: Path, *, step: int = 0, policy: int = 0)
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, at_start=True, interval=1))
     outputs = await asyncio.to_thread(StepOutputs, out)
     async with contextlib.AsyncExitStack() as stack:
-        pool, hub = await open_engines(cfg, stack, out, evaluation_only=True)
+        pool, hub, _ = await open_engines(cfg, stack, out, evaluation_only=True)
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(pool.run()), tg.create_task(hub.run())]
             await start_workers(tg, hub, background)

@@ -66,6 +66,7 @@ async def check_servers(cfg: JobConfig) -> None:
     from pathlib import Path
 
     from orchestrator.assets import tokenizer_dir
+    from orchestrator.inference.logprobs import LogprobsCheck
     from orchestrator.inference.pool import InferencePool
     from orchestrator.inference.preflight import PreflightError, preflight
 
@@ -73,14 +74,16 @@ async def check_servers(cfg: JobConfig) -> None:
     problem, weights = await asyncio.to_thread(check_weights_path, cfg.inference)
     async with InferencePool.open(cfg.inference) as pool:
         try:
-            reports = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
-                                      model=cfg.model.name, tokenizer=tokenizer, resume=False)
+            checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+                                      model=cfg.model.name, tokenizer=tokenizer, resume=False,
+                                      logprobs=LogprobsCheck.of(cfg))
         except PreflightError as e:
             raise PreflightError(e.problems + ([problem] if problem else [])) from None
     if problem is not None:
         raise PreflightError([problem])
-    for r in reports:
+    for r in checked.servers:
         print(f"# {r.url}: OK ({cfg.inference.backend}, {cfg.model.name!r}, max_model_len {r.max_model_len})")
+    print(f"# logprobs_mode: {checked.logprobs_mode} ({checked.logprobs.how}); batches say so to the trainer")
     if weights:
         print(f"# inference.weights_path: {weights}")
 

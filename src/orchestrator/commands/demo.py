@@ -95,13 +95,16 @@ def sim_profile(cfg: JobConfig) -> str:
     """The server the simulator plays: ``sim.profile``, else the one ``inference.backend`` names."""
     if cfg.sim.profile is not None:
         return cfg.sim.profile
-    return "prime-rl" if cfg.inference.backend == "prime-rl" else "vllm-0.26"
+    from orchestrator.sim.profiles import DEFAULT_PROFILE
+
+    return "prime-rl" if cfg.inference.backend == "prime-rl" else DEFAULT_PROFILE
 
 
 def sim_arguments(cfg: JobConfig) -> list[str]:
     """``orchestrator sim-inference`` flags for every key of the config's ``[sim]`` table."""
     sim = cfg.sim
     args = ["--profile", sim_profile(cfg), "--model", cfg.model.name, "--layers", str(sim.layers),
+            "--logprobs-mode", sim.logprobs_mode,
             "--top-k", str(sim.top_k),
             "--num-experts", str(sim.num_experts), "--latency-ms", str(sim.latency_ms),
             "--error-rate", str(sim.error_rate), "--hang-rate", str(sim.hang_rate),
@@ -110,6 +113,8 @@ def sim_arguments(cfg: JobConfig) -> list[str]:
         args += ["--latency-max-ms", str(sim.latency_max_ms)]
     if not sim.dev_mode:
         args.append("--no-dev-mode")
+    if not sim.scale_out:
+        args.append("--no-scale-out")
     return args
 
 

@@ -1,8 +1,10 @@
 """``orchestrator sim-inference``: serve the simulated inference server until interrupted.
 
-``--profile`` picks the real server it plays (vllm-0.26, vllm-0.32, vllm-0.33, prime-rl); ``--no-dev-mode``
-plays a vLLM started without ``VLLM_SERVER_DEV_MODE=1`` (no admin routes). ``GET /sim/log`` on the printed
-address's root says what the server saw.
+``--profile`` picks the real server it plays (vllm-0.26, vllm-0.31, vllm-0.32, vllm-0.33, prime-rl);
+``--no-dev-mode`` plays a vLLM started without ``VLLM_SERVER_DEV_MODE=1`` (no admin routes), ``--no-scale-out``
+one started without ``--enable-scale-out`` (0.31: no generate route; 0.32+: 403). ``GET /sim/log`` on the
+printed address's root says what the server saw. Like a real vLLM, the process exits (status 1) shortly after
+its engine dies: a weight load failed, then a request reached the engine (``orchestrator.sim.engine``).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from orchestrator.cli import run_async
 from orchestrator.config import SimConfig
 
 HELP = "run the simulated inference server, playing vLLM or prime-rl (prints its base URL on stdout)"
+DEAD_EXIT_S = 1.0  # how long the process outlives its engine (a real vLLM 0.31: ~1-3 s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from orchestrator.sim.policy import LOGPROBS_MODES
     from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILE_NAMES
 
     d = SimConfig()
@@ -26,6 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the real server to play (default: {DEFAULT_PROFILE})")
     p.add_argument("--dev-mode", action=argparse.BooleanOptionalAction, default=d.dev_mode,
                    help="vLLM profiles: serve the admin routes, as VLLM_SERVER_DEV_MODE=1 does (default: on)")
+    p.add_argument("--scale-out", action=argparse.BooleanOptionalAction, default=d.scale_out,
+                   help="vLLM 0.31+ profiles: serve POST /inference/v1/generate, as --enable-scale-out does "
+                   "(default: on; --no-scale-out plays a server started without it: 0.31 404, 0.32+ 403)")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d.logprobs_mode,
+                   help="which logprobs replies report, as vLLM's --logprobs-mode: raw_logprobs (the log-softmax of "
+                   "the unscaled logits; vLLM's default) or processed_logprobs (those of the distribution "
+                   f"sampled from) (default: {d.logprobs_mode})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
     p.add_argument("--model", default="sim-model", help="model name served (default: sim-model)")
@@ -71,7 +82,25 @@ async def _serve(args: argparse.Namespace, faults: object) -> int:
         loop.add_signal_handler(sig, stop.set)
     async with SimServer.open(args.host, args.port, profile=args.profile, dev_mode=args.dev_mode, model=args.model,
                               seed=args.seed, layers=args.layers, top_k=args.top_k, num_experts=args.num_experts,
-                              faults=faults, record_replies=args.record_replies) as server:
+                              faults=faults, record_replies=args.record_replies, scale_out=args.scale_out,
+                              logprobs_mode=args.logprobs_mode) as server:
         print(server.url, flush=True)
-        await stop.wait()
+        if await _first_set(stop, server.engine.died) is server.engine.died:
+            # the real process exits a second or three after its engine died (observed on vLLM 0.31.0); until
+            # then its API server answers (/health 503, generate 500): so does this one
+            await asyncio.sleep(DEAD_EXIT_S)
+            print("sim-inference: its engine died (a weight load failed, then a request reached it); exiting, as "
+                  "vLLM does", file=sys.stderr)
+            return 1
     return 0
+
+
+async def _first_set(*events: asyncio.Event) -> asyncio.Event:
+    """The first of ``events`` to be set (both waits are cancelled before returning)."""
+    waits = {asyncio.ensure_future(e.wait()): e for e in events}
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    return waits[next(iter(done))]

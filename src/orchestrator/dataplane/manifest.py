@@ -6,10 +6,11 @@ Unix socket that hands out its fd), ``spans`` (one per trained rollout: pool, by
 shape and dtype; the column layout inside follows from those, dataplane/layout.py), ``samples`` (span, first
 token, tokens; in span order, each span's samples covering its tokens exactly), ``columns`` (name, dtype and
 trailing shape of every column the trainer gets: the three token columns, plus routed experts when every span
-has the same routed shape and dtype) and ``scalars`` (per sample: ``advantage``, ``reward``, ``env``,
-``rollout``), and ``attempt``: 0 for a step's first build, one more for each rebuild after the trainer reported
-some of its pools lost. Encoded as one msgpack map with ``"kind": "step-manifest"`` and ``"v": 1``
-(docs/data-plane.md).
+has the same routed shape and dtype), ``scalars`` (per sample: ``advantage``, ``reward``, ``env``,
+``rollout``, and ``temperature`` when the orchestrator gives it), ``logprobs_mode`` (``raw`` or ``processed``:
+which logprobs the logprobs column holds, as in a batch header; null: not known), and ``attempt``: 0 for a
+step's first build, one more for each rebuild after the trainer reported some of its pools lost. Encoded as
+one msgpack map with ``"kind": "step-manifest"`` and ``"v": 1`` (docs/data-plane.md).
 
 ``decode_manifest`` is the trainer's edge: it refuses, with a ``WireError`` naming the first problem, anything
 but a valid manifest of this version: a message over MAX_MANIFEST_BYTES, a wrong type or a value out of
@@ -40,6 +41,7 @@ from orchestrator.dataplane.layout import (
 from orchestrator.errors import WireError
 
 if TYPE_CHECKING:
+    from orchestrator.transport.wire import LogprobsMode
     from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
 MANIFEST_VERSION: Literal[1] = 1
@@ -108,6 +110,7 @@ class StepManifest(msgspec.Struct, frozen=True, kw_only=True, tag="step-manifest
     columns: Annotated[list[ColumnSpec], msgspec.Meta(max_length=8)]
     scalars: Annotated[dict[Name, Annotated[list[Scalar], msgspec.Meta(max_length=MAX_SAMPLES)]],
                        msgspec.Meta(max_length=64)]
+    logprobs_mode: Literal["raw", "processed"] | None = None  # as a batch header's (transport/wire.py)
 
 
 class _Versioned(msgspec.Struct):
@@ -217,7 +220,7 @@ def pool_ref(worker: str, pool: PoolInfo) -> PoolRef:
 
 
 def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, float]],
-                   pools: Mapping[str, PoolInfo], attempt: int = 0,
+                   pools: Mapping[str, PoolInfo], attempt: int = 0, logprobs_mode: LogprobsMode | None = None,
                    temperatures: Mapping[str, float] | None = None) -> StepManifest:
     """The manifest of a step from its trained records (with their advantages) and each worker's current pool
     (by worker name). WireError for a record whose span is not in its worker's current pool: its columns are
@@ -227,8 +230,7 @@ def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, f
     pool_refs: list[PoolRef] = []
     spans: list[SpanRef] = []
     samples: list[SampleRef] = []
-    scalars: dict[str, list[Scalar]] = {"advantage": [], "reward": [], "env": [], "rollout": [], "temperature": []}
-    temperatures = temperatures or {}
+    scalars: dict[str, list[Scalar]] = {"advantage": [], "reward": [], "env": [], "rollout": []}
     for rec, advantage in trained:
         h = rec.header
         pool = pools.get(h.worker)
@@ -247,6 +249,7 @@ def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, f
             scalars["reward"].append(rec.reward)
             scalars["env"].append(h.env)
             scalars["rollout"].append(h.rid)
-            scalars["temperature"].append(temperatures.get(h.env, 1.0))
+    if temperatures is not None:
+        scalars["temperature"] = [temperatures.get(str(env), 1.0) for env in scalars["env"]]
     return StepManifest(run=run, step=step, attempt=attempt, pools=pool_refs, spans=spans, samples=samples,
-                        columns=expected_columns(spans), scalars=scalars)
+                        columns=expected_columns(spans), scalars=scalars, logprobs_mode=logprobs_mode)

@@ -40,7 +40,7 @@ from orchestrator.errors import WireError
 from orchestrator.security import ClientKeys, KeyPair
 
 if TYPE_CHECKING:
-    from orchestrator.transport.wire import Batch
+    from orchestrator.transport.wire import Batch, LogprobsMode
 
 # orchestrator.transport's receiver imports this module, and importing any module of that package loads the
 # package (its __init__ imports the receiver): so this module imports transport's memfd and wire where it uses
@@ -230,6 +230,11 @@ class StepView:
     def num_samples(self) -> int:
         return len(self.manifest.samples)
 
+    @property
+    def logprobs_mode(self) -> LogprobsMode | None:
+        """Which logprobs the ``logprobs`` column holds (``Batch.logprobs_mode``)."""
+        return self.manifest.logprobs_mode
+
     def sample(self, i: int) -> dict[str, Any]:
         """Sample ``i``: each column's tokens ``start:start + tokens`` of its span (views), and its scalars."""
         ref = self.manifest.samples[i]
@@ -248,4 +253,4 @@ class StepView:
         chunks = {name: [self._spans[ref.span][name][ref.start:ref.start + ref.tokens] for ref in m.samples]
                   for name in names}
         return Batch.from_columns(m.run, m.step, chunks, [ref.tokens for ref in m.samples],
-                                  {k: list(v) for k, v in m.scalars.items()})
+                                  {k: list(v) for k, v in m.scalars.items()}, m.logprobs_mode)

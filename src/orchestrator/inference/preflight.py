@@ -9,7 +9,12 @@ For each server, concurrently (``orchestrator run`` at start, and ``orchestrator
    the other (prime-rl's server started with dev mode has its weight routes shadowed by vLLM's);
 4. ``POST /tokenize`` encodes a probe text as ``model.tokenizer`` does (a wrong or missing tokenizer);
 5. one tiny ``POST /inference/v1/generate`` round trip parses the way env workers' client parses it
-   (replies.py: catches vLLM >= 0.32's logprobs and upstream vLLM's routed-experts string).
+   (replies.py: catches vLLM >= 0.32's logprobs and upstream vLLM's routed-experts string); a vLLM >= 0.30
+   started without ``--enable-scale-out`` answers it 404 (0.31) or 403 (0.32): one line naming that flag.
+
+6. ``GET /server_info?config_format=json`` says which logprobs it reports; with what the job states and its
+   sampling temperatures, that settles the logprobs mode every batch carries (logprobs.py: servers that
+   disagree, or raw logprobs at a temperature other than 1, are problems).
 
 A run first resumes each server (``resume=True``): a run killed during a weight sync leaves its servers
 paused, and a paused server holds every request.
@@ -26,9 +31,11 @@ from typing import Any
 import orjson
 
 from orchestrator.errors import InferenceError, MalformedReply, OrchestratorError
+from orchestrator.inference.logprobs import LogprobsCheck, Settled, resolve, server_mode
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpStatusError, InferenceServer
 from orchestrator.inference.weights import PrimeRLWeights, VLLMWeights, weight_sync
+from orchestrator.transport.wire import LogprobsMode
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +56,35 @@ class ServerReport:
     url: str
     max_model_len: int | None
     problems: tuple[str, ...]
+    logprobs_mode: str | None = None  # vLLM's --logprobs-mode, as its /server_info says (None: it cannot say)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """A pool that can serve the job: each server's report, and the logprobs mode every batch will carry."""
+
+    servers: list[ServerReport]
+    logprobs: Settled
+
+    @property
+    def logprobs_mode(self) -> LogprobsMode:
+        return self.logprobs.mode
 
 
 async def preflight(servers: list[InferenceServer], *, backend: str, model: str, tokenizer: Path,
-                    resume: bool) -> list[ServerReport]:
-    """Check every server; PreflightError listing every problem found (nothing is raised for a good pool)."""
+                    resume: bool, logprobs: LogprobsCheck | None = None) -> Preflight:
+    """Check every server and settle the logprobs mode (logprobs.py); PreflightError listing every problem
+    found (nothing is raised for a good pool)."""
     encoded = encode_probe(tokenizer)
     reports = await asyncio.gather(*(_check(s, backend, model, encoded, resume) for s in servers))
-    problems = [p for r in reports for p in r.problems]
+    settled = resolve(logprobs or LogprobsCheck(), {r.url: r.logprobs_mode for r in reports})
+    for warning in settled.warnings:
+        log.warning("preflight: %s", warning)
+    problems = [p for r in reports for p in r.problems] + list(settled.problems)
     if problems:
         raise PreflightError(problems)
-    return list(reports)
+    log.info("preflight: logprobs mode %s (%s)", settled.mode, settled.how)
+    return Preflight(list(reports), settled)
 
 
 def encode_probe(tokenizer: Path) -> list[int] | None:
@@ -109,9 +134,25 @@ async def _check(server: InferenceServer, backend: str, model: str, encoded: lis
         parse_generate_reply(await _call(server, "POST", "/inference/v1/generate", body), len(prompt))
     except MalformedReply as e:
         problems.append(f"{server.url}: env workers could not read its generate replies: {e}")
+    except HttpStatusError as e:
+        problems.append(f"{server.url}: {_scale_out_problem(e) or f'a 2-token generate request failed ({e})'}")
     except InferenceError as e:
         problems.append(f"{server.url}: a 2-token generate request failed ({e})")
-    return ServerReport(server.url, max_len, tuple(problems))
+    return ServerReport(server.url, max_len, tuple(problems), await server_mode(server))
+
+
+def _scale_out_problem(e: HttpStatusError) -> str | None:
+    """What a vLLM >= 0.30 started without ``--enable-scale-out`` answers to a generate request, as one line:
+    0.31 has no such route (404 ``{"detail": "Not Found"}``, observed on vLLM 0.31.0), 0.32 refuses it (403
+    PermissionDeniedError "Scale-out endpoints are disabled...", observed on vLLM 0.32.0). None: another error."""
+    if e.status == 404 and b'"Not Found"' in e.body:
+        why = "is not served (HTTP 404: no such route)"
+    elif e.status == 403 and b"--enable-scale-out" in e.body:
+        why = "is refused (HTTP 403: scale-out endpoints are disabled)"
+    else:
+        return None
+    return (f"POST /inference/v1/generate {why}: restart vllm serve with --enable-scale-out (vLLM >= 0.30 "
+            "serves it only with that flag)")
 
 
 async def _call(server: InferenceServer, method: str, path: str, body: Any = None) -> bytes:

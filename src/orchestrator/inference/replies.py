@@ -63,7 +63,7 @@ def _logprobs(obj: Any, ids: list[int]) -> list[float]:
     for i, (tok, entry) in enumerate(zip(ids, content, strict=True)):
         if isinstance(entry, dict) and "token" not in entry and "token_id" in entry:
             raise MalformedReply("logprobs come as {\"token_id\": <id>} (vLLM >= 0.32); verifiers 0.4.0's client "
-                                 "needs {\"token\": \"token_id:<id>\"}: use vLLM 0.26 or prime-rl's server")
+                                 "needs {\"token\": \"token_id:<id>\"}: use vLLM 0.31 (or 0.26) or prime-rl's server")
         if not isinstance(entry, dict) or entry.get("token") != f"token_id:{tok}":
             got = entry.get("token") if isinstance(entry, dict) else entry
             raise MalformedReply(f"generate reply: logprobs.content[{i}].token is {got!r}, expected 'token_id:{tok}'")

@@ -11,13 +11,15 @@ vLLM 0.26.0): ``POST /pause`` (it ignores the query and always pauses with keep,
 /update_weights {"weight_dir": DIR}`` -> ``{"status": "ok"}``, ``POST /resume``. Run it without
 ``VLLM_SERVER_DEV_MODE``: vLLM's own /pause and /update_weights would shadow prime-rl's.
 
-``vllm`` — upstream vLLM with ``VLLM_SERVER_DEV_MODE=1`` (0.26: ``vllm/entrypoints/serve/dev/rlhf/api_router.py``
-and ``serve/dev/rpc/api_router.py``; 0.32/0.33: ``vllm/entrypoints/rl/online/api_router.py``): ``POST
-/pause?mode=keep&clear_cache=false`` (the defaults are mode=abort, clear_cache=true: aborted requests and a
-dropped cache), ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``, on
-0.32+ ``POST /update_weight_version {"new_version": "<step>"}`` (so replies' ``weight_versions`` name the
-step; 0.26 has no such route and answers 404, which is fine), ``POST /resume``. Without dev mode these
-routes do not exist (404) and full weights cannot be changed over HTTP at all.
+``vllm`` — upstream vLLM with ``VLLM_SERVER_DEV_MODE=1`` (0.26 and 0.31:
+``vllm/entrypoints/serve/dev/rlhf/api_router.py`` and ``serve/dev/rpc/api_router.py``; 0.32/0.33:
+``vllm/entrypoints/rl/online/api_router.py``): ``POST /pause?mode=keep&clear_cache=false`` (the defaults are
+mode=abort, clear_cache=true: aborted requests and a dropped cache), ``POST /collective_rpc {"method":
+"reload_weights", "kwargs": {"weights_path": DIR}}``, on 0.31+ ``POST /update_weight_version {"new_version":
+"<step>"}`` (the engine's version label; 0.32+ replies' ``weight_versions`` name it; 0.26 has no such route and
+answers 404, which is fine), ``POST /resume``. A load that fails kills a real engine at its next request
+(observed on vLLM 0.31.0: ``orchestrator.sim.engine``), so a trainer must announce directories with weights.
+Without dev mode these routes do not exist (404) and full weights cannot be changed over HTTP at all.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from orchestrator.dataplane.manifest import StepManifest, build_manifest
 from orchestrator.pipeline.advantage import AdvantageFn
 from orchestrator.pipeline.filters import FilterSet
 from orchestrator.scheduling.groups import lose_columns
-from orchestrator.transport.wire import ROUTED, TOKEN_COLUMNS, Batch
+from orchestrator.transport.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
 from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
 log = logging.getLogger(__name__)
@@ -50,10 +50,11 @@ class StepResult(Generic[B]):
 
 
 class StepBuilder:
-    def __init__(self, cfg: JobConfig, vocab_size: int) -> None:
+    def __init__(self, cfg: JobConfig, vocab_size: int, logprobs_mode: LogprobsMode | None = None) -> None:
         self.run = cfg.run.name
-        # each sample's sampling temperature goes to the trainer (a per-sample scalar): processed logprobs are
-        # those of the tempered distribution, which the trainer must recompute at the same temperature
+        # what every batch tells the trainer: which logprobs it holds (settled by preflight), and each sample's
+        # sampling temperature (its env's), which a trainer recomputing processed logprobs needs
+        self.logprobs_mode = logprobs_mode
         self.temperatures = {e.label: e.sampling.temperature for e in cfg.env}
         self.advantage = AdvantageFn(cfg.pipeline)
         self.vocab_size = vocab_size
@@ -88,7 +89,7 @@ class StepBuilder:
         rows, trained, phase = self._rows(step, groups, dropped, self.worker_filters)
         t = time.perf_counter()
         manifest = build_manifest(self.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools,
-                                  attempt, self.temperatures)
+                                  attempt, self.logprobs_mode, self.temperatures)
         phase["assemble"] = time.perf_counter() - t
         return self._result(manifest, rows, phase, groups, trained)
 
@@ -165,7 +166,7 @@ class StepBuilder:
                 scalars["env"].append(rec.env)
                 scalars["rollout"].append(rec.rid)
                 scalars["temperature"].append(self.temperatures.get(rec.env, 1.0))
-        return Batch.from_columns(self.run, step, chunks, lengths, scalars)
+        return Batch.from_columns(self.run, step, chunks, lengths, scalars, self.logprobs_mode)
 
 
 def failed_row(step: int, g: Any, r: RolloutRecord, dropped: bool = False) -> dict[str, Any]:

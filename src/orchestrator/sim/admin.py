@@ -2,30 +2,34 @@
 
 vLLM profiles serve them only in dev mode (``VLLM_SERVER_DEV_MODE=1``); without it every path below answers
 FastAPI's 404 ``{"detail": "Not Found"}``, as it does for prime-rl's missing ``/is_paused``,
-``/collective_rpc``, ``/reset_prefix_cache``, ``/update_weight_version`` and ``/weight_info``.
+``/collective_rpc``, ``/reset_prefix_cache``, ``/update_weight_version``, ``/weight_info`` and ``/server_info``.
 
 - ``POST /pause``: vLLM reads query ``mode`` (default ``abort``), ``clear_cache`` (default true) and, on 0.26
-  only, ``wait_for_inflight_requests``; the body is ignored. prime-rl ignores everything and pauses in keep
+  and 0.31, ``wait_for_inflight_requests``; the body is ignored. prime-rl ignores everything and pauses in keep
   mode without clearing the cache. Both answer ``{"status": "paused"}``.
 - ``POST /resume`` -> ``{"status": "resumed"}``; ``GET /is_paused`` -> ``{"is_paused": bool}`` (vLLM only).
 - ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` ->
   ``{"results": [null]}`` (vLLM only; no ``method``: 400).
-- ``POST /update_weights``: vLLM needs ``update_info`` (0.26: 400 "Missing 'update_info' in request body";
+- ``POST /update_weights``: vLLM needs ``update_info`` (0.26, 0.31: 400 "Missing 'update_info' in request body";
   0.32+: a 400 validation error); prime-rl takes ``{"weight_dir": DIR}`` -> ``{"status": "ok"}``.
 - ``POST /reset_prefix_cache`` -> ``{"success": true}`` (vLLM only).
-- 0.32+: ``POST /update_weight_version {"new_version": str}`` -> ``{"success": true, "new_version"}``,
+- ``GET /server_info[?config_format=json]`` -> ``{"vllm_config", "vllm_env", "system_env"}`` (vLLM only; read in
+  0.31, and in vLLM's dev routes long before 0.26; prime-rl's server runs without dev mode: 404), whose
+  ``vllm_config.model_config.logprobs_mode`` says which logprobs replies report.
+- 0.31+: ``POST /update_weight_version {"new_version": str}`` -> ``{"success": true, "new_version"}``,
   ``GET /weight_info`` -> ``{"weight_version"}`` (``"default"`` until set).
 - prime-rl: ``GET /liveness`` -> ``{"status": "ok"}``.
 
-A weights directory that does not exist fails the load with 500 (the worker's exception reaching vLLM's
-generic handler). ``/update_weights`` with an ``update_info`` answers 500 too: the simulator has no weight
-transfer engine, like a server started without ``--weight-transfer-config``.
+A weight load that fails (a path that is not a directory, a directory without the simulator's weights file, a
+file it cannot read) answers 500 with the worker's error, as observed on vLLM 0.31.0, and breaks the engine:
+``orchestrator.sim.engine`` says what a real server does next. ``/update_weights`` with an ``update_info``
+answers 500 too: the simulator has no weight transfer engine, like a server started without
+``--weight-transfer-config``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
+import platform
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -60,8 +64,8 @@ def admin_routes(server: SimServer) -> list[web.RouteDef]:
     routes = [web.post("/pause", admin.pause), web.post("/resume", admin.resume),
               web.get("/is_paused", admin.is_paused), web.post("/collective_rpc", admin.collective_rpc),
               web.post("/update_weights", admin.update_weights),
-              web.post("/reset_prefix_cache", admin.reset_prefix_cache)]
-    if server.profile.weight_versions:
+              web.post("/reset_prefix_cache", admin.reset_prefix_cache), web.get("/server_info", admin.server_info)]
+    if server.profile.weight_version_routes:
         routes += [web.post("/update_weight_version", admin.update_weight_version),
                    web.get("/weight_info", admin.weight_info)]
     return routes
@@ -72,10 +76,6 @@ def _pause_mode(raw: str) -> PauseMode:
         if raw == mode:
             return mode
     raise validation_error(("query", "mode"), "literal_error", "Input should be 'abort', 'wait' or 'keep'", raw)
-
-
-async def _is_dir(path: Any) -> bool:
-    return isinstance(path, str) and await asyncio.to_thread(os.path.isdir, path)
 
 
 class _Admin:
@@ -121,9 +121,7 @@ class _Admin:
             raise engine_error(500, f"sim: collective_rpc method {method!r} is not simulated (only reload_weights)")
         kwargs = body.get("kwargs") or {}
         path = kwargs.get("weights_path") if isinstance(kwargs, dict) else None
-        if path is not None and not await _is_dir(path):
-            raise engine_error(500, f"reload_weights: weights_path {path!r} is not a directory")
-        self.server.load(path)
+        await self.server.load(path, none_reloads=True)
         return json_response({"results": [None]})
 
     async def update_weights(self, request: web.Request) -> web.Response:
@@ -146,6 +144,23 @@ class _Admin:
         parse_bool("reset_external", request.query.get("reset_external"), False)
         self.server.counters.cache_resets += 1
         return json_response({"success": True})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode ``GET /server_info`` (``v031:entrypoints/serve/dev/server_info/api_router.py``):
+        ``vllm_config`` as JSON with ``?config_format=json``, else as its text; the JSON holds the fields the
+        simulator has, ``model_config.logprobs_mode`` among them (observed: ``"raw_logprobs"`` by default,
+        ``"processed_logprobs"`` with ``--logprobs-mode processed_logprobs``)."""
+        fmt = request.query.get("config_format", "text")
+        if fmt not in ("text", "json"):
+            raise validation_error(("query", "config_format"), "literal_error", "Input should be 'text' or 'json'",
+                                   fmt)
+        s = self.server
+        model = {"model": s.model, "served_model_name": s.model, "max_model_len": s.max_model_len,
+                 "logprobs_mode": s.policy.logprobs_mode}
+        text = ", ".join(f"{k}={v!r}" for k, v in model.items())  # VllmConfig.__str__ is such a line
+        return json_response({"vllm_config": {"model_config": model} if fmt == "json" else text,
+                              "vllm_env": {"VLLM_SERVER_DEV_MODE": True},
+                              "system_env": {"os": platform.platform(), "python_version": platform.python_version()}})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = self._object(await read_json_body(request))
@@ -180,10 +195,7 @@ class _Admin:
             raise engine_error(400, str(e)) from e
         if not isinstance(body, dict):
             raise engine_error(500, f"'{type(body).__name__}' object has no attribute 'get'")
-        weight_dir = body.get("weight_dir")
-        if not await _is_dir(weight_dir):
-            raise engine_error(500, f"update_weights_from_path: weight_dir {weight_dir!r} is not a directory")
-        self.server.load(weight_dir)
+        await self.server.load(body.get("weight_dir"))
         return json_response({"status": "ok"})
 
     async def liveness(self, _request: web.Request) -> web.Response:

@@ -6,7 +6,7 @@ grow without bound); ``Counters`` keep the totals.
 
 ``GET /sim/log`` JSON::
 
-    {"profile": "vllm-0.26", "dev_mode": true,
+    {"profile": "vllm-0.31", "dev_mode": true,
      "weights_path": str | null, "loads": int, "weight_version": str | null, "pause_mode": str | null,
      "counters": {"requests": int, "generated_tokens": int, "errors": int, "hangs": int, "malformed": int,
                   "drops": int, "down": int, "aborted": int, "refused_paused": int, "cache_resets": int},
@@ -16,7 +16,7 @@ grow without bound); ``Counters`` keep the totals.
                    "pause_mode": str | null, "finish_reason": str | null, "fault": str | null,
                    "prompt_tokens": int, "completion_tokens": int}, ...]}
 
-``weight_version`` is vLLM 0.32+'s engine version string (null on other profiles). In a generate entry,
+``weight_version`` is vLLM 0.31+'s engine version string (null on other profiles). In a generate entry,
 ``weights_path`` and ``loads`` are those the reply was sampled with (for a refused or failed request: those
 when it was answered); ``pause_mode`` is the pause in force when the request arrived (null: running);
 ``fault`` names an injected fault (``error``, ``drop``, ``down``, ``malformed:<kind>``, ``hang``) or is null; a

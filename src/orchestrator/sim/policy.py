@@ -1,20 +1,31 @@
 """The simulated model: what a sim server samples from, and what loading weights changes.
 
 ``SimPolicy.sample(prompt_ids, sampling_params)`` is the one place tokens come from: token by token from the
-tiny policy (``orchestrator.policy``), conditioned on the prompt and on what it sampled so far. Each sampled
-token's logprob is exact under the request's sampling parameters, as vLLM reports processed logprobs:
-``temperature`` (0: greedy, the sampled token's logprob is 0), then ``top_k`` (-1 or 0: off), then ``top_p``;
-tokens these exclude have logprob -inf, reported as vLLM's floor, -9999.0. ``min_p`` and the penalties are
-accepted and ignored.
+tiny policy (``orchestrator.policy``), conditioned on the prompt and on what it sampled so far, from the
+distribution the request's sampling parameters make: ``temperature`` (0: greedy), then ``top_k`` (-1 or 0:
+off), then ``top_p``. ``min_p`` and the penalties are accepted and ignored. The logprobs a reply reports, as
+vLLM's ``--logprobs-mode`` says (``v031:v1/sample/sampler.py``; observed on vLLM 0.31.0 to 5e-7 against a
+float32 recomputation, OBSERVED.md), are exact:
 
-``load(path)`` reads the parameters the trainer saved in the weights directory (``orchestrator.policy.FILE``);
-a directory without that file (a trainer that saves other weights, e.g. safetensors, which the simulator does
-not read) leaves them as they are; an unreadable one raises ``CheckpointError``. Before any load the server samples from
-``Policy.initial()``. The sampling state after a prompt is kept for the last ``PROMPT_CACHE`` prompts (every
-rollout of a group sends the same one) until new parameters load. ``route(rows)`` draws the MoE routing of a
-sequence. Sampling and routing draw from
-generators seeded at construction, so a server's replies are deterministic under its seed for a given order
-of requests and weight loads.
+- ``raw_logprobs`` (vLLM's default): the log-softmax of the unscaled logits, whatever the temperature, top-k
+  or top-p: not those of the distribution sampled from, unless temperature is 1 and nothing is cut;
+- ``processed_logprobs``: those of the distribution sampled from (temperature, top-k, top-p applied; tokens
+  these exclude have logprob -inf, reported as vLLM's floor, -9999.0), except for a greedy request (temperature
+  0), whose logprobs are the raw ones (vLLM's greedy path skips the processing).
+
+The ranks and top logprobs of a reply are of the same distribution as its logprobs.
+
+``read(path)`` (blocking: a worker thread) reads the parameters the trainer saved in the weights directory
+(``orchestrator.policy.FILE``) and ``install`` puts them in place. The simulator's weights are that file, so a
+path that is not a directory, a directory without it, or a file it cannot read fail the load as a real
+server's do (``LoadFailed`` with the worker's error: ``orchestrator.sim.engine``). Reading the very file loaded
+last (the same inode, size and mtime: the reference trainer hard-links one unchanged policy into each
+checkpoint) reuses the parameters in hand. Before any load the server samples from ``Policy.initial()``.
+
+The sampling state after a prompt is kept for the last ``PROMPT_CACHE`` prompts (every rollout of a group
+sends the same one) until new parameters load. ``route(rows)`` draws the MoE routing of a sequence. Sampling
+and routing draw from generators seeded at construction, so a server's replies are deterministic under its
+seed for a given order of requests and weight loads.
 """
 
 from __future__ import annotations
@@ -23,15 +34,29 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 
+from orchestrator.errors import CheckpointError
 from orchestrator.policy import FILE, Cursor, Policy
+from orchestrator.sim.engine import LoadFailed
 from orchestrator.sim.requests import SamplingParams
 from orchestrator.sim.vocab import SimVocab
 
 LOGPROB_FLOOR = -9999.0  # vLLM floors logprobs at -9999.0
 PROMPT_CACHE = 256  # prompts whose cursor is kept (a group's rollouts send the same prompt)
+FileId = tuple[int, int, int, int]  # device, inode, size, mtime (ns)
+LogprobsModeName = Literal["raw_logprobs", "processed_logprobs"]  # vLLM's --logprobs-mode values simulated
+LOGPROBS_MODES: tuple[LogprobsModeName, ...] = get_args(LogprobsModeName)
+
+
+def logprobs_mode_named(name: str) -> LogprobsModeName:
+    """The mode called ``name``; ValueError naming the valid ones otherwise."""
+    for mode in LOGPROBS_MODES:
+        if name == mode:
+            return mode
+    raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, not {name!r}")
 
 
 @dataclass(frozen=True)
@@ -57,15 +82,17 @@ class Experts:
 
 
 class SimPolicy:
-    def __init__(self, vocab: SimVocab, seed: int, experts: Experts | None = None) -> None:
+    def __init__(self, vocab: SimVocab, seed: int, experts: Experts | None = None,
+                 logprobs_mode: LogprobsModeName = "raw_logprobs") -> None:
         tokens_seed, routing_seed = np.random.SeedSequence(seed).spawn(2)
         self.vocab = vocab
         self.experts = experts
+        self.logprobs_mode = logprobs_mode  # what replies report (vLLM's --logprobs-mode; raw is its default)
         self._prompts: OrderedDict[bytes, Cursor] = OrderedDict()  # least recently used first
         self._model = Policy.initial()
         self.weights_path: str | None = None  # the last directory loaded; None: the weights it started with
         self.loads = 0
-        self._loaded: tuple[int, ...] | None = None  # identity of the weights file loaded last (_identity)
+        self._file_id: FileId | None = None  # the weights file loaded last
         self._rng = np.random.default_rng(tokens_seed)
         self._routing_rng = np.random.default_rng(routing_seed)
 
@@ -79,17 +106,37 @@ class SimPolicy:
         self._model = policy
         self._prompts.clear()
 
-    def load(self, path: str | None) -> None:
-        """Load the parameters saved in directory ``path`` (None: keep the current ones). The very file loaded
-        last (same inode, size and mtime: e.g. the reference trainer's hard links of one initial policy) is not
-        read again: the same parameters, without 0.3 s of decompression on the server's loop."""
+    def read(self, path: object) -> tuple[Policy | None, FileId]:
+        """Blocking: the parameters saved in directory ``path`` and which file held them (None: the file loaded
+        last, whose parameters are in hand). LoadFailed with the worker's error as vLLM words it."""
+        if not isinstance(path, str):  # prime-rl's update_weights with no weight_dir: os.path.isdir(None)
+            raise LoadFailed(f"stat: path should be string, bytes, os.PathLike or integer, not {type(path).__name__}")
+        directory = Path(path)
+        if not directory.is_dir():  # vLLM takes it for a hub repo id (observed: it tries the hub, then this)
+            raise LoadFailed(f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{path}'. Use "
+                             "`repo_type` argument if needed.")
+        try:
+            st = (directory / FILE).stat()
+        except FileNotFoundError:
+            raise LoadFailed(f"Cannot find any model weights with `{path}`") from None
+        file_id = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if file_id == self._file_id:
+            return None, file_id
+        try:
+            model = Policy.load(directory)
+        except CheckpointError as e:
+            raise LoadFailed(str(e)) from None
+        if model is None:  # removed since the stat above
+            raise LoadFailed(f"Cannot find any model weights with `{path}`")
+        return model, file_id
+
+    def install(self, path: str | None, model: Policy | None = None, file_id: FileId | None = None) -> None:
+        """Count a load of ``path`` and sample from ``model`` from now on (None: the parameters in hand, as
+        vLLM's reload_weights without a path reloads the last ones)."""
+        if model is not None:
+            self.model = model
+            self._file_id = file_id
         if path is not None:
-            identity = _identity(Path(path) / FILE)
-            if identity is None or identity != self._loaded:
-                model = Policy.load(Path(path))
-                if model is not None:
-                    self.model = model
-                    self._loaded = identity
             self.weights_path = path
         self.loads += 1
 
@@ -114,16 +161,17 @@ class SimPolicy:
         logprobs, ranks, top_ids, top_lps = [], [], [], []
         finish, stop_reason = "length", None
         for _ in range(max(sp.max_tokens, 1)):
-            z = processed_logits(cursor.logits(), sp)  # its maximum is 0
+            logits = cursor.logits()
+            z = processed_logits(logits, sp)  # its maximum is 0
             cdf = np.cumsum(np.exp(z))
             token = int(min(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"), cdf.size - 1))
-            log_total = float(np.log(cdf[-1]))
+            lp = self._reported(logits, z, float(np.log(cdf[-1])), sp)
             ids.append(token)
-            logprobs.append(float(z[token]) - log_total)
-            ranks.append(1 + int(np.count_nonzero(z > z[token])))
-            top = np.argsort(-z, kind="stable")[:k] if k > 1 else np.full(k, np.argmax(z))
+            logprobs.append(float(lp[token]))
+            ranks.append(1 + int(np.count_nonzero(lp > lp[token])))
+            top = np.argsort(-lp, kind="stable")[:k] if k > 1 else np.full(k, np.argmax(lp))
             top_ids.append(top)
-            top_lps.append(z[top] - log_total)
+            top_lps.append(lp[top])
             if token in stops:
                 finish, stop_reason = "stop", None if token == self.vocab.eos_id else token
                 break
@@ -132,6 +180,16 @@ class SimPolicy:
         return Sample(np.array(ids, np.int64), np.maximum(logprobs, floor), np.array(ranks, np.int64), finish,
                       stop_reason, np.array(top_ids, np.int64).reshape(len(ids), k),
                       np.maximum(np.array(top_lps).reshape(len(ids), k), floor))
+
+    def _reported(self, logits: np.ndarray, z: np.ndarray, log_total: float, sp: SamplingParams) -> np.ndarray:
+        """The logprobs a reply reports for every id: those of the sampling distribution (processed, but not for
+        greedy requests: vLLM's greedy path returns the log-softmax of the unscaled logits,
+        ``v031:v1/sample/sampler.py`` ``Sampler.sample``), or the log-softmax of the unscaled logits (raw)."""
+        if self.logprobs_mode == "processed_logprobs" and sp.temperature > 0:
+            return z - log_total
+        shifted = logits - logits[int(np.argmax(logits))]
+        out: np.ndarray = shifted - float(np.log(np.sum(np.exp(shifted))))
+        return out
 
     def route(self, rows: int) -> np.ndarray:
         """Expert ids ``[rows, layers, top_k]`` (distinct within a token's layer), as int64."""
@@ -145,7 +203,7 @@ class SimPolicy:
 def processed_logits(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
     """The logits of the distribution ``sp`` samples from (vLLM's order: temperature, top-k, top-p), shifted
     so their maximum is 0; excluded ids get -inf. Temperature 0 (greedy) is the point mass on the most likely
-    id. ``z - log(sum(exp(z)))`` are the logprobs vLLM reports as processed."""
+    id. ``z - log(sum(exp(z)))`` are the logprobs vLLM reports as processed (for a temperature above 0)."""
     if sp.temperature <= 0:
         out = np.full(logits.size, -np.inf)
         out[int(np.argmax(logits))] = 0.0
@@ -164,12 +222,3 @@ def processed_logits(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
         z[cut] = -np.inf
     return z
 
-
-def _identity(file: Path) -> tuple[int, ...] | None:
-    """Which file ``file`` is (device, inode, size, mtime), or None if there is none; read before loading it, so
-    a file replaced meanwhile is at worst loaded again."""
-    try:
-        st = file.stat()
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns

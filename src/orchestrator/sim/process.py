@@ -53,7 +53,7 @@ async def sim_process(args: Sequence[str] = (), *, profile: ProfileName | None =
     ``timeout_s`` bounds its start (until it prints its address): a hang guard, since an interpreter importing
     aiohttp and numpy starts in a second or two on a quiet host and many times that with every core busy.
 
-    ``args`` are more ``sim-inference`` flags; ``profile`` None leaves the profile to them (default vllm-0.26).
+    ``args`` are more ``sim-inference`` flags; ``profile`` None leaves the profile to them (default vllm-0.31).
     """
     flags = [*(["--profile", profile] if profile is not None else []), *([] if dev_mode else ["--no-dev-mode"])]
     proc = await asyncio.create_subprocess_exec(

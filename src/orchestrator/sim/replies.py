@@ -9,7 +9,8 @@
   when num_experts <= 256 else uint16; prime-rl ``{"data", "shape", "start", "dtype"}`` (raw bytes, dtype by
   the largest id), in that key order, so its compact JSON holds ``"routed_experts":{"data":"``.
 - 0.32+: ``choices[i].weight_versions`` spans over the output tokens (empty without output tokens) and
-  ``stop_reason``; prime-rl: ``model`` and ``created`` null.
+  ``stop_reason``; 0.31 neither, but ``choices[i].sampling_mask`` and ``usage.completion_tokens_details`` (null),
+  in the key order observed on a real 0.31.0 (OBSERVED.md); prime-rl: ``model`` and ``created`` null.
 
 ``malform`` breaks a finished reply in one of ``MALFORMED_KINDS``, in the profile's own shape.
 """
@@ -67,36 +68,49 @@ def choice(profile: Profile, index: int, sample: Sample | None, *, logprobs: int
            experts: str | dict[str, Any] | None, weight_version: str) -> dict[str, Any]:
     """One ``choices[i]``; ``sample`` None: a request an abort pause ended before any token."""
     ids = [] if sample is None else sample.token_ids.tolist()
-    out: dict[str, Any] = {"index": index, "finish_reason": "abort" if sample is None else sample.finish_reason,
-                           "token_ids": ids}
+    finish = "abort" if sample is None else sample.finish_reason
+    content = None if logprobs is None else {
+        "content": [] if sample is None else logprobs_content(profile, sample, logprobs)}
+    if profile.reply_form == "0.31":  # observed key order (OBSERVED.md)
+        return {"index": index, "logprobs": content, "finish_reason": finish, "token_ids": ids,
+                "routed_experts": experts, "sampling_mask": None}
+    out: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": ids}
     if profile.weight_versions:
         out["stop_reason"] = None if sample is None else sample.stop_reason
-    out["logprobs"] = None if logprobs is None else {
-        "content": [] if sample is None else logprobs_content(profile, sample, logprobs)}
+    out["logprobs"] = content
     out["routed_experts"] = experts
     if profile.weight_versions:
         out["weight_versions"] = [{"version": weight_version, "start": 0, "end": len(ids)}] if ids else []
     return out
 
 
+# the null keys after ``usage``, in each form's order (0.31's as observed)
+_TAIL_KEYS: dict[str, tuple[str, ...]] = {
+    "0.26": ("prompt_logprobs", "kv_transfer_params", "ec_transfer_params"),
+    "0.31": ("prompt_logprobs", "prompt_token_id_logprobs", "prompt_token_ids", "mm_placeholders", "metrics",
+             "kv_transfer_params", "ec_transfer_params"),
+    "0.32": ("prompt_logprobs", "kv_transfer_params", "ec_transfer_params", "prompt_token_id_logprobs",
+             "prompt_token_ids", "mm_placeholders", "metrics"),
+}
+
+
 def generate_reply(profile: Profile, request_id: str, model: str, prompt_len: int,
                    choices: list[dict[str, Any]]) -> dict[str, Any]:
     completion = sum(len(c["token_ids"]) for c in choices)
-    usage = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + completion, "completion_tokens": completion,
-             "prompt_tokens_details": None}
+    usage: dict[str, Any] = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + completion,
+                             "completion_tokens": completion, "prompt_tokens_details": None}
+    if profile.reply_form == "0.31":
+        usage["completion_tokens_details"] = None
     reply: dict[str, Any] = {
         "request_id": f"generate-tokens-{request_id}",
         "model": None if profile.prime_rl else model,
         "created": None if profile.prime_rl else int(time.time()),
         "choices": choices,
         "usage": usage,
-        "prompt_logprobs": None,
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
+        **dict.fromkeys(_TAIL_KEYS[profile.reply_form]),
     }
-    if profile.token_id_logprobs:
-        reply |= {"prompt_token_id_logprobs": None, "prompt_token_ids": None, "mm_placeholders": None,
-                  "metrics": None, "output_mode": "tokens"}
+    if profile.reply_form == "0.32":
+        reply["output_mode"] = "tokens"
     return reply
 
 

@@ -3,7 +3,7 @@
 Read in ``vN:entrypoints/scale_out/token_in_token_out/protocol.py`` (``GenerateRequest``) and
 ``vN:sampling_params.py``: ``token_ids`` a non-empty list of non-negative ints and ``sampling_params`` an
 object (both required; 400 otherwise); ``model`` a served name or absent (404 ``NotFoundError``, param
-``model``); on 0.32+ ``cache_salt`` a non-empty str of at most 128 characters without ``@ / \\`` or NUL
+``model``); on 0.31+ ``cache_salt`` a non-empty str of at most 128 characters without ``@ / \\`` or NUL
 (``vN:entrypoints/generate/base/protocol.py`` ``validate_cache_salt``). A missing ``max_tokens`` becomes
 max_model_len minus the prompt length (``ServingTokens.serve_tokens``). Sampling keys the simulator does not
 use are accepted and ignored, as vLLM drops keys outside ``SamplingParams``.
@@ -50,16 +50,23 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# vLLM's messages (v031/v032:entrypoints/generate/base/protocol.py ``validate_cache_salt``, a VLLMValidationError:
+# 400 BadRequestError with the parameter named; bodies observed on real 0.31 and 0.32 servers)
+CACHE_SALT_EMPTY = "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"
+CACHE_SALT_CHARS = ("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', "
+                    "or NUL. (parameter=cache_salt)")
+
+
 def check_cache_salt(salt: Any, profile: Profile) -> str | None:
     if salt is None:
         return None
-    if not isinstance(salt, str):
+    if profile.strict_cache_salt:
+        if not isinstance(salt, str) or not salt:
+            raise engine_error(400, CACHE_SALT_EMPTY, param="cache_salt")
+        if len(salt) > CACHE_SALT_MAX or any(c in salt for c in CACHE_SALT_FORBIDDEN):
+            raise engine_error(400, CACHE_SALT_CHARS, param="cache_salt")
+    elif not isinstance(salt, str):
         raise validation_error(("body", "cache_salt"), "string_type", "Input should be a valid string", salt)
-    if profile.strict_cache_salt and (not salt or len(salt) > CACHE_SALT_MAX
-                                      or any(c in salt for c in CACHE_SALT_FORBIDDEN)):
-        raise validation_error(("body", "cache_salt"), "value_error",
-                               f"Value error, cache_salt must be a non-empty string of at most {CACHE_SALT_MAX} "
-                               "characters without '@', '/', '\\' or NUL", salt, param="cache_salt")
     return salt
 
 
@@ -137,7 +144,7 @@ def parse_generate(body: Any, profile: Profile, *, model: str, vocab_size: int, 
     if not isinstance(body, dict):
         raise validation_error(("body",), "model_attributes_type",
                                "Input should be a valid dictionary or object to extract fields from", body)
-    if profile.strict_cache_salt:  # 0.32+: a "before" model validator, so it runs ahead of the fields
+    if profile.strict_cache_salt:  # 0.31+: a "before" model validator, so it runs ahead of the fields
         check_cache_salt(body.get("cache_salt"), profile)
     token_ids = _token_ids(body)
     sampling = _sampling(body.get("sampling_params"), len(token_ids), max_model_len)

@@ -19,6 +19,7 @@ turning them on does not change the tokens of requests that still succeed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -31,12 +32,12 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from orchestrator.errors import CheckpointError
 from orchestrator.sim import replies
 from orchestrator.sim.admin import ADMIN_PATHS, admin_routes
+from orchestrator.sim.engine import Engine, LoadFailed, dead_error, load_error_message, sanitize
 from orchestrator.sim.gate import Gate
 from orchestrator.sim.log import AdminCall, Counters, GenerateCall, SimLog
-from orchestrator.sim.policy import Experts, SimPolicy
+from orchestrator.sim.policy import Experts, SimPolicy, logprobs_mode_named
 from orchestrator.sim.profiles import DEFAULT_PROFILE, get_profile
 from orchestrator.sim.requests import GenerateRequest, SamplingParams, parse_generate
 from orchestrator.sim.responses import (
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 
 MAX_EXPERTS = 65535  # expert ids travel as uint16 above 256 experts
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+SCALE_OUT_DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,10 @@ class SimServer:
     - ``profile``: the real server played, one of ``profiles.PROFILE_NAMES`` (ValueError otherwise);
     - ``dev_mode``: vLLM profiles serve their admin routes only with it (``VLLM_SERVER_DEV_MODE=1``);
       prime-rl's server always has its own and never runs in dev mode, so it ignores this;
+    - ``scale_out``: False plays a server started without ``--enable-scale-out``, on the profiles that have
+      that flag (0.31: no generate route, 404; 0.32+: 403 ``PermissionDeniedError``); others ignore it;
+    - ``logprobs_mode``: vLLM's ``--logprobs-mode``, ``raw_logprobs`` (its default) or ``processed_logprobs``:
+      which logprobs replies report (policy.py); vLLM profiles in dev mode say it in ``GET /server_info``;
     - ``model``: the served name (other names: 404); ``max_model_len``: on the model card, and the
       default ``max_tokens`` is what remains of it after the prompt;
     - ``layers``/``top_k``/``num_experts`` (<= 65535): routed experts in replies when ``layers`` is set;
@@ -91,23 +97,27 @@ class SimServer:
 
     def __init__(self, *, profile: str = DEFAULT_PROFILE, dev_mode: bool = True, model: str = "sim-model",
                  seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
-                 faults: Faults = Faults(), record_replies: bool = False) -> None:
+                 faults: Faults = Faults(), record_replies: bool = False, scale_out: bool = True,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         if (layers == 0) != (top_k == 0):
             raise ValueError("set layers and top_k both (routed experts) or neither")
         if not 1 <= num_experts <= MAX_EXPERTS or top_k > num_experts:
             raise ValueError(f"num_experts must be in 1..{MAX_EXPERTS} and at least top_k ({top_k})")
         self.profile = get_profile(profile)
         self.dev_mode = dev_mode  # vLLM profiles: serve the admin routes (prime-rl's server always has its own)
+        self.scale_out = scale_out  # started with --enable-scale-out (profiles without the flag always serve)
         self.model = model
         self.layers, self.top_k, self.num_experts = layers, top_k, num_experts
         self.max_model_len = max_model_len
         self.vocab = SimVocab.load()
-        self.policy = SimPolicy(self.vocab, seed, Experts(layers, top_k, num_experts) if layers else None)
+        self.policy = SimPolicy(self.vocab, seed, Experts(layers, top_k, num_experts) if layers else None,
+                                logprobs_mode_named(logprobs_mode))
         self.gate = Gate()
         self.faults = faults
         self.record_replies = record_replies  # the log keeps each reply's tokens and routed experts (tests)
-        self.weight_version = "default"  # vLLM 0.32+'s engine version string (/update_weight_version)
+        self.weight_version = "default"  # vLLM 0.31+'s engine version string (/update_weight_version)
         self.counters = Counters()
+        self.engine = Engine()  # broken by a failed weight load, dead at the next request that reaches it
         self.log = SimLog()
         self._fault_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
         self._created = int(time.time())
@@ -133,12 +143,21 @@ class SimServer:
         """How many times weights were loaded since start."""
         return self.policy.loads
 
-    def load(self, path: str | None) -> None:
-        """Load the weights in directory ``path``; an unreadable weights file is a 500, as a worker's exception."""
+    async def load(self, path: object, *, none_reloads: bool = False) -> None:
+        """Load the weights in directory ``path`` (None with ``none_reloads``: the ones in hand, as vLLM's
+        reload_weights without a path). A load that fails is a 500 with the worker's error and breaks the engine
+        (engine.py): the next request that reaches it kills it."""
+        if path is None and none_reloads:
+            self.policy.install(None)
+            return
         try:
-            self.policy.load(path)
-        except CheckpointError as e:
-            raise engine_error(500, f"loading weights from {path}: {e}") from e
+            model, file_id = await asyncio.to_thread(self.policy.read, path)  # reading a file: off the loop
+        except LoadFailed as e:
+            self.engine.load_failed()
+            message = load_error_message(str(e))
+            log.warning("sim server %s: weight load of %s failed; its engine is broken", self.url, path)
+            raise engine_error(500, sanitize(message) if self.profile.sanitized_errors else message) from None
+        self.policy.install(str(path), model, file_id)
         log.info("sim server %s: weights loaded from %s (load %d)", self.url, path, self.loads)
 
     # ------------------------------------------------------------------------------------------- serving
@@ -167,11 +186,26 @@ class SimServer:
         app = web.Application(client_max_size=64 * 2**20, middlewares=[self._outermost, fastapi_errors])
         app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models), web.get("/version", self.version),
-            web.post("/tokenize", self.tokenize), web.post("/inference/v1/generate", self.generate),
+            web.post("/tokenize", self.tokenize), *self._generate_route(),
             web.post("/v1/chat/completions", self.chat), *admin_routes(self),
             web.post("/sim/faults", self.set_faults), web.get("/sim/log", self.get_log),
         ])
         return app
+
+    def _generate_route(self) -> list[web.RouteDef]:
+        """``POST /inference/v1/generate``, or what a server started without ``--enable-scale-out`` has in its
+        place: nothing on 0.31 (the route is not registered: v031:entrypoints/scale_out/factories.py; observed
+        404 ``{"detail": "Not Found"}``), a 403 on 0.32+ (observed on 0.32, REAL-VLLM.md)."""
+        flag = self.profile.scale_out_flag
+        if flag is None or self.scale_out:
+            return [web.post("/inference/v1/generate", self.generate)]
+        if flag == "refused":
+            return [web.post("/inference/v1/generate", self._scale_out_refused)]
+        return []
+
+    async def _scale_out_refused(self, _request: web.Request) -> web.Response:
+        self._log_generate(403, None, self.gate.mode)
+        return json_response(error_body(SCALE_OUT_DISABLED, "PermissionDeniedError", 403), 403)
 
     def release_hung(self) -> None:
         """Fail every request the server is holding unanswered (on shutdown, or when a test says so)."""
@@ -179,8 +213,9 @@ class SimServer:
 
     def log_json(self) -> dict[str, Any]:
         """``GET /sim/log``'s body (schema in ``log.py``)."""
+        version = self.weight_version if self.profile.weight_version_routes else None
         return {"profile": self.profile.name, "dev_mode": self.dev_mode, "weights_path": self.weights_path,
-                "loads": self.loads, "weight_version": self.weight_version if self.profile.weight_versions else None,
+                "loads": self.loads, "weight_version": version,
                 "pause_mode": self.gate.mode, "counters": asdict(self.counters), **self.log.to_json()}
 
     @web.middleware
@@ -188,11 +223,15 @@ class SimServer:
                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """A down server answers 503 (the generate handler logs its own); admin calls are logged."""
         path = request.path
-        if self.faults.down and not path.startswith(("/sim/", "/inference/")):
+        dead = None
+        if self.engine.dead and request.match_info.http_exception is None:  # a route it serves
+            dead = self.engine.dead_response(path, prime_rl=self.profile.prime_rl)
+        if dead is not None:
+            response: web.StreamResponse = dead
+        elif self.faults.down and not path.startswith(("/sim/", "/inference/")):
             if path == "/v1/chat/completions":
                 self.counters.down += 1
-            response: web.StreamResponse = (empty_response(503) if path == "/health" else
-                                            json_response(_down_body(), 503))
+            response = empty_response(503) if path == "/health" else json_response(_down_body(), 503)
         else:
             response = await handler(request)
         if path in ADMIN_PATHS:
@@ -256,6 +295,9 @@ class SimServer:
             self._log_generate(r.status, salt if isinstance(salt, str) else None, arrival,
                                fault="down" if self.faults.down else None)
             return r.response()
+        if self.engine.dead:  # refused at once: the engine client knows its core is gone
+            self._log_generate(500, req.cache_salt, arrival)
+            return dead_error()
         failed, delay_s = await self._fault(
             request, lambda: self._log_generate(0, req.cache_salt, arrival, fault="hang"))
         if failed is not None:
@@ -268,8 +310,12 @@ class SimServer:
         request_id = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
         async with self.gate.inflight() as aborted:
             aborted = aborted or await self.gate.hold(delay_s)
-            reply = self._reply(req, request_id, aborted)
+            # the forward pass: a broken engine dies here (engine.py)
+            reply = self._reply(req, request_id, aborted) if aborted or self.engine.forward() else None
             sampled_with = (self.weights_path, self.loads)
+        if reply is None:
+            self._log_generate(500, req.cache_salt, arrival)
+            return dead_error()
         raw, fault = self._maybe_malformed(reply)
         first = reply["choices"][0]
         recorded = {"token_ids": [*req.token_ids, *first["token_ids"]],
@@ -283,11 +329,15 @@ class SimServer:
         body = await read_json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             raise validation_error(("body", "messages"), "missing", "Field required", body)
+        if self.engine.dead:
+            return dead_error()
         failed, delay_s = await self._fault(request)
         if failed is not None:
             return failed
         async with self.gate.inflight() as aborted:
             aborted = aborted or await self.gate.hold(delay_s)
+            if not aborted and not self.engine.forward():
+                return dead_error()
             max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
             sample = None if aborted else self.policy.sample([], SamplingParams(
                 max_tokens=max(1, max_tokens), temperature=float(body.get("temperature", 1.0))))

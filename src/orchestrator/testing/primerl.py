@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from orchestrator.transport.checkpoints import STABLE, broadcast_dir
 from orchestrator.transport.primerl import rank_file, topic
+from orchestrator.transport.trainer import link_initial_policy
 
 
 class EncodedTensor(msgspec.Struct, array_like=True, gc=False):
@@ -142,11 +143,14 @@ class FileRank:
 
 
 def publish(trainer_dir: Path, step: int) -> Path:
-    """``broadcasts/step_<step>/`` as prime-rl's filesystem broadcast leaves it: weights, then ``STABLE``."""
+    """``broadcasts/step_<step>/`` as prime-rl's filesystem broadcast leaves it: weights, then ``STABLE``. The
+    weights are a safetensors file with no tensors and, for the simulated servers, which read only their own
+    format and fail a load without it (as real ones fail one without weights), the unchanged tiny policy."""
     path = broadcast_dir(trainer_dir, step)
     path.mkdir(parents=True, exist_ok=True)
     header = json.dumps({"__metadata__": {"format": "pt"}}).encode()  # a valid safetensors file with no tensors
     (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    link_initial_policy(trainer_dir, path)
     (path / STABLE).touch()  # last: STABLE means the directory is complete
     return path
 

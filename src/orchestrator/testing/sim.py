@@ -1,8 +1,8 @@
 """Simulated inference servers for tests: in-process (controllable, killable) or as real subprocesses.
 
 - ``sim_cluster(n, profile=..., **server_kwargs)`` starts ``n`` servers playing ``profile`` (``vllm-0.26``,
-  ``vllm-0.32``, ``vllm-0.33`` or ``prime-rl``) in this process on 127.0.0.1 (free ports) and yields a
-  ``SimCluster``: ``cluster.urls``, ``cluster[i]`` (the live ``SimServer``: change ``.faults``, read
+  ``vllm-0.31``: the default, ``vllm-0.32``, ``vllm-0.33`` or ``prime-rl``) in this process on 127.0.0.1 (free
+  ports) and yields a ``SimCluster``: ``cluster.urls``, ``cluster[i]`` (the live ``SimServer``: change ``.faults``, read
   ``.counters``, ``.weights_path``/``.loads`` and ``.log``), ``await cluster.kill(i)`` (the port refuses
   connections, in-flight requests are cut) and ``await cluster.restart(i)`` (a fresh server on the same port:
   no weights loaded, as after a real crash). Every server is stopped on exit.
@@ -12,24 +12,41 @@
   ``sim_process(args, profile=..., dev_mode=...)`` runs ``python -m orchestrator sim-inference --port 0`` as a
   subprocess, reads the printed address and always stops it by its pid (re-exported from
   ``orchestrator.sim.process``, which the demo uses too); its ``GET /sim/log`` says what it saw.
+- ``weights_dir(path)`` makes ``path`` a checkpoint directory the simulated servers load (the initial policy, or
+  the one given): a directory without weights fails the load and kills the server's engine, as on vLLM.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from orchestrator.policy import Policy
 from orchestrator.sim.process import SimProcess, sim_process, sim_servers
 from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILE_NAMES, ProfileName
 from orchestrator.sim.server import Faults, SimServer
 from orchestrator.testing.fake_server import FakeInferenceServer
 
 __all__ = ["PROFILE_NAMES", "FakeInferenceServer", "Faults", "ProfileName", "SimCluster", "SimProcess", "sim_cluster",
-           "sim_process", "sim_servers"]
+           "sim_process", "sim_servers", "weights_dir"]
+
+
+@functools.cache
+def _initial() -> Policy:
+    return Policy.initial()  # 0.2 s to build: once per process
+
+
+def weights_dir(path: Path, policy: Policy | None = None) -> Path:
+    """``path`` (created) holding ``policy``'s weights file (default: the initial policy, which servers start
+    with); returns ``path``."""
+    (policy or _initial()).save(path)
+    return path
 
 
 class SimCluster:

@@ -8,7 +8,9 @@ the public trainer library (``orchestrator.transport``):
 - ``loss_mask`` (uint8): 1 where the policy sampled the token, so only those are trained;
 - ``logprobs`` (float32): each sampled token's logprob under the weights that sampled it (the behaviour
   policy ``μ``, possibly a step or two old: ``max_async_level``); 0 elsewhere;
-- ``batch.scalars["advantage"][i]``: the sample's advantage (its reward minus its group's mean).
+- ``batch.scalars["advantage"][i]``: the sample's advantage (its reward minus its group's mean);
+- ``batch.logprobs_mode``: which logprobs ``logprobs`` holds, ``"raw"`` or ``"processed"`` (below), and
+  ``batch.scalars["temperature"][i]``: the temperature sample ``i`` was sampled at.
 
 The model it trains is the tiny policy the simulated servers sample from (``orchestrator.policy``); a real
 trainer would run its model's forward and backward instead of ``Policy.logits_at``/``gradient``, and the
@@ -22,9 +24,15 @@ and each batch gets ``passes`` steps of plain gradient ascent ``θ += lr · ∇J
 the first from where the behaviour policy left off (``r`` = 1 on-policy), the later ones where the clip keeps
 the policy near the data. Plain gradient steps, not Adam: a step is as large as the evidence, so data that
 is wrong in scale (behaviour logprobs of the wrong tokens: ratios far from 1) moves the policy little
-instead of being normalised into a full-size step. ``π_θ`` is computed at ``temperature``, the temperature
-the tokens were sampled at (the batch's per-sample ``temperature`` scalar when it has one): the shipped
-logprobs are the processed ones (vLLM's ``logprobs_mode=processed_logprobs``, which the simulated servers play).
+instead of being normalised into a full-size step.
+
+``π_θ`` is computed in the batch's logprobs mode, so that the first pass's ratio is 1 on-policy: for ``"raw"``
+(vLLM's default ``--logprobs-mode raw_logprobs``, and the simulated servers'), the log-softmax of the unscaled
+logits, whatever the sampling temperature; for ``"processed"`` (``processed_logprobs``), that of the logits over
+the temperature the tokens were sampled at (the per-sample ``temperature`` scalar, else
+``LearnConfig.temperature``). A batch that does not say (``None``: an older sender) is taken as processed, as this
+learner always did. (Raw logprobs at a temperature other than 1 are refused by the orchestrator's preflight
+unless the job states ``inference.logprobs_mode = "raw"``: then this trains on them as they are.)
 
 The learner's state is the policy alone: a trainer restarted from a checkpoint (``receive --journal``) goes on
 from the policy saved in it.
@@ -126,13 +134,16 @@ class PolicyLearner:
 
     def inputs(self, batch: Batch) -> tuple[Sequences, np.ndarray, np.ndarray, np.ndarray]:
         """What the update reads from a batch: the sequences with their sampled positions, and per sampled
-        token its sample's advantage, its behaviour logprob and its sampling temperature."""
+        token its sample's advantage, its behaviour logprob and the temperature its logprob is computed at
+        (1 for raw logprobs; its sampling temperature otherwise)."""
         mask = batch.columns["loss_mask"].astype(bool)
         offsets = batch.offsets.astype(np.int64)
         mask[offsets[:-1][offsets[:-1] < mask.size]] = False  # a sample's first token has no context
         positions = np.flatnonzero(mask)
         sample = np.searchsorted(offsets, positions, side="right") - 1
         temps = batch.scalars.get("temperature") or [self.config.temperature] * batch.num_samples
+        if batch.logprobs_mode == "raw":  # the shipped logprobs are of the unscaled logits: so are π_θ's
+            temps = [1.0] * batch.num_samples
         return (Sequences(batch.columns["token_ids"].astype(np.int64), offsets, positions),
                 np.asarray(batch.scalars["advantage"], np.float64)[sample],
                 batch.columns["logprobs"][positions].astype(np.float64),

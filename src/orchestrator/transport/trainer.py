@@ -88,6 +88,11 @@ class ReferenceTrainer:
 
     async def run(self) -> None:
         """Consumes batches; produces checkpoint announcements. Ends after ``max_steps`` or when cancelled."""
+        if self.announce and self.checkpoint_dir is not None and self.learner is None:
+            # before the first step, so that a checkpoint is announced as soon as its step is in: writing the
+            # file (~0.3 s) then would let the next step arrive meanwhile, its checkpoint follow at once, and the
+            # orchestrator skip to that newer one (a slow consumer of announcements takes the newest)
+            await asyncio.to_thread(initial_policy, self.checkpoint_dir)
         done = read_journal(self.journal)
         last = int(done[-1]["step"]) if done else None
         resumed = None
@@ -185,6 +190,11 @@ def initial_policy(checkpoint_dir: Path) -> Path:
     if not path.exists():
         Policy.initial().save(path.parent)  # atomic: a reader never sees half a file
     return path
+
+
+def link_initial_policy(checkpoint_dir: Path, step_dir: Path) -> None:
+    """Put the initial policy's weights file (``initial_policy``) into ``step_dir``, hard-linked."""
+    link_or_copy(initial_policy(checkpoint_dir), step_dir / POLICY_FILE)
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgpack
 import numpy as np
@@ -23,6 +23,10 @@ FORMAT_VERSION = 1
 TOKEN_COLUMNS = {"token_ids": "int32", "loss_mask": "uint8", "logprobs": "float32"}
 ROUTED = "routed_experts"
 SHM_ALIGN = 64  # every column in a shared-memory pool starts at a multiple of this
+# which logprobs the ``logprobs`` column holds: vLLM's raw_logprobs (log-softmax of the unscaled logits) or
+# processed_logprobs (of the distribution the token was sampled from: temperature, top-k, top-p applied)
+LogprobsMode = Literal["raw", "processed"]
+LOGPROBS_MODES: tuple[LogprobsMode, ...] = get_args(LogprobsMode)
 
 # pool id, pool size -> the receiver's read-only mapping of that pool (raises WireError if it cannot map it)
 ShmResolver = Callable[[str, int], memoryview]
@@ -38,6 +42,9 @@ class Batch:
     offsets: np.ndarray  # int64 [n + 1]
     scalars: dict[str, list[Any]]  # per-sample: advantage, reward, env, ... (n each)
     shm_pool: str | None = None  # set by a receiver: the columns view this shared-memory pool (see release)
+    # which logprobs the logprobs column holds (see LogprobsMode), as the orchestrator settled it with the
+    # servers; None: the sender did not say (an older one, or a run without preflight and logprobs_mode "auto")
+    logprobs_mode: LogprobsMode | None = None
 
     @property
     def num_samples(self) -> int:
@@ -56,7 +63,7 @@ class Batch:
 
     @classmethod
     def from_columns(cls, run: str, step: int, chunks: Mapping[str, Sequence[np.ndarray]], lengths: Sequence[int],
-                     scalars: dict[str, list[Any]]) -> Batch:
+                     scalars: dict[str, list[Any]], logprobs_mode: LogprobsMode | None = None) -> Batch:
         """Assemble from per-sample (or per-rollout) column chunks: one concatenation per column."""
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -67,7 +74,7 @@ class Batch:
         for k, v in scalars.items():
             if len(v) != len(lengths):
                 raise WireError(f"scalar {k} has {len(v)} values for {len(lengths)} samples")
-        return cls(run, step, columns, offsets, scalars)
+        return cls(run, step, columns, offsets, scalars, logprobs_mode=logprobs_mode)
 
 
 def _concatenate(parts: Sequence[np.ndarray], empty_dtype: str) -> np.ndarray:
@@ -116,8 +123,11 @@ def encode_shm_header(batch: Batch, columns: Mapping[str, np.ndarray], at: Mappi
 
 
 def _header(batch: Batch, cols: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"v": FORMAT_VERSION, "run": batch.run, "step": batch.step, "n": batch.num_samples,
-            "offsets": batch.offsets.tolist(), "scalars": batch.scalars, "columns": cols}
+    h = {"v": FORMAT_VERSION, "run": batch.run, "step": batch.step, "n": batch.num_samples,
+         "offsets": batch.offsets.tolist(), "scalars": batch.scalars, "columns": cols}
+    if batch.logprobs_mode is not None:  # absent when unknown: a receiver reads None, as from an older sender
+        h["logprobs_mode"] = batch.logprobs_mode
+    return h
 
 
 def decode(frames: Sequence[Any], shm: ShmResolver | None = None) -> Batch:
@@ -144,6 +154,9 @@ def decode(frames: Sequence[Any], shm: ShmResolver | None = None) -> Batch:
         raise WireError(f"header misses or mangles a field: {e!r}") from None
     if offsets.shape != (n + 1,) or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
         raise WireError(f"offsets do not describe {n} samples")
+    mode = h.get("logprobs_mode")
+    if mode is not None and mode not in LOGPROBS_MODES:
+        raise WireError(f"header field logprobs_mode is {mode!r}, not one of {', '.join(LOGPROBS_MODES)}")
     region = _shm_region(h, shm) if "shm" in h else None
     if region is None and len(frames) != len(cols) + 1:
         raise WireError(f"{len(frames) - 1} column frames, header lists {len(cols)}")
@@ -169,7 +182,8 @@ def decode(frames: Sequence[Any], shm: ShmResolver | None = None) -> Batch:
     for k, v in scalars.items():
         if not isinstance(v, list) or len(v) != n:
             raise WireError(f"scalar {k!r} does not have {n} values")
-    return Batch(run, step, columns, offsets, scalars, shm_pool=None if region is None else str(h["shm"]["id"]))
+    return Batch(run, step, columns, offsets, scalars, shm_pool=None if region is None else str(h["shm"]["id"]),
+                 logprobs_mode=mode)
 
 
 def _frame_buffer(c: Mapping[str, Any], name: str, frames: Sequence[Any]) -> memoryview:
