@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
-from orchestrator.transport.wire import Batch
+from orchestrator.transport.wire import Batch, LogprobsMode
 
 VOCAB = 64
 
@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def sampled_batch(model_dir: Path, *, temperature: float, mode: str, n: int = 6, prompt: int = 5, new: int = 4,
+def sampled_batch(model_dir: Path, *, temperature: float, mode: LogprobsMode, n: int = 6, prompt: int = 5, new: int = 4,
                   advantages: list[float] | None = None, seed: int = 0) -> Batch:
     """``n`` samples: a random prompt, then ``new`` tokens sampled at ``temperature``, each with its logprob in
     ``mode`` (raw: of the unscaled logits; processed: of the tempered ones), as a server would ship them."""
@@ -51,12 +51,12 @@ def sampled_batch(model_dir: Path, *, temperature: float, mode: str, n: int = 6,
     adv = advantages if advantages is not None else [1.0 if i % 2 else -1.0 for i in range(n)]
     batch = Batch.from_columns("t", 0, {"token_ids": ids, "loss_mask": masks, "logprobs": lps}, [len(x) for x in ids],
                                {"advantage": adv, "temperature": [temperature] * n})
-    batch.logprobs_mode = mode  # type: ignore[attr-defined]  # what the orchestrator stamps on every batch
+    batch.logprobs_mode = mode  # what the orchestrator stamps on every batch
     return batch
 
 
 @pytest.mark.parametrize("mode", ["raw", "processed"])
-def test_the_first_pass_recomputes_what_was_shipped_in_the_batchs_mode(model_dir: Path, mode: str) -> None:
+def test_the_first_pass_recomputes_what_was_shipped_in_the_batchs_mode(model_dir: Path, mode: LogprobsMode) -> None:
     batch = sampled_batch(model_dir, temperature=0.7, mode=mode)
     stats = TorchLearner(model_dir, TorchLearnConfig(lr=1e-3)).update(batch)
     assert (stats.mode, stats.samples, stats.tokens) == (mode, 6, 24)
@@ -66,7 +66,7 @@ def test_the_first_pass_recomputes_what_was_shipped_in_the_batchs_mode(model_dir
 
 def test_the_wrong_mode_or_a_shifted_mask_shows_in_the_report(model_dir: Path) -> None:
     processed = sampled_batch(model_dir, temperature=0.7, mode="processed")
-    processed.logprobs_mode = "raw"  # type: ignore[attr-defined]  # a trainer told the wrong mode
+    processed.logprobs_mode = "raw"  # a trainer told the wrong mode
     assert TorchLearner(model_dir).update(processed).mismatch_mean > 1e-2
     shifted = sampled_batch(model_dir, temperature=1.0, mode="raw")
     for name in ("loss_mask", "logprobs"):  # each shipped logprob read against the token after its own

@@ -131,7 +131,7 @@ class TorchLearner:
     def mode(self, batch: Batch) -> str:
         """The logprobs mode to recompute in: what the batch says the server shipped; processed when it does not
         say (senders before the field existed)."""
-        return getattr(batch, "logprobs_mode", None) or "processed"
+        return batch.logprobs_mode or "processed"
 
     # ----------------------------------------------------------------------------------------- learning
 
