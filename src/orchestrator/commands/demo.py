@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default=None, help="where outputs go (default: run.output_dir of the config)")
     p.add_argument("--no-learn", action="store_true",
                    help="the trainer trains nothing: the simulated servers keep their weights (a flat curve)")
+    p.add_argument("--real-stack", type=Path, default=None, metavar="DIR",
+                   help="run on the real stack set up in DIR by scripts/real-stack.sh (.real-stack): real vLLM servers "
+                        "on the tiny dense model and the PyTorch trainer, instead of the simulated servers and the "
+                        "numpy policy (docs/real-stack.md)")
     add_set_argument(p)
 
 
@@ -41,10 +45,11 @@ def main(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         overrides.append(f'run.output_dir="{args.output_dir}"')
     cfg = load_config(args.config, overrides)
-    return run_async(interruptible(demo(cfg, learn=not args.no_learn)))
+    real_stack = args.real_stack.resolve() if args.real_stack is not None else None
+    return run_async(interruptible(demo(cfg, learn=not args.no_learn, real_stack=real_stack)))
 
 
-async def demo(cfg: JobConfig, *, learn: bool = True) -> None:
+async def demo(cfg: JobConfig, *, learn: bool = True, real_stack: Path | None = None) -> None:
     import asyncio
 
     from orchestrator.app import Orchestrator
@@ -57,13 +62,19 @@ async def demo(cfg: JobConfig, *, learn: bool = True) -> None:
     progress = StepProgress(cfg.run.max_steps)  # the same bar (or plain lines) as `orchestrator run`
     console = progress.console
     async with contextlib.AsyncExitStack() as stack:
-        cfg = await stack.enter_async_context(with_sim_servers(cfg))
-        console.print(f"[bold]demo[/]: {cfg.sim.servers} simulated inference servers: "
-                      + ", ".join(cfg.inference.servers))
+        if real_stack is None:
+            cfg = await stack.enter_async_context(with_sim_servers(cfg))
+            what = "simulated inference servers"
+        else:
+            console.print(f"[bold]demo[/]: starting {cfg.sim.servers} real vLLM servers (35-60 s each) ...")
+            cfg = await stack.enter_async_context(with_real_servers(cfg, real_stack))
+            what = "real vLLM servers on the tiny dense model"
+        console.print(f"[bold]demo[/]: {cfg.sim.servers} {what}: " + ", ".join(cfg.inference.servers))
         orch = await stack.enter_async_context(Orchestrator.open(cfg))
+        learner = (None if not learn else PolicyLearner() if real_stack is None
+                   else torch_learner(Path(cfg.model.tokenizer or "")))
         trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
-                                   checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints",
-                                   learner=PolicyLearner() if learn else None)
+                                   checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints", learner=learner)
         orch.on_step = progress.on_step
         with progress:
             async with asyncio.TaskGroup() as tg:
@@ -89,6 +100,34 @@ async def with_sim_servers(cfg: JobConfig) -> AsyncIterator[JobConfig]:
                    for i in range(cfg.sim.servers)]
         yield dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference,
                                                                      servers=tuple(s.url for s in servers)))
+
+
+@contextlib.asynccontextmanager
+async def with_real_servers(cfg: JobConfig, root: Path) -> AsyncIterator[JobConfig]:
+    """``cfg.sim.servers`` real vLLM servers on the real stack's dense model (stopped on exit); yields ``cfg``
+    pointing at them (backend vllm, its served name and tokenizer). No routed experts: CPU servers have none."""
+    import asyncio
+
+    from orchestrator.realstack.install import StackPaths
+    from orchestrator.realstack.server import ServeOptions, VLLMServer, start_all
+
+    paths = StackPaths(root)
+    model = paths.model("dense")
+    servers = [VLLMServer(paths, ServeOptions(model)) for _ in range(cfg.sim.servers)]
+    try:
+        await start_all(servers)
+        yield dataclasses.replace(
+            cfg, inference=dataclasses.replace(cfg.inference, servers=tuple(s.url for s in servers), backend="vllm"),
+            model=dataclasses.replace(cfg.model, name=servers[0].options.name, tokenizer=str(model)))
+    finally:
+        await asyncio.gather(*(s.kill() for s in servers))
+
+
+def torch_learner(model: Path) -> Any:
+    """The PyTorch trainer's learner on ``model``, at the learning rate the real-stack tests learn with."""
+    from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
+
+    return TorchLearner(model, TorchLearnConfig(lr=1e-2))
 
 
 def sim_profile(cfg: JobConfig) -> str:
