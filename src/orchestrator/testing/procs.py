@@ -86,6 +86,16 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in /proc (``R``, ``S``, ``T`` stopped, ``Z``...), or None once it is
+    gone. A signal takes effect when the process next runs: SIGSTOP has stopped it once this says ``T``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[0]
+
+
 def unix_connections(path: str | Path) -> int:
     """Connections to the Unix socket ``path`` (an ``ipc://`` address without its scheme) that the process which
     bound it still holds open; 0 once it has closed every peer's connection (e.g. after the peer died)."""
