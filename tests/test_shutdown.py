@@ -50,6 +50,28 @@ async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch
                              "the run's env workers to end")
 
 
+async def test_one_signal_during_start_up_exits_130_within_the_bound(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's case: SIGINT just after the run started its two env workers. They were stopped one after
+    another with 5 s each, and one that had not connected never got the hub's stop: 10 s, past the 8 s bound,
+    so a single Ctrl-C exited 124."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    log = tmp_path / "run.log"
+    async with sim_process() as server:
+        cfg, out = write_job(tmp_path, server.url, 1000, "startup-signal", workers=2)
+        async with orchestrator_process("run", str(cfg), log_level="INFO", log=log) as run:
+            await wait_until(lambda: len(processes_mentioning(f"{out}/workers.sock")) == 2, HANG_GUARD_S,
+                             "both env workers started", alive=run, poll_s=0.02)
+            run.send_signal(signal.SIGINT)
+            code = await asyncio.wait_for(run.wait(), HANG_GUARD_S)
+        # what the test is about: no worker had finished starting (importing verifiers alone takes seconds)
+        ready = [line for line in logged(log, " ready (") if "env worker" in line]
+        assert not ready, ready
+        assert code == 130, "\n".join(logged(log, ""))  # cleanup finished within SHUTDOWN_S (past it: 124)
+        await wait_until(lambda: processes_mentioning(f"{out}/workers.sock") == [], HANG_GUARD_S,
+                         "the run's env workers to end")
+
+
 async def test_a_sigkilled_run_leaves_no_worker_behind_even_a_stopped_one(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The issue's case: a parent-death signal of SIGTERM stays pending on a stopped process, so a worker frozen

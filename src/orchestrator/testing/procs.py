@@ -107,10 +107,12 @@ def unix_connections(path: str | Path) -> int:
     return held
 
 
-def write_job(directory: Path, url: str, steps: int, name: str, data_plane: str = "through") -> tuple[Path, Path]:
-    """A small job (arithmetic, one env worker, 8 rollouts a step) for runs as real processes: writes
+def write_job(directory: Path, url: str, steps: int, name: str, data_plane: str = "through", *, workers: int = 1,
+              extra: str = "") -> tuple[Path, Path]:
+    """A small job (arithmetic, ``workers`` env workers, 8 rollouts a step) for runs as real processes: writes
     ``directory/job.toml``; returns it and the run's output directory. ``data_plane``: its
-    ``transport.data_plane`` (the transport is kind = "zmq", keep_acked = 0, so both apply)."""
+    ``transport.data_plane`` (the transport is kind = "zmq", keep_acked = 0, so both apply); ``extra``: more
+    TOML tables, appended."""
     out = directory / "out"
     cfg = directory / "job.toml"
     cfg.write_text(f"""
@@ -130,7 +132,8 @@ data_plane = "{data_plane}"
 [[env]]
 taskset = "orchestrator-arithmetic"
 group_size = 4
-workers = 1
+workers = {workers}
 sampling = {{ max_tokens = 4 }}
+{extra}
 """)
     return cfg, out

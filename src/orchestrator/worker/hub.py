@@ -178,10 +178,14 @@ class WorkerHub:
                 await hub._stop_all()
 
     async def _stop_all(self) -> None:
+        ready = set()
         for ident, w in self.workers.items():
             self._send(ident, Stop())
+            if w.ready:
+                ready.add(w.name)
             w.ready = False
-        await self.procs.stop()  # asked to stop above; killed if still there after a grace period
+        # one still loading reads no message until it is ready, seconds later: a local one is signalled now
+        await self.procs.stop(ready)  # all at once, bounded in total
 
     async def wait_ready(self, n: int, timeout_s: float) -> None:
         """Wait until ``n`` workers are ready; WorkerError naming what is missing after ``timeout_s``."""

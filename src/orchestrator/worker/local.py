@@ -5,8 +5,8 @@ nothing else: which worker is ready, lost or holding rollouts is the hub's (hub.
 ``exited()`` and ``restart_due()`` from its supervision loop every HEARTBEAT_S: a slot whose process exited
 is restarted under the same name, at once when that process had become ready (it was serving, then died or
 froze), else after RESTART_BACKOFF_S[failures in a row] (a worker that keeps failing to start does not spin).
-``kill`` is SIGKILL by pid (it also ends a stopped process); ``stop`` waits up to 5 s for each process to exit
-after the hub sent it ``stop``, then kills it.
+``kill`` is SIGKILL by pid (it also ends a stopped process); ``stop`` ends every process at once, within
+STOP_GRACE_S in all (the run's shutdown has 8 s: commands/run.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Collection
 
 from orchestrator.procs import child_env, terminate
 
 log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # local restarts after consecutive failures
-STOP_GRACE_S = 5.0  # a local worker asked to stop exits within this, or is killed
+STOP_GRACE_S = 5.0  # every local worker stopping exits within this (all at once), or is killed
 
 
 class LocalWorkers:
@@ -99,10 +100,15 @@ class LocalWorkers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
 
-    async def stop(self) -> None:
-        """Wait for every process (asked to stop by the hub) to exit; kill those still there after STOP_GRACE_S."""
-        for proc in self.procs.values():
-            await terminate(proc, STOP_GRACE_S, signal_first=False)
+    async def stop(self, asked: Collection[str]) -> None:
+        """End every process, all at once: those in ``asked`` were sent ``stop`` by the hub (ready: they read it
+        at once and close their pools); the others get SIGTERM now (still starting or loading their
+        environments, they read no message until ready, which may take many seconds). Any still there after
+        STOP_GRACE_S is killed. One after another, two workers that had not connected took 10 s, past the
+        run's shutdown bound."""
+        async with asyncio.TaskGroup() as tg:
+            for name, proc in self.procs.items():
+                tg.create_task(terminate(proc, STOP_GRACE_S, signal_first=name not in asked))
 
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items()}
