@@ -52,7 +52,7 @@ def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def job(tmp_path: Path, urls: list[str], data_plane: str, *, steps: int, workers: int = 1,
-        inference: str = "", scheduler: str = "", silence_s: float = WORKER_SILENCE_S) -> JobConfig:
+        inference: str = "", scheduler: str = "", silence_s: float = WORKER_SILENCE_S, extra: str = "") -> JobConfig:
     path = tmp_path / "job.toml"
     path.write_text(f"""
 [run]
@@ -83,6 +83,7 @@ taskset = "orchestrator-arithmetic"
 group_size = 4
 workers = {workers}
 sampling = {{ max_tokens = 4 }}
+{extra}
 """)
     return load_config(path)
 
@@ -202,6 +203,48 @@ async def test_frozen_local_workers_are_killed_and_restarted_and_the_step_comple
     why = r"silent for \d+ s" + (r"|its column pool is gone" if data_plane == "direct" else "")
     died = [r for r in rows if r["failure"] == "worker_died"]
     assert all(re.fullmatch(rf"env worker local-\d: ({why})", r["error"]) for r in died), died
+
+
+async def test_local_workers_stopped_as_they_start_are_named_then_killed_and_restarted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, data_plane: str) -> None:
+    """The issue's case: both env workers SIGSTOPped as soon as they start. Nothing named the wait, and a worker
+    that had not sent its first heartbeat was never lost: the run sat silent, pids unchanged, for 300 s. Now the
+    start-up wait is named every monitor.stall_warn_s (each worker, its pid, connected or not, stopped), and a
+    local worker stopped before it is ready is killed after worker_silence_s and restarted."""
+    warn_s = 1.0
+    facts: dict[str, Any] = {}
+    async with sim_cluster(1) as cluster:
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=2, workers=2, extra=f"[monitor]\nstall_warn_s = {warn_s}")
+
+        @contextlib.asynccontextmanager
+        async def stopped_as_they_start(orch: Orchestrator) -> AsyncIterator[None]:
+            facts["stopped"] = pids = dict(orch.hub.local_pids())  # started by open(), importing still
+            with pidfds(list(pids.values())) as fds:
+                signal_all(fds, signal.SIGSTOP)
+                yield
+
+        async def restarted(orch: Orchestrator, _watch: Steps, _trainer: ReferenceTrainer) -> None:
+            await wait_until(lambda: orch.hub.metrics["restarts"] >= 2, WAIT_S, "both stopped workers restarted")
+
+        with caplog.at_level(logging.INFO, logger="orchestrator"):
+            orch, _ = await run_job(cfg, restarted, beside=stopped_as_they_start)  # and every step completed
+    pids = orch.hub.local_pids()
+    assert not set(pids.values()) & set(facts["stopped"].values())  # both replaced ...
+    assert sorted(pids) == sorted(facts["stopped"])  # ... under their names
+    messages = [r.getMessage() for r in caplog.records]
+    waits = [m for m in messages if m.startswith("env workers: 0 of 2 ready after ")]
+    assert waits, messages
+    first = float(re.match(r"env workers: 0 of 2 ready after (\d+) s", waits[0])[1])  # type: ignore[index]
+    assert first <= warn_s + 5, waits[0]  # at warn_s, give or take a busy machine's timer
+    for name, pid in facts["stopped"].items():
+        killed = [i for i, m in enumerate(messages) if re.fullmatch(
+            rf"env worker {name} \(pid {pid}\) stopped \(SIGSTOP or a debugger\) for \d+ s before it was ready: "
+            r"lost; killed to be restarted", m)]
+        assert len(killed) == 1, (name, messages)
+        named = [i for i, m in enumerate(messages) if i in range(killed[0]) and re.search(
+            rf"{name} \(local, pid {pid}, (not connected|connected, loading its environments), stopped for \d+ s\)",
+            m)]
+        assert named, (name, waits)  # the wait named it, stopped, before it was killed
 
 
 async def test_a_frozen_remote_worker_is_dropped_then_readmitted_when_it_speaks_again(

@@ -9,6 +9,7 @@ import ctypes
 import logging
 import os
 import signal
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,16 @@ def die_with_parent() -> None:
         log.debug("no prctl here; this process will not follow its parent's death")
     if os.getppid() != int(parent):
         raise SystemExit(f"parent process {parent} is gone; exiting")
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in /proc (``R``, ``S``, ``D``, ``T`` stopped, ``t`` stopped by a
+    debugger, ``Z``...), or None when it is gone or there is no /proc (not Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[0]  # the name, in parentheses, may hold anything
 
 
 async def terminate(proc: asyncio.subprocess.Process, timeout_s: float = 10.0, *, signal_first: bool = True) -> None:

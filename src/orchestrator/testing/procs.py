@@ -1,5 +1,8 @@
 """Running ``orchestrator`` commands as real processes in tests: start, wait for a condition, find leftovers.
 
+``process_state(pid)`` (from orchestrator.procs) says whether a signal has taken effect: SIGSTOP has stopped a
+process once it says ``T``.
+
 Every process started here is stopped by its pid when its context exits (SIGKILL if it is still running).
 """
 
@@ -14,6 +17,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+
+from orchestrator.procs import process_state
+
+__all__ = ["logged", "orchestrator_process", "process_state", "processes_mentioning", "python_process",
+           "unix_connections", "wait_until", "write_job"]
 
 Process = asyncio.subprocess.Process
 
@@ -84,16 +92,6 @@ def processes_mentioning(text: str) -> list[int]:
         if text.encode() in cmdline and stat.rsplit(")", 1)[-1].split()[0] != "Z":  # zombies have ended
             pids.append(int(d.name))
     return pids
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of process ``pid`` in /proc (``R``, ``S``, ``T`` stopped, ``Z``...), or None once it is
-    gone. A signal takes effect when the process next runs: SIGSTOP has stopped it once this says ``T``."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()[0]
 
 
 def unix_connections(path: str | Path) -> int:
