@@ -524,10 +524,10 @@ class Scheduler:
                      "or (data_plane = direct) every ready one's column pool is full until the trainer acknowledges "
                      "steps")
         elif not any(s.in_rotation for s in self.pool.servers):
-            cause = "an inference server: none is in rotation (" + "; ".join(
-                f"{s.url}: {s.last_error or 'out'}" for s in self.pool.servers) + ")"
+            cause = f"an inference server: none is in rotation ({self.pool.out_of_rotation()})"
         else:
-            cause = "rollouts"
+            out = self.pool.out_of_rotation()
+            cause = "rollouts" + (f" (servers out of rotation: {out})" if out else "")
         failed = {k.removeprefix("failed:"): v for k, v in self.tracker.counts.items() if k.startswith("failed:")}
         log.warning("step %d has %d of %d after %.0f s without progress: waits for %s; %d rollouts in flight, %d "
                     "stale discarded, %d groups dropped, %d rejected by gates (%d of %d allowed), failures %s", step,
