@@ -28,6 +28,7 @@ from orchestrator.testing.sim import sim_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 HANG_GUARD_S = 120.0
+START_S = 300.0  # hang guard of a run's first step or ready worker: importing verifiers takes minutes when busy
 
 
 async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -39,7 +40,7 @@ async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch
         async with (orchestrator_process("run", str(cfg)) as run,
                     orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--checkpoint-dir",
                                          str(tmp_path / "ckpt"))):
-            await wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, 300,
+            await wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, START_S,
                              "one step", alive=run)
             assert processes_mentioning(f"{out}/workers.sock"), "no env worker was running"
             run.send_signal(signal.SIGTERM)
@@ -82,7 +83,7 @@ async def test_a_sigkilled_run_leaves_no_worker_behind_even_a_stopped_one(tmp_pa
         cfg, out = write_job(tmp_path, server.url, 1000, "orphans")
         async with orchestrator_process("run", str(cfg), log_level="INFO", log=log) as run:
             # ready: it asked for its parent-death signal long before (the first thing its command line does)
-            await wait_until(lambda: bool(logged(log, "env worker local-0 ready")), HANG_GUARD_S, "the worker ready",
+            await wait_until(lambda: bool(logged(log, "env worker local-0 ready")), START_S, "the worker ready",
                              alive=run)
             [worker] = processes_mentioning(f"{out}/workers.sock")
             os.kill(worker, signal.SIGSTOP)
