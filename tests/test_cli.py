@@ -54,3 +54,21 @@ def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
             if f.name == "profile" and expected is None:  # unset: the one inference.backend names
                 expected = {"prime-rl": "prime-rl", "vllm": "vllm-0.31"}[cfg.inference.backend]
             assert getattr(parsed, f.name) == expected, f.name
+
+
+def test_the_demo_table_shows_a_dash_for_an_environment_without_rollouts_in_a_step() -> None:
+    """The issue's case: the final table printed ``nan`` where an environment had no rollout in a step."""
+    from rich.console import Console
+
+    from orchestrator.commands.demo import print_summary
+
+    def row(step: int, rewards: dict[str, float]) -> dict[str, object]:
+        return {"step": step, "reward_mean": rewards, "rollouts": 8, "failed": 0, "tokens": 99,
+                "rollouts_per_s": 10.0, "lag": {"p99": 1.0, "max": 2.0}, "rss_mb": 120.0}
+
+    console = Console(record=True, width=200)
+    print_summary(console, [row(0, {"arith": 0.5, "guess": 0.25}), row(1, {"arith": 0.75})], [], Path("out"))
+    text = console.export_text()
+    assert "nan" not in text
+    line = next(line for line in text.splitlines() if line.strip().startswith("│ 1 ") or " 1 │" in line)
+    assert [cell.strip() for cell in line.split("│")[1:4]] == ["1", "0.750", "-"], line

@@ -60,7 +60,7 @@ async def direct_hub(tmp_path: Path, pool: PoolInfo | None) -> AsyncIterator[tup
             await worker.send(pack(Hello("w0", None)))
             assert decode_orchestrator_message(await asyncio.wait_for(worker.recv(), WAIT_S)) == SETUP
             await worker.send(pack(Ready("w0", {"e": 1}, pool)))
-            await asyncio.wait_for(hub.wait_ready(1, WAIT_S), WAIT_S)
+            await asyncio.wait_for(hub.wait_ready(1, WAIT_S, WAIT_S), WAIT_S)
             hub.assign(Assign("g1", "e", 0, ["g1-0", "g1-1"], "http://127.0.0.1:9/v1", {}, 0))
             assert isinstance(decode_orchestrator_message(await asyncio.wait_for(worker.recv(), WAIT_S)), Assign)
             yield hub, worker

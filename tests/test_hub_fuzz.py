@@ -121,7 +121,7 @@ async def hub_with_worker(tmp_path: Path) -> AsyncIterator[tuple[WorkerHub, zmq.
             await worker.send(pack(Hello("w0", None)))
             assert decode_orchestrator_message(await asyncio.wait_for(worker.recv(), WAIT_S)) == SETUP
             await worker.send(pack(Ready("w0", {"e": 1})))
-            await asyncio.wait_for(hub.wait_ready(1, WAIT_S), WAIT_S)
+            await asyncio.wait_for(hub.wait_ready(1, WAIT_S, WAIT_S), WAIT_S)
             assert hub.assign(GROUP) == "w0"
             yield hub, worker, hub.address
             assert not running.done()  # nothing stopped it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import io
+import json
 import logging
 import os
 import re
@@ -19,11 +20,16 @@ import pytest
 
 from orchestrator import ipc
 from orchestrator.progress import StepProgress, describe
-from orchestrator.testing.procs import orchestrator_process, write_job
-from orchestrator.testing.sim import sim_servers
+from orchestrator.testing.procs import logged, orchestrator_process, wait_until, write_job
+from orchestrator.testing.sim import sim_cluster, sim_servers
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.zmq_link import BatchSender
-from orchestrator.worker.quiet import ENDED_ROLLOUT_REQUEST, INTERCEPTION_LOGGER, EndedRolloutRequests
+from orchestrator.worker.quiet import (
+    ENDED_ROLLOUT_REQUEST,
+    FAILED_MODEL_CALL,
+    INTERCEPTION_LOGGER,
+    DemotedWarnings,
+)
 
 PIPE = asyncio.subprocess.PIPE
 # every line on stderr is a log line of ours (the orchestrator's or its env workers'): a library's warning,
@@ -79,25 +85,31 @@ def test_log_lines_go_above_the_bar_and_the_handler_gets_its_stream_back(monkeyp
     assert err.getvalue() == ""
 
 
-def test_only_verifiers_straggler_warning_is_demoted() -> None:
-    demote = EndedRolloutRequests()
+@pytest.mark.parametrize("demoted", [(ENDED_ROLLOUT_REQUEST, ()),
+                                     (FAILED_MODEL_CALL, ("r1", "ProviderError", "connection refused"))])
+def test_only_verifiers_straggler_and_failed_call_warnings_are_demoted(demoted: tuple[str, tuple[str, ...]]
+                                                                       ) -> None:
+    demote = DemotedWarnings()
     logger = logging.getLogger(INTERCEPTION_LOGGER)
 
     def record(level: int, message: str) -> logging.LogRecord:
-        return logger.makeRecord(INTERCEPTION_LOGGER, level, __file__, 1, message, (), None)
+        return logger.makeRecord(INTERCEPTION_LOGGER, level, __file__, 1, message, args if message == msg else (),
+                                 None)
+
+    msg, args = demoted
 
     other = record(logging.WARNING, "interception removed provider content")
     assert demote.filter(other)
     assert other.levelname == "WARNING"
-    straggler = record(logging.WARNING, ENDED_ROLLOUT_REQUEST)
+    quieted = record(logging.WARNING, msg)
     previous = logger.level
     try:
         logger.setLevel(logging.WARNING)
-        assert not demote.filter(straggler)
+        assert not demote.filter(quieted)
         logger.setLevel(logging.DEBUG)
-        straggler = record(logging.WARNING, ENDED_ROLLOUT_REQUEST)
-        assert demote.filter(straggler)
-        assert straggler.levelname == "DEBUG"
+        quieted = record(logging.WARNING, msg)
+        assert demote.filter(quieted)
+        assert quieted.levelname == "DEBUG"
     finally:
         logger.setLevel(previous)
 
@@ -179,3 +191,57 @@ def read_all(fd: int) -> bytes:
     finally:
         os.close(fd)
     return b"".join(chunks)
+
+
+
+SERVER_DEATH_JOB = """
+[run]
+name = "server-death"
+output_dir = "{out}"
+max_steps = {steps}
+[inference]
+servers = {servers}
+[scheduler]
+batch_size = 16
+max_inflight = 32
+max_async_level = {steps}  # the trainer announces no weights: every step takes what policy 0 sampled
+max_off_policy_steps = {steps}
+[pipeline]
+gates = []
+[monitor]
+stall_warn_s = 300  # a server's failure lines: one per this (a busy machine may spread them over seconds)
+[[env]]
+taskset = "orchestrator-arithmetic"
+group_size = 4
+workers = 1
+sampling = {{ max_tokens = 4 }}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+async def test_a_server_that_dies_is_one_event_in_the_log(tmp_path: Path) -> None:
+    """The issue's case: a server killed with rollouts in flight printed verifiers' "model call failed" once per
+    failed call (27 lines for one kill), besides a line of ours per failed rollout, and a dropped group's line
+    did not say why. Now the log has the first failure, the server's eviction, and dropped groups with why."""
+    steps, log, out = 4, tmp_path / "run.log", tmp_path / "out"
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    async with sim_cluster(2) as cluster:
+        cfg = tmp_path / "job.toml"
+        cfg.write_text(SERVER_DEATH_JOB.format(out=out, steps=steps, servers=json.dumps(cluster.urls)))
+        trainer = ReferenceTrainer(f"ipc://{out}/trainer.sock", max_steps=steps, announce=False)
+        async with (orchestrator_process("run", str(cfg), log_level="INFO", log=log, env=env) as run,
+                    asyncio.timeout(400), asyncio.TaskGroup() as tg):  # a bound for a loaded machine, not a pace
+            tg.create_task(trainer.run())
+            await wait_until(lambda: len(trainer.received) >= 1, 300, "the first step", alive=run)
+            cluster.set_faults(0, hold=True)  # its requests stay in flight until it dies
+            await asyncio.wait_for(cluster[0].gate.wait_until(lambda gate: gate.running >= 8), 300)
+            await cluster.kill(0)
+            assert await run.wait() == 0
+    lines = logged(log, "")
+    assert logged(log, f"inference server {cluster.urls[0]} leaves rotation"), lines
+    assert logged(log, "model call failed") == []  # verifiers' line per failed call: DEBUG
+    ours = [line for line in lines if re.search(r"WARNING .*: rollout g\d+-\d+ \(.*\) failed: ", line)]
+    assert len(ours) == 1, ours  # the first; the rest at DEBUG (the eviction line names the server)
+    dropped = [line for line in lines if " dropped: " in line]
+    assert all(re.search(r"rollouts failed: \w+ x\d+", line) for line in dropped), dropped

@@ -60,7 +60,8 @@ async def test_partial_group_trains_its_survivors(tmp_path: Path) -> None:
     assert counts["failed:env_error"] >= len(groups)  # groups that finished after the step count too
 
 
-async def test_all_failed_group_is_dropped_and_counted(tmp_path: Path) -> None:
+async def test_all_failed_group_is_dropped_and_counted_and_its_line_says_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     def outcome(env: str, rid: str) -> Outcome:
         return "env_error: broken" if rid.startswith("g1-") else 1.0
 
@@ -69,6 +70,7 @@ async def test_all_failed_group_is_dropped_and_counted(tmp_path: Path) -> None:
         counts = sched.take_counts()
     assert "g1" not in [g.gid for g in groups]
     assert counts["dropped_groups"] == 1
+    assert "group g1 (a) dropped: 4 of 4 rollouts failed: env_error x4 (broken)" in caplog.messages
 
 
 async def test_dropped_groups_wait_for_the_next_step_to_write_their_rows(tmp_path: Path) -> None:
@@ -132,7 +134,7 @@ async def test_boundary_of_async_level_is_inclusive(tmp_path: Path) -> None:
     assert counts.get("stale_rollouts", 0) == 0
 
 
-async def test_stale_in_flight_groups_are_cancelled(tmp_path: Path) -> None:
+async def test_stale_in_flight_groups_are_cancelled(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 0\nmax_off_policy_steps = 1")
     async with running(cfg, lambda e, r: None) as (sched, hub):  # nothing ever returns
         await wait_until(lambda: sched.inflight_rollouts == 8, 10, "8 rollouts in flight", poll_s=0.01)
@@ -140,6 +142,8 @@ async def test_stale_in_flight_groups_are_cancelled(tmp_path: Path) -> None:
         counts = sched.take_counts()
     assert counts["cancelled"] == 8
     assert sorted(hub.cancelled) == ["g1", "g2"]
+    # the 200-step demo: every dropped group's line said "4 of 4 rollouts failed", none said stale
+    assert "group g1 (a) dropped: 4 of 4 rollouts failed: stale x4 (sampled with policy 0, now 2)" in caplog.messages
 
 
 async def test_no_group_opens_that_no_step_could_take(tmp_path: Path) -> None:

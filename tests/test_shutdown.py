@@ -1,4 +1,5 @@
-"""`orchestrator run` as a real process: SIGTERM mid-run ends it promptly, non-zero, with no children left.
+"""`orchestrator run` as a real process: SIGTERM mid-run ends it promptly, non-zero, with no children left; a
+SIGKILLed one leaves none either, not even a stopped env worker.
 
 "Promptly" is the run's own watchdog (``commands.run.SHUTDOWN_S``): a shutdown that outlives it exits 124, so
 exit 130 says the cleanup finished within it. Waits here are hang guards only, sized for a busy machine.
@@ -15,11 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.testing.procs import orchestrator_process, processes_mentioning, wait_until, write_job
+from orchestrator.testing.procs import (
+    logged,
+    orchestrator_process,
+    process_state,
+    processes_mentioning,
+    wait_until,
+    write_job,
+)
 from orchestrator.testing.sim import sim_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 HANG_GUARD_S = 120.0
+START_S = 300.0  # hang guard of a run's first step or ready worker: importing verifiers takes minutes when busy
 
 
 async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -31,7 +40,7 @@ async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch
         async with (orchestrator_process("run", str(cfg)) as run,
                     orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--checkpoint-dir",
                                          str(tmp_path / "ckpt"))):
-            await wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, 300,
+            await wait_until(lambda: metrics.exists() and metrics.read_bytes().count(b"\n") >= 1, START_S,
                              "one step", alive=run)
             assert processes_mentioning(f"{out}/workers.sock"), "no env worker was running"
             run.send_signal(signal.SIGTERM)
@@ -40,6 +49,54 @@ async def test_sigterm_stops_the_run_and_its_workers(tmp_path: Path, monkeypatch
             # its env workers end with it (stopped by its cleanup, or by their parent-death signal)
             await wait_until(lambda: processes_mentioning(f"{out}/workers.sock") == [], HANG_GUARD_S,
                              "the run's env workers to end")
+
+
+async def test_one_signal_during_start_up_exits_130_within_the_bound(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's case: SIGINT just after the run started its two env workers. They were stopped one after
+    another with 5 s each, and one that had not connected never got the hub's stop: 10 s, past the 8 s bound,
+    so a single Ctrl-C exited 124."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    log = tmp_path / "run.log"
+    async with sim_process() as server:
+        cfg, out = write_job(tmp_path, server.url, 1000, "startup-signal", workers=2)
+        async with orchestrator_process("run", str(cfg), log_level="INFO", log=log) as run:
+            await wait_until(lambda: len(processes_mentioning(f"{out}/workers.sock")) == 2, HANG_GUARD_S,
+                             "both env workers started", alive=run, poll_s=0.02)
+            run.send_signal(signal.SIGINT)
+            code = await asyncio.wait_for(run.wait(), HANG_GUARD_S)
+        # what the test is about: no worker had finished starting (importing verifiers alone takes seconds)
+        ready = [line for line in logged(log, " ready (") if "env worker" in line]
+        assert not ready, ready
+        assert code == 130, "\n".join(logged(log, ""))  # cleanup finished within SHUTDOWN_S (past it: 124)
+        await wait_until(lambda: processes_mentioning(f"{out}/workers.sock") == [], HANG_GUARD_S,
+                         "the run's env workers to end")
+
+
+async def test_a_sigkilled_run_leaves_no_worker_behind_even_a_stopped_one(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's case: a parent-death signal of SIGTERM stays pending on a stopped process, so a worker frozen
+    when its orchestrator was SIGKILLed stayed (state T, parent 1) until someone sent it SIGCONT."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    log = tmp_path / "run.log"
+    async with sim_process() as server:
+        cfg, out = write_job(tmp_path, server.url, 1000, "orphans")
+        async with orchestrator_process("run", str(cfg), log_level="INFO", log=log) as run:
+            # ready: it asked for its parent-death signal long before (the first thing its command line does)
+            await wait_until(lambda: bool(logged(log, "env worker local-0 ready")), START_S, "the worker ready",
+                             alive=run)
+            [worker] = processes_mentioning(f"{out}/workers.sock")
+            os.kill(worker, signal.SIGSTOP)
+            # stopped, not just signalled: a SIGTERM that came before the stop took effect would still end it
+            await wait_until(lambda: process_state(worker) == "T", HANG_GUARD_S, "the worker stopped", poll_s=0.01)
+            run.kill()
+            await run.wait()
+        try:  # the kernel's signal is immediate; the bound is for a busy machine's scheduling only
+            await wait_until(lambda: worker not in processes_mentioning(f"{out}/workers.sock"), 30,
+                             f"the stopped worker {worker} to end with its parent")
+        finally:  # failed: end it here, by its pid
+            if process_state(worker) not in (None, "Z"):
+                os.kill(worker, signal.SIGKILL)
 
 
 HUNG_CLEANUP = """

@@ -37,12 +37,15 @@ from orchestrator.testing.sim import Faults, sim_cluster, sim_process
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 WORKER_SILENCE_S = 3.0  # heartbeats come every second; a loaded machine's worker is not silent this long
 REQUEST_TIMEOUT_S = 2.0  # a healthy sim server answers in milliseconds; a hung one never
 WEIGHT_SYNC_TIMEOUT_S = 1.0
-JOB_TIMEOUT_S = 240.0  # hang guard: a job here takes 20-60 s on a quiet 2-core machine, a few times that when busy
+# hang guard of the env workers' start-up: importing verifiers takes seconds on a quiet machine, and took 100-210 s
+# with every core busy many times over (flake runs at --load 6-8), which a guard of the whole job mistook for a hang
+START_TIMEOUT_S = 300.0
+JOB_TIMEOUT_S = 240.0  # hang guard from then on: a job here takes 20-60 s on a quiet 2-core machine
 WAIT_S = 120.0  # hang guard of each wait for an event inside a job
 
 
@@ -52,7 +55,7 @@ def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def job(tmp_path: Path, urls: list[str], data_plane: str, *, steps: int, workers: int = 1,
-        inference: str = "", scheduler: str = "", silence_s: float = WORKER_SILENCE_S) -> JobConfig:
+        inference: str = "", scheduler: str = "", silence_s: float = WORKER_SILENCE_S, extra: str = "") -> JobConfig:
     path = tmp_path / "job.toml"
     path.write_text(f"""
 [run]
@@ -83,6 +86,7 @@ taskset = "orchestrator-arithmetic"
 group_size = 4
 workers = {workers}
 sampling = {{ max_tokens = 4 }}
+{extra}
 """)
     return load_config(path)
 
@@ -121,9 +125,10 @@ async def run_job(cfg: JobConfig, chaos: Chaos, *, stop_after_chaos: bool = Fals
                                    checkpoint_dir=Path(cfg.run.output_dir) / "ckpt")
         steps = Steps()
         orch.on_step = steps
-        async with asyncio.timeout(JOB_TIMEOUT_S), asyncio.TaskGroup() as tg:
+        async with asyncio.timeout(START_TIMEOUT_S) as guard, asyncio.TaskGroup() as tg:
             training = tg.create_task(trainer.run())
             running = tg.create_task(orch.run())
+            tg.create_task(started(orch, guard))
             await chaos(orch, steps, trainer)
             if stop_after_chaos:
                 await steps.reached(len(steps.metrics))
@@ -138,6 +143,12 @@ async def run_job(cfg: JobConfig, chaos: Chaos, *, stop_after_chaos: bool = Fals
     assert received == list(range(len(received)))  # each step once, in order
     assert len(received) >= len(done)
     return orch, [orjson.loads(x) for x in (out / "rollouts.jsonl").read_bytes().splitlines()]
+
+
+async def started(orch: Orchestrator, guard: asyncio.Timeout) -> None:
+    """Once the env workers are ready, the job's hang guard is JOB_TIMEOUT_S from then on."""
+    await wait_until(lambda: orch.hub.ready_count() >= orch.hub.expected, START_TIMEOUT_S, "the env workers ready")
+    guard.reschedule(asyncio.get_running_loop().time() + JOB_TIMEOUT_S)
 
 
 @contextlib.contextmanager
@@ -202,6 +213,48 @@ async def test_frozen_local_workers_are_killed_and_restarted_and_the_step_comple
     why = r"silent for \d+ s" + (r"|its column pool is gone" if data_plane == "direct" else "")
     died = [r for r in rows if r["failure"] == "worker_died"]
     assert all(re.fullmatch(rf"env worker local-\d: ({why})", r["error"]) for r in died), died
+
+
+async def test_local_workers_stopped_as_they_start_are_named_then_killed_and_restarted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, data_plane: str) -> None:
+    """The issue's case: both env workers SIGSTOPped as soon as they start. Nothing named the wait, and a worker
+    that had not sent its first heartbeat was never lost: the run sat silent, pids unchanged, for 300 s. Now the
+    start-up wait is named every monitor.stall_warn_s (each worker, its pid, connected or not, stopped), and a
+    local worker stopped before it is ready is killed after worker_silence_s and restarted."""
+    warn_s = 1.0
+    facts: dict[str, Any] = {}
+    async with sim_cluster(1) as cluster:
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=2, workers=2, extra=f"[monitor]\nstall_warn_s = {warn_s}")
+
+        @contextlib.asynccontextmanager
+        async def stopped_as_they_start(orch: Orchestrator) -> AsyncIterator[None]:
+            facts["stopped"] = pids = dict(orch.hub.local_pids())  # started by open(), importing still
+            with pidfds(list(pids.values())) as fds:
+                signal_all(fds, signal.SIGSTOP)
+                yield
+
+        async def restarted(orch: Orchestrator, _watch: Steps, _trainer: ReferenceTrainer) -> None:
+            await wait_until(lambda: orch.hub.metrics["restarts"] >= 2, WAIT_S, "both stopped workers restarted")
+
+        with caplog.at_level(logging.INFO, logger="orchestrator"):
+            orch, _ = await run_job(cfg, restarted, beside=stopped_as_they_start)  # and every step completed
+    pids = orch.hub.local_pids()
+    assert not set(pids.values()) & set(facts["stopped"].values())  # both replaced ...
+    assert sorted(pids) == sorted(facts["stopped"])  # ... under their names
+    messages = [r.getMessage() for r in caplog.records]
+    waits = [m for m in messages if m.startswith("env workers: 0 of 2 ready after ")]
+    assert waits, messages
+    first = float(re.match(r"env workers: 0 of 2 ready after (\d+) s", waits[0])[1])  # type: ignore[index]
+    assert first <= warn_s + 5, waits[0]  # at warn_s, give or take a busy machine's timer
+    for name, pid in facts["stopped"].items():
+        killed = [i for i, m in enumerate(messages) if re.fullmatch(
+            rf"env worker {name} \(pid {pid}\) stopped \(SIGSTOP or a debugger\) for \d+ s before it was ready: "
+            r"lost; killed to be restarted", m)]
+        assert len(killed) == 1, (name, messages)
+        named = [i for i, m in enumerate(messages) if i in range(killed[0]) and re.search(
+            rf"{name} \(local, pid {pid}, (not connected|connected, loading its environments), stopped for \d+ s\)",
+            m)]
+        assert named, (name, waits)  # the wait named it, stopped, before it was killed
 
 
 async def test_a_frozen_remote_worker_is_dropped_then_readmitted_when_it_speaks_again(
@@ -317,6 +370,37 @@ async def test_a_hung_server_times_out_its_rollouts_leaves_rotation_and_the_run_
     assert timeouts or off_policy_steps < 100
     assert all(r["wall_s"] >= REQUEST_TIMEOUT_S for r in timeouts), [r["wall_s"] for r in timeouts]
     assert all(re.search(r"timed out|Timeout", r["error"]) for r in timeouts), {r["error"] for r in timeouts}
+
+
+async def test_a_stalled_step_names_each_server_out_of_rotation_and_its_last_probe(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, data_plane: str) -> None:
+    """A server that stays out says why in every stall line: why it left, and what its last probe found. Probe
+    failures after the first were at DEBUG, and a stalled step named the servers only when none was left, so a
+    server kept out (the issue: a hung one that answered again, not back in 120 s, under load) never said why."""
+    facts: dict[str, Any] = {}
+    async with sim_cluster(2) as cluster:
+        down = cluster.urls[0]
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=100, extra="[monitor]\nstall_warn_s = 1.0",
+                  inference="request_timeout_s = 60.0")  # server 1's held rollouts stay in flight
+
+        async def stall_with_one_out(orch: Orchestrator, watch: Steps, _trainer: ReferenceTrainer) -> None:
+            await watch.reached(0)
+            cluster.set_faults(1, hold=True)  # its rollouts stay in flight: the step stalls
+            cluster.set_faults(0, down=True)  # 503 everywhere: out of rotation, and every probe fails
+            pattern = (rf"waits for rollouts \(servers out of rotation: {re.escape(down)} out for \d+ s \(.+\); its "
+                       r"last probe \((\d+) failed\) \d+ s ago: GET \S+/health: HTTP 503")
+            await wait_until(lambda: any(int(m[1]) >= 3 for r in caplog.records if (m := re.search(
+                pattern, r.getMessage()))), WAIT_S, "a stall line naming three failed probes", poll_s=0.05)
+            facts["probes"] = orch.pool.servers[0].probe_failures
+            cluster.set_faults(1)  # released: the run goes on
+
+        with caplog.at_level(logging.INFO, logger="orchestrator"):
+            await run_job(cfg, stall_with_one_out, stop_after_chaos=True)
+    stays = [r for r in caplog.records if r.getMessage().startswith(f"inference server {down} stays out")]
+    assert facts["probes"] >= 3
+    # the same verdict again is at DEBUG: a server may stay out for hours; the stall lines repeat it
+    assert [r.levelname for r in stays][:1] == ["INFO"], [(r.levelname, r.getMessage()) for r in stays]
+    assert sum(r.levelname == "INFO" for r in stays) < facts["probes"]
 
 
 async def test_weight_sync_on_a_stopped_server_is_bounded_and_named_and_it_rejoins_after(

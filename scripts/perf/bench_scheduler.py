@@ -115,7 +115,7 @@ sampling = {{ max_tokens = 8 }}
         try:
             orch.on_step = lambda m: None
             run = asyncio.ensure_future(orch.run())
-            await orch.hub.wait_ready(2, 300)
+            await orch.hub.wait_ready(2, 300, cfg.monitor.stall_warn_s)
             async with lag_probe(probe) as idle_lag:
                 cpu0, t0 = time.process_time(), time.perf_counter()
                 summary = await run

@@ -164,7 +164,7 @@ class Orchestrator:
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(self.lag.run()), tg.create_task(self.pool.run()),
                           tg.create_task(self.hub.run())]
-            await start_workers(tg, self.hub, background)
+            await start_workers(tg, self.hub, background, cfg.monitor.stall_warn_s)
             refused = await self._reload_policy()
             try:
                 sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None,
@@ -453,16 +453,17 @@ def worker_token_filters(cfg: JobConfig, tokenizer: Path) -> list[TokenFilter]:
             for i, f in enumerate(cfg.pipeline.filters) if f.name in TOKEN_FILTERS]
 
 
-async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[asyncio.Task[Any]]) -> None:
-    """Wait until the hub's env workers are ready (with none local and none remote, one runs on this loop,
-    for debugging: its task joins ``background``)."""
+async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[asyncio.Task[Any]],
+                        warn_s: float) -> None:
+    """Wait until the hub's env workers are ready, naming those it waits for every ``warn_s`` (with none local
+    and none remote, one runs on this loop, for debugging: its task joins ``background``)."""
     local, remote = hub.local, hub.remote
     if local + remote == 0:  # debugging mode: environments run on this loop
         log.warning("workers = 0: environments run inside the orchestrator process (debugging only)")
         background.append(tg.create_task(_in_process_worker(hub.address)))
     elif remote:
         log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote, hub.address)
-    await hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S)
+    await hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S, warn_s)
 
 
 async def _in_process_worker(address: str) -> None:

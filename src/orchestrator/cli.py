@@ -76,9 +76,9 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()  # first: until then a child stopped (SIGSTOP) as its parent dies stays behind
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    die_with_parent()
     try:
         return int(args._module.main(args))
     except ConfigError as e:

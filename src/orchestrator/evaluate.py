@@ -34,7 +34,7 @@ async def evaluate(cfg: JobConfig, out: Path, *, step: int = 0, policy: int = 0)
         pool, hub, _ = await open_engines(cfg, stack, out, evaluation_only=True)
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(pool.run()), tg.create_task(hub.run())]
-            await start_workers(tg, hub, background)
+            await start_workers(tg, hub, background, cfg.monitor.stall_warn_s)
             sched = Scheduler(cfg, pool, hub, policy, train=False)
             background.append(tg.create_task(sched.run()))
             sched.start_evaluation(step)

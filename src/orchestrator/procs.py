@@ -9,6 +9,7 @@ import ctypes
 import logging
 import os
 import signal
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -22,18 +23,33 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def die_with_parent() -> None:
-    """In a child started with ``child_env``: ask the kernel for SIGTERM when the parent dies (Linux), and
-    exit now if it already has. The variable is removed so our own children do not inherit it."""
+    """In a child started with ``child_env``: ask the kernel for SIGKILL when the parent dies (Linux), and
+    exit now if it already has. The variable is removed so our own children do not inherit it.
+
+    SIGKILL, not SIGTERM: a stopped process (SIGSTOP, a debugger) leaves SIGTERM pending, so a worker frozen
+    when its orchestrator was SIGKILLed stayed behind, stopped, until someone sent it SIGCONT. Nothing is lost
+    by it: none of our children handles SIGTERM by saving anything (an env worker's default action ends it
+    just as abruptly; a simulated server only closes its port), and their own children follow the same way."""
     parent = os.environ.pop(PARENT_ENV, None)
     if parent is None:
         return
     try:
-        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
             log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
     except (OSError, AttributeError):  # not Linux: the parent stops us by pid, as usual
         log.debug("no prctl here; this process will not follow its parent's death")
     if os.getppid() != int(parent):
         raise SystemExit(f"parent process {parent} is gone; exiting")
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in /proc (``R``, ``S``, ``D``, ``T`` stopped, ``t`` stopped by a
+    debugger, ``Z``...), or None when it is gone or there is no /proc (not Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[0]  # the name, in parentheses, may hold anything
 
 
 async def terminate(proc: asyncio.subprocess.Process, timeout_s: float = 10.0, *, signal_first: bool = True) -> None:

@@ -80,7 +80,7 @@ async def demo(cfg: JobConfig, *, learn: bool = True, real_stack: Path | None = 
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(trainer.run())
                 summary = await orch.run()
-        _print_summary(console, summary.metrics, trainer.received, Path(cfg.run.output_dir))
+        print_summary(console, summary.metrics, trainer.received, Path(cfg.run.output_dir))
     try:  # rendering is blocking: a worker thread
         plots = await asyncio.to_thread(render_report, Path(cfg.run.output_dir))
         console.print(f"plots: {plots[0].parent}/ ({', '.join(p.name for p in plots)}); "
@@ -157,7 +157,7 @@ def sim_arguments(cfg: JobConfig) -> list[str]:
     return args
 
 
-def _print_summary(console: Any, metrics: list[dict[str, Any]], received: list[Any], out: Path) -> None:
+def print_summary(console: Any, metrics: list[dict[str, Any]], received: list[Any], out: Path) -> None:
     from rich.table import Table
 
     envs = sorted({e for m in metrics for e in m["reward_mean"]})
@@ -165,7 +165,8 @@ def _print_summary(console: Any, metrics: list[dict[str, Any]], received: list[A
     for col in ["step", *envs, "rollouts", "failed", "tokens", "rollouts/s", "lag p99", "lag max", "RSS MB"]:
         table.add_column(col, justify="right", no_wrap=True)
     for m in metrics:
-        table.add_row(str(m["step"]), *[f"{m['reward_mean'].get(e, float('nan')):.3f}" for e in envs],
+        # "-": the environment had no rollout in the step (mixing by weight, or all failed), not a NaN reward
+        table.add_row(str(m["step"]), *[f"{m['reward_mean'][e]:.3f}" if e in m["reward_mean"] else "-" for e in envs],
                       str(m["rollouts"]), str(m["failed"]), str(m["tokens"]),
                       f"{m['rollouts_per_s']:.1f}", f"{m['lag']['p99']:.1f}", f"{m['lag']['max']:.1f}",
                       f"{m['rss_mb']:.0f}")

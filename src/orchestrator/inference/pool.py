@@ -25,7 +25,8 @@ Use (the orchestrator)::
   ``request_timeout_s`` of its first unanswered request.
   With no server in rotation, ``acquire`` waits (one warning per ``no_server_warn_interval_s`` for the whole
   pool) and resumes when one returns. Every change is logged and counted in ``metrics`` (``evictions``,
-  ``rejoins``, ``failed:<kind>``, ``weight_sync_failed``, ``liveness_checks``).
+  ``rejoins``, ``failed:<kind>``, ``weight_sync_failed``, ``liveness_checks``); ``out_of_rotation()`` says, for
+  stall lines, why each server out left and what its last probe found.
 - **Weight sync.** ``update_weights(ckpt)`` runs the backend's pause / load / resume (weights.py) on every
   server in rotation at once, each call under ``weight_sync_timeout_s`` and logged every SLOW_CALL_WARN_S
   while it has no answer; after a failed call the resume waits at most RESUME_AFTER_FAILURE_S. So a hung
@@ -85,6 +86,10 @@ class Server:
     answers: int = 0  # successes and failures reported
     checking: bool = False  # a probe or liveness check of it is under way
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    out_why: str = ""  # why it last left rotation
+    out_since: float = 0.0  # when (monotonic)
+    probe_verdict: str = ""  # what its last probe found (the reason it stays out), and when
+    probed_at: float | None = None
 
     @property
     def url(self) -> str:
@@ -151,7 +156,7 @@ class InferencePool:
         self._warned_at = now
         self.metrics["no_server_waits"] += 1
         log.warning("no inference server in rotation (%d out: %s); work waits until one returns",
-                    len(self.servers), "; ".join(f"{s.url}: {s.last_error}" for s in self.servers))
+                    len(self.servers), self.out_of_rotation())
 
     # ------------------------------------------------------------------------------------------ health
 
@@ -181,6 +186,7 @@ class InferencePool:
             server.failures = 0
             log.info("inference server %s rejoins rotation (%s)", server.url, why)
         else:
+            server.out_why, server.out_since, server.probe_verdict, server.probed_at = why, time.monotonic(), "", None
             log.warning("inference server %s leaves rotation: %s", server.url, why)
         self._rotation_changed.set()
 
@@ -259,9 +265,27 @@ class InferencePool:
             self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
         except (InferenceError, CheckpointError) as e:
             server.last_error = str(e)
-            level = logging.DEBUG if server.probe_failures else logging.INFO
+            # INFO when the reason is new (the first failure, or another cause than the last one's), else DEBUG:
+            # a server may stay out for hours; the stall lines repeat the last verdict (out_of_rotation)
+            level = logging.INFO if str(e) != server.probe_verdict else logging.DEBUG
             server.probe_failures += 1
+            server.probe_verdict, server.probed_at = str(e), time.monotonic()
             log.log(level, "inference server %s stays out of rotation: %s", server.url, e)
+
+    def out_of_rotation(self) -> str:
+        """The servers out of rotation, in a clause for a stall line: why each left, and its last probe's
+        verdict (a probe that keeps failing says why here, not once an hour in the log)."""
+        now = time.monotonic()
+        parts = []
+        for s in self.servers:
+            if s.in_rotation:
+                continue
+            if s.probed_at is None:  # a check started while it was in rotation may still hold it
+                probe = "no probe has finished yet" + (" (a check is under way)" if s.checking else "")
+            else:
+                probe = f"its last probe ({s.probe_failures} failed) {now - s.probed_at:.0f} s ago: {s.probe_verdict}"
+            parts.append(f"{s.url} out for {now - s.out_since:.0f} s ({s.out_why}); {probe}")
+        return "; ".join(parts)
 
     async def _timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None, *,
                      after_failure: bool = False) -> bytes:

@@ -50,6 +50,18 @@ class Group:
     def rewards(self) -> list[float]:
         return [r.reward for r in self.survivors]
 
+def failure_summary(records: list[RolloutRecord]) -> str:
+    """Why the failed ``records`` failed, in a clause: each kind and its count, most common first, and the
+    first error of that kind, e.g. ``stale x4 (sampled with policy 3, now 6)``."""
+    failed = [r.header for r in records if not r.ok]
+    kinds = Counter(str(h.failure or Failure.ENV) for h in failed).most_common()
+    if not kinds:
+        return "none failed"
+    first = next((h.error for h in failed if str(h.failure or Failure.ENV) == kinds[0][0] and h.error), None)
+    text = ", ".join(f"{kind} x{n}" for kind, n in kinds)
+    return text if first is None else f"{text} ({first[:200]})"
+
+
 def lose_columns(group: Any, worker: str, pool: str, why: str) -> int:
     """The columns of ``group``'s records in ``worker``'s pool ``pool`` are gone (a ``Group``, or any group with
     ``records`` and ``survivors``, e.g. a dump's): those rollouts fail with ``worker_died``. Advantages already

@@ -15,8 +15,9 @@ Rules, with every bound from the config:
   Evaluation groups (evaluation.py) open first, within ``eval.max_inflight``.
 - A group completes when every rollout has come back (success or failure) or ``group_timeout_s`` passed
   (groups.py). Survivors train; an all-failed group, or a ``group_scoring`` group with any failure, is
-  dropped and counted; the next step writes its rows (``take_dropped``; bounded). Each failure is logged
-  once; a failure that is the server's feeds its health.
+  dropped and counted (its line says why: faults and first error); the next step writes its rows
+  (``take_dropped``; bounded). Each failure is logged once; a failure that is the server's feeds its health,
+  and its line is a WARNING once per server event (faultlog.py), else DEBUG.
 - Gates (gates.py) run when a training group completes, on its advantages: a rejected group does not count
   and the step keeps filling. A step that sees ``max_rejected_batches`` batches' worth of rejected
   rollouts without filling stops the run with SchedulingError naming the gates.
@@ -60,8 +61,9 @@ from orchestrator.errors import Failure, OrchestratorError
 from orchestrator.inference.pool import InferencePool, Server
 from orchestrator.pipeline.advantage import AdvantageFn
 from orchestrator.scheduling.evaluation import Evaluator
+from orchestrator.scheduling.faultlog import ServerFaultLines
 from orchestrator.scheduling.gates import Gates, GroupView
-from orchestrator.scheduling.groups import Group, GroupTracker, lose_columns
+from orchestrator.scheduling.groups import Group, GroupTracker, failure_summary, lose_columns
 from orchestrator.scheduling.sampler import EnvDraws, TaskSampler
 from orchestrator.worker.events import HubEvent, PoolGone, RecordsIn
 from orchestrator.worker.protocol import Assign, RolloutRecord
@@ -126,6 +128,7 @@ class Scheduler:
         # what the weight sync to a newer policy waits for while it runs, or why its checkpoint was refused
         self.loading: str | None = None
         self.clock = clock
+        self.fault_lines = ServerFaultLines(self.stall_warn_s)  # server-fault failures: a line per server event
         self.envs = {e.label: e for e in cfg.env}
         state = state or {}
         self.sampler = TaskSampler([EnvDraws(e.label, hub.tasks_per_env[e.label], e.weight, e.curriculum)
@@ -271,9 +274,11 @@ class Scheduler:
             self.pool.report_success(group.server)
         else:
             kind = h.failure or Failure.ENV
+            level, more = logging.WARNING, ""
             if kind.server_fault:  # env workers call the server directly: its failures feed the pool's health
                 self.pool.report_failure(group.server, kind, h.error or "")
-            log.warning("rollout %s (%s) failed: %s: %s", h.rid, group.env, kind, h.error)
+                level, more = self.fault_lines.level(group.server.url, self.clock())  # one per server event
+            log.log(level, "rollout %s (%s) failed: %s: %s%s", h.rid, group.env, kind, h.error, more)
         if complete:
             self._finish(group)
 
@@ -354,8 +359,8 @@ class Scheduler:
             self.counts["dropped_groups"] += 1
             self._release(group.records)
             self._keep_dropped(group)
-            log.warning("group %s (%s) dropped: %d of %d rollouts failed", group.gid, group.env,
-                        group.size - len(survivors), group.size)
+            log.warning("group %s (%s) dropped: %d of %d rollouts failed: %s", group.gid, group.env,
+                        group.size - len(survivors), group.size, failure_summary(group.records))
             return
         group.advantages = self.advantage(survivors)
         group.gate = self.gates(GroupView(group.env, group.task, group.policy, rewards.tolist(),
@@ -526,10 +531,10 @@ class Scheduler:
                      "or (data_plane = direct) every ready one's column pool is full until the trainer acknowledges "
                      "steps")
         elif not any(s.in_rotation for s in self.pool.servers):
-            cause = "an inference server: none is in rotation (" + "; ".join(
-                f"{s.url}: {s.last_error or 'out'}" for s in self.pool.servers) + ")"
+            cause = f"an inference server: none is in rotation ({self.pool.out_of_rotation()})"
         else:
-            cause = "rollouts"
+            out = self.pool.out_of_rotation()
+            cause = "rollouts" + (f" (servers out of rotation: {out})" if out else "")
         failed = {k.removeprefix("failed:"): v for k, v in self.tracker.counts.items() if k.startswith("failed:")}
         log.warning("step %d has %d of %d after %.0f s without progress: waits for %s; %d rollouts in flight, %d "
                     "stale discarded, %d groups dropped, %d rejected by gates (%d of %d allowed), failures %s", step,

@@ -1,5 +1,8 @@
 """Running ``orchestrator`` commands as real processes in tests: start, wait for a condition, find leftovers.
 
+``process_state(pid)`` (from orchestrator.procs) says whether a signal has taken effect: SIGSTOP has stopped a
+process once it says ``T``.
+
 Every process started here is stopped by its pid when its context exits (SIGKILL if it is still running).
 """
 
@@ -14,6 +17,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+
+from orchestrator.procs import process_state
+
+__all__ = ["logged", "orchestrator_process", "process_state", "processes_mentioning", "python_process",
+           "unix_connections", "wait_until", "write_job"]
 
 Process = asyncio.subprocess.Process
 
@@ -97,10 +105,12 @@ def unix_connections(path: str | Path) -> int:
     return held
 
 
-def write_job(directory: Path, url: str, steps: int, name: str, data_plane: str = "through") -> tuple[Path, Path]:
-    """A small job (arithmetic, one env worker, 8 rollouts a step) for runs as real processes: writes
+def write_job(directory: Path, url: str, steps: int, name: str, data_plane: str = "through", *, workers: int = 1,
+              extra: str = "") -> tuple[Path, Path]:
+    """A small job (arithmetic, ``workers`` env workers, 8 rollouts a step) for runs as real processes: writes
     ``directory/job.toml``; returns it and the run's output directory. ``data_plane``: its
-    ``transport.data_plane`` (the transport is kind = "zmq", keep_acked = 0, so both apply)."""
+    ``transport.data_plane`` (the transport is kind = "zmq", keep_acked = 0, so both apply); ``extra``: more
+    TOML tables, appended."""
     out = directory / "out"
     cfg = directory / "job.toml"
     cfg.write_text(f"""
@@ -120,7 +130,8 @@ data_plane = "{data_plane}"
 [[env]]
 taskset = "orchestrator-arithmetic"
 group_size = 4
-workers = 1
+workers = {workers}
 sampling = {{ max_tokens = 4 }}
+{extra}
 """)
     return cfg, out

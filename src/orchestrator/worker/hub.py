@@ -26,7 +26,10 @@ LOAD_TIMEOUT_S) is lost: its rollouts fail with ``worker_died`` at once, and the
 killed (SIGKILL, which also ends a stopped process) and restarted under its name (local.py: at once, or
 backing off while restarts fail before ready). A remote one is not ours to kill: when it speaks again (e.g.
 after SIGCONT) it is sent ``setup`` and re-admitted when it answers ``ready``; the records it had in flight
-when it was lost count as ``late``, not as invalid messages. Records are sorted by intake.py.
+when it was lost count as ``late``, not as invalid messages. Records are sorted by intake.py. A local one not
+ready yet is watched through its process (local.py): stopped for ``worker_silence_s``, or not connected
+within local.STARTUP_S, it is killed and restarted too. ``wait_ready`` names what it waits for every
+``monitor.stall_warn_s``.
 
 Data plane (``data_plane = "direct"``, docs/data-plane.md; pools.py's ``PoolKeeper`` does it for the hub): a
 worker's ``ready`` names its column pool, and a record's ``span`` must lie in that pool (the one it announced
@@ -178,23 +181,47 @@ class WorkerHub:
                 await hub._stop_all()
 
     async def _stop_all(self) -> None:
+        ready = set()
         for ident, w in self.workers.items():
             self._send(ident, Stop())
+            if w.ready:
+                ready.add(w.name)
             w.ready = False
-        await self.procs.stop()  # asked to stop above; killed if still there after a grace period
+        # one still loading reads no message until it is ready, seconds later: a local one is signalled now
+        await self.procs.stop(ready)  # all at once, bounded in total
 
-    async def wait_ready(self, n: int, timeout_s: float) -> None:
-        """Wait until ``n`` workers are ready; WorkerError naming what is missing after ``timeout_s``."""
+    async def wait_ready(self, n: int, timeout_s: float, warn_s: float) -> None:
+        """Wait until ``n`` workers are ready, saying what it waits for (``waiting_for``) every ``warn_s``
+        (the liveness rule: monitor.stall_warn_s); WorkerError naming what is missing after ``timeout_s``."""
+        start = warned = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):
-                while sum(w.ready for w in self.workers.values()) < n:
+                while (ready := self.ready_count()) < n:
                     self._ready.clear()
-                    await self._ready.wait()
+                    try:  # not wait_for: on 3.11 it can swallow a cancel
+                        async with asyncio.timeout(max(warned + warn_s - time.monotonic(), 0.0)):
+                            await self._ready.wait()
+                    except TimeoutError:
+                        warned = time.monotonic()
+                        log.warning("env workers: %d of %d ready after %.0f s; waiting for %s", ready, n,
+                                    warned - start, self.waiting_for())
         except TimeoutError:
-            ready = sum(w.ready for w in self.workers.values())
-            raise WorkerError(f"{ready} of {n} env workers ready after {timeout_s:.0f} s at {self.address} "
-                              f"({len(self.workers)} connected, {self.metrics['restarts']} local restarts); "
-                              "see the env workers' logs") from None
+            raise WorkerError(f"{self.ready_count()} of {n} env workers ready after {timeout_s:.0f} s at "
+                              f"{self.address} ({self.metrics['restarts']} local restarts); waiting for "
+                              f"{self.waiting_for()}; see the env workers' logs") from None
+
+    def ready_count(self) -> int:
+        return sum(w.ready for w in self.workers.values())
+
+    def waiting_for(self) -> str:
+        """The workers that are not ready, in a clause: each local one (local.py: ``not_ready``), then the
+        remote ones expected and how many of them are connected."""
+        parts = self.procs.not_ready({w.name: w.ready for w in self.workers.values()}, time.monotonic())
+        if self.remote:
+            remote = [w for w in self.workers.values() if w.name not in self.procs.procs]
+            parts.append(f"{self.remote} remote at {self.address} ({len(remote)} connected, "
+                         f"{sum(w.ready for w in remote)} ready)")
+        return "; ".join(parts) or "nothing (all ready)"
 
     # --------------------------------------------------------------------------------------- messages
 
@@ -373,7 +400,8 @@ class WorkerHub:
     # ----------------------------------------------------------------------------------- supervision
 
     async def _supervise(self) -> None:
-        """Every HEARTBEAT_S: lose silent workers (killing local ones), restart local workers that exited."""
+        """Every HEARTBEAT_S: lose silent workers (killing local ones), kill local ones stuck starting (local.py:
+        ``starting``), restart local workers that exited."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             now = time.monotonic()
@@ -388,6 +416,7 @@ class WorkerHub:
                               silent, "" if w.ready else " while loading its environments", len(w.rids), then)
                     self._lose(w, f"silent for {silent:.0f} s", pool_gone=pid is not None)
                     self.procs.kill(w.name)
+            self._kill_stuck(now)
             for name, status in self.procs.exited(now):
                 worker = next((w for w in self.workers.values() if w.name == name), None)
                 if worker is not None:
@@ -398,6 +427,17 @@ class WorkerHub:
             self.metrics["restarts"] += len(restarted)
             for name in restarted:
                 self._banned.discard(name.encode())  # a fresh process under the name of one that was dropped
+
+    def _kill_stuck(self, now: float) -> None:
+        """Local workers not ready yet whose process is stopped, or that never connected: lost and killed (the
+        supervision loop restarts them as they exit)."""
+        by_name = {w.name: w for w in self.workers.values()}
+        for name, why in self.procs.starting(now, by_name.keys(), self.silence_s).items():
+            log.error("env worker %s (pid %s) %s: lost; killed to be restarted", name, self.procs.alive(name), why)
+            worker = by_name.get(name)
+            if worker is not None:
+                self._lose(worker, why, pool_gone=True)
+            self.procs.kill(name)
 
     def _lose(self, worker: WorkerState, why: str, *, pool_gone: bool = False) -> None:
         """Forget ``worker``; its in-flight rollouts go to the scheduler as lost. ``pool_gone``: its process is

@@ -5,8 +5,13 @@ nothing else: which worker is ready, lost or holding rollouts is the hub's (hub.
 ``exited()`` and ``restart_due()`` from its supervision loop every HEARTBEAT_S: a slot whose process exited
 is restarted under the same name, at once when that process had become ready (it was serving, then died or
 froze), else after RESTART_BACKOFF_S[failures in a row] (a worker that keeps failing to start does not spin).
-``kill`` is SIGKILL by pid (it also ends a stopped process); ``stop`` waits up to 5 s for each process to exit
-after the hub sent it ``stop``, then kills it.
+``kill`` is SIGKILL by pid (it also ends a stopped process); ``stop`` ends every process at once, within
+STOP_GRACE_S in all (the run's shutdown has 8 s: commands/run.py).
+
+Before a worker is ready it sends nothing the hub could miss: it imports and loads its environments in
+blocking calls (seconds: verifiers alone takes ~6 s, a download far longer). So while it starts its process
+is watched instead (``starting``, every HEARTBEAT_S): stopped (SIGSTOP, a debugger: /proc says so) for the
+hub's silence bound, or not connected within STARTUP_S of its start, it is to be killed and restarted.
 """
 
 from __future__ import annotations
@@ -17,13 +22,18 @@ import logging
 import os
 import signal
 import sys
+import time
+from collections.abc import Collection
 
-from orchestrator.procs import child_env, terminate
+from orchestrator.procs import child_env, process_state, terminate
 
 log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # local restarts after consecutive failures
-STOP_GRACE_S = 5.0  # a local worker asked to stop exits within this, or is killed
+STOP_GRACE_S = 5.0  # every local worker stopping exits within this (all at once), or is killed
+# a local worker says hello within this of its start: an interpreter importing numpy and zmq, seconds even on
+# a machine loaded many times over; past it, it is wedged (a stopped one is caught sooner: ``starting``)
+STARTUP_S = 120.0
 
 
 class LocalWorkers:
@@ -38,6 +48,8 @@ class LocalWorkers:
         self._became_ready: set[str] = set()  # slots whose current process reached ready
         self._failures_in_a_row = 0  # processes that exited before becoming ready
         self._spawned = 0
+        self._started: dict[str, float] = {}  # slot -> when its current process started (monotonic)
+        self._stopped_since: dict[str, float] = {}  # slots whose process was seen stopped -> since when
 
     async def spawn(self, name: str | None = None) -> str:
         """Start a worker process (a new slot, or ``name``'s again); its name."""
@@ -51,6 +63,8 @@ class LocalWorkers:
         )
         self.procs[name] = proc
         self._became_ready.discard(name)
+        self._started[name] = time.monotonic()
+        self._stopped_since.pop(name, None)
         log.info("started env worker %s (pid %d)", name, proc.pid)
         return name
 
@@ -68,6 +82,46 @@ class LocalWorkers:
         if name in self.procs:
             self._became_ready.add(name)
             self._failures_in_a_row = 0
+
+    def starting(self, now: float, connected: Collection[str], silence_s: float) -> dict[str, str]:
+        """The slots whose process is not ready yet and must go, each with why: stopped for ``silence_s``, or
+        (not in ``connected``) no hello within STARTUP_S of its start. Call every HEARTBEAT_S: a process is seen
+        stopped from the first call that finds it so."""
+        due: dict[str, str] = {}
+        for name in self.procs:
+            pid = self.alive(name)
+            if pid is None or name in self._became_ready:
+                self._stopped_since.pop(name, None)
+                continue
+            stopped = self.stopped_for(name, now)
+            if stopped > silence_s:
+                due[name] = f"stopped (SIGSTOP or a debugger) for {stopped:.0f} s before it was ready"
+            elif name not in connected and now - self._started[name] > STARTUP_S:
+                due[name] = f"not connected {now - self._started[name]:.0f} s after its start"
+        return due
+
+    def stopped_for(self, name: str, now: float) -> float:
+        """How long ``name``'s process has been seen stopped, 0 if it is not (or /proc cannot say)."""
+        proc = self.procs[name]
+        if process_state(proc.pid) not in ("T", "t"):
+            self._stopped_since.pop(name, None)
+            return 0.0
+        return now - self._stopped_since.setdefault(name, now)
+
+    def not_ready(self, connected: dict[str, bool], now: float) -> list[str]:
+        """Each slot not ready (``connected``: the hub's workers, name -> ready) as a start-up line shows it:
+        its pid, whether it is connected, and stopped or restarting if it is."""
+        out = []
+        for name, proc in self.procs.items():
+            if connected.get(name):
+                continue
+            state = ("not connected" if name not in connected else "connected, loading its environments")
+            if name in self._restart_at:
+                state = f"exited with status {proc.returncode}, restarting"
+            elif (since := self._stopped_since.get(name)) is not None:
+                state += f", stopped for {now - since:.0f} s"
+            out.append(f"{name} (local, pid {proc.pid}, {state})")
+        return out
 
     def exited(self, now: float) -> list[tuple[str, int | None]]:
         """Slots whose process exited since the last call, with its status; each is scheduled for a restart."""
@@ -99,10 +153,15 @@ class LocalWorkers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
 
-    async def stop(self) -> None:
-        """Wait for every process (asked to stop by the hub) to exit; kill those still there after STOP_GRACE_S."""
-        for proc in self.procs.values():
-            await terminate(proc, STOP_GRACE_S, signal_first=False)
+    async def stop(self, asked: Collection[str]) -> None:
+        """End every process, all at once: those in ``asked`` were sent ``stop`` by the hub (ready: they read it
+        at once and close their pools); the others get SIGTERM now (still starting or loading their
+        environments, they read no message until ready, which may take many seconds). Any still there after
+        STOP_GRACE_S is killed. One after another, two workers that had not connected took 10 s, past the
+        run's shutdown bound."""
+        async with asyncio.TaskGroup() as tg:
+            for name, proc in self.procs.items():
+                tg.create_task(terminate(proc, STOP_GRACE_S, signal_first=name not in asked))
 
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items()}

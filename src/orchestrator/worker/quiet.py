@@ -10,8 +10,14 @@
   stop): its harness had sent the next model call just before, and on uvloop the server reads it after
   verifiers closed the session (16 cancelled rollouts at random points: a warning in 47 of 150 rounds;
   verifiers' own docs call these "a request whose program died at teardown"). verifiers answers it 401 and
-  nothing is lost; a rollout whose live requests were refused fails with its reason in rollouts.jsonl. That one
-  message goes to DEBUG (``--log-level DEBUG`` shows it); every other warning of verifiers is kept.
+  nothing is lost; a rollout whose live requests were refused fails with its reason in rollouts.jsonl. That
+  message goes to DEBUG (``--log-level DEBUG`` shows it).
+- verifiers' interception server warns "model call failed: id=... <error>" for every model call that fails. A
+  call that fails fails its rollout, which the orchestrator logs with its reason (one line per server event:
+  the first failure in a row, then the server's eviction) and writes to rollouts.jsonl; a server that dies
+  holding 27 rollouts printed 27 of these on the run's log. That message goes to DEBUG too.
+
+Every other warning of verifiers is kept.
 
 ``quiet_libraries()`` runs once at the start of ``orchestrator env-worker``, before verifiers is imported.
 """
@@ -24,13 +30,15 @@ import os
 ENV = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 INTERCEPTION_LOGGER = "verifiers.v1.interception.server"
 ENDED_ROLLOUT_REQUEST = "interception: unauthorized request"
+FAILED_MODEL_CALL = "model call failed: id=%s %s: %s"  # the format string: its arguments vary
+DEMOTED = frozenset({ENDED_ROLLOUT_REQUEST, FAILED_MODEL_CALL})
 
 
-class EndedRolloutRequests(logging.Filter):
-    """verifiers' "unauthorized request" warning, as DEBUG (see the module docstring)."""
+class DemotedWarnings(logging.Filter):
+    """verifiers' "unauthorized request" and "model call failed" warnings, as DEBUG (the module docstring)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING or record.getMessage() != ENDED_ROLLOUT_REQUEST:
+        if record.levelno != logging.WARNING or record.msg not in DEMOTED:
             return True
         record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
@@ -40,5 +48,5 @@ def quiet_libraries() -> None:
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
     logger = logging.getLogger(INTERCEPTION_LOGGER)
-    if not any(isinstance(f, EndedRolloutRequests) for f in logger.filters):
-        logger.addFilter(EndedRolloutRequests())
+    if not any(isinstance(f, DemotedWarnings) for f in logger.filters):
+        logger.addFilter(DemotedWarnings())
