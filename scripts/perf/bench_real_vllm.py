@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -99,6 +100,7 @@ async def orchestrator_pass(url: str, model: Path, root: Path, args: argparse.Na
                   max_async_level=args.steps, sampling="extra_body = { ignore_eos = true }")
     path = out / "job.toml"
     path.write_text(job.config_text())
+    cpu0 = _children_cpu_s()
     async with orchestrator_process("receive", job.trainer_address, "--no-announce", "--steps", str(args.steps)), \
             orchestrator_process("run", str(path)) as run:
         code = await asyncio.wait_for(run.wait(), 900)
@@ -108,7 +110,16 @@ async def orchestrator_pass(url: str, model: Path, root: Path, args: argparse.Na
     steady = rows[1:]
     wall = sum(r["wall_s"] for r in steady)
     rollouts = sum(r["rollouts"] for r in steady)
-    return {"rollouts_per_s": rollouts / wall, "tokens_per_s": sum(r["tokens"] for r in steady) / wall, "wall_s": wall}
+    # the CPU of every process of the pass (orchestrator, env workers, trainer; start-up included) per rollout
+    cpu_ms = (_children_cpu_s() - cpu0) * 1e3 / sum(r["rollouts"] for r in rows)
+    return {"rollouts_per_s": rollouts / wall, "tokens_per_s": sum(r["tokens"] for r in steady) / wall, "wall_s": wall,
+            "cpu_ms_per_rollout": cpu_ms}
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU of this process's ended children (and theirs, once waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def sync_pairs(url: str, model: Path, root: Path, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -169,6 +180,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "direct_tokens_per_s": round(med(direct, "tokens_per_s"), 1),
         "orchestrator_tokens_per_s": round(med(orch, "tokens_per_s"), 1),
         "ratio_to_direct": round(med(orch, "rollouts_per_s") / med(direct, "rollouts_per_s"), 3),
+        # the orchestrator side's CPU per rollout, and the share of its one core that rate needs: near 1, the side
+        # is CPU-bound (verifiers in the env workers), not waiting on the server
+        "orchestrator_side_cpu_ms_per_rollout": round(med(orch, "cpu_ms_per_rollout"), 1),
+        "orchestrator_side_core_use": round(med(orch, "cpu_ms_per_rollout") * med(orch, "rollouts_per_s") / 1e3, 2),
         "sync_ms": round(pool_ms, 2), "reload_ms": round(reload_ms, 2),
         "sync_overhead_ms": round(pool_ms - reload_ms, 2),
         "repeats": args.repeats, "syncs": args.syncs,
