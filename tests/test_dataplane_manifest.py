@@ -25,11 +25,11 @@ POOLS = {"w0": PoolInfo(id="p0", size=1 << 20, host="node-a", path="/run/job/poo
 
 
 def record(rid: str, worker: str, offset: int, samples: list[tuple[int, int, int]], routed: str = "uint8",
-           pool: str | None = None) -> RolloutRecord:
+           pool: str | None = None, policy: int = 12) -> RolloutRecord:
     """A direct-mode record as the hub holds it: a header whose span fits its samples' layout."""
     tokens = sum(s[0] for s in samples)
     nbytes = span_layout(tokens, samples[0][1], samples[0][2], routed).nbytes  # type: ignore[arg-type]
-    header = RolloutHeader(rid=rid, group="g", env="e", task=0, policy_step=0, worker=worker, server="s", ok=True,
+    header = RolloutHeader(rid=rid, group="g", env="e", task=0, policy_step=policy, worker=worker, server="s", ok=True,
                            reward=1.0, samples=samples, routed_dtype=routed,  # type: ignore[arg-type]
                            tokens=tokens, span=SpanLoc(pool or POOLS[worker].id, offset, nbytes))
     record = RolloutRecord(header, [])
@@ -39,7 +39,7 @@ def record(rid: str, worker: str, offset: int, samples: list[tuple[int, int, int
 
 def step_manifest(routed: tuple[int, int] = (4, 2)) -> StepManifest:
     trained = [(record("r0", "w0", 0, [(10, *routed), (6, *routed)]), 0.5),
-               (record("r1", "w1", 4096, [(7, *routed)]), -0.5),
+               (record("r1", "w1", 4096, [(7, *routed)], policy=11), -0.5),
                (record("r2", "w0", 8192, [(3, *routed)]), 0.0)]
     return build_manifest("run", 12, trained, POOLS)
 
@@ -53,7 +53,7 @@ def test_a_manifest_is_built_from_headers_and_round_trips() -> None:
     assert [(c.name, c.dtype, c.tail) for c in m.columns] == [
         ("token_ids", "<i4", []), ("loss_mask", "|u1", []), ("logprobs", "<f4", []), ("routed_experts", "|u1", [4, 2])]
     assert m.scalars == {"advantage": [0.5, 0.5, -0.5, 0.0], "reward": [1.0] * 4, "env": ["e"] * 4,
-                         "rollout": ["r0", "r0", "r1", "r2"]}
+                         "rollout": ["r0", "r0", "r1", "r2"], "policy": [12, 12, 11, 12]}
     data = encode_manifest(m)
     assert decode_manifest(data) == m
     assert decode_manifest(memoryview(data)) == m

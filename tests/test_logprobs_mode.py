@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
@@ -195,16 +196,25 @@ workers = 1
 sampling = {{ max_tokens = 4, temperature = {temperature} }}
 """
     got: list[tuple[Any, set[float]]] = []
+    policies: list[set[int]] = []
+
+    def on_batch(b: Any) -> None:
+        got.append((b.logprobs_mode, set(b.scalars["temperature"])))
+        policies.append(set(b.scalars["policy"]))
+
     async with sim_servers(2, logprobs_mode=server_mode) as servers:
         cfg = job(tmp_path, [s.url for s in servers], envs=envs, steps=2, data_plane=data_plane)
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=2, checkpoint_dir=tmp_path / "ckpt",
-                                       learner=PolicyLearner(),
-                                       on_batch=lambda b: got.append((b.logprobs_mode, set(b.scalars["temperature"]))))
+                                       learner=PolicyLearner(), on_batch=on_batch)
             async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
                 tg.create_task(trainer.run())
                 await orch.run()
     assert got == [(server_mode.removesuffix("_logprobs"), {temperature})] * 2
+    rows = [orjson.loads(x) for x in (Path(cfg.run.output_dir) / "rollouts.jsonl").read_bytes().splitlines()]
+    trained = [{r["policy"] for r in rows if r["step"] == step and r["ok"] and not r["filtered"] and not r["dropped"]}
+               for step in range(2)]
+    assert policies == trained  # each sample says which weights sampled it, as its rollout's row does
     first = trainer.received[0].learned
     assert first is not None
     assert first.ratio_mean == pytest.approx(1.0, abs=1e-4)  # step 0: sampled by the policy the learner starts at

@@ -7,10 +7,10 @@ shape and dtype; the column layout inside follows from those, dataplane/layout.p
 token, tokens; in span order, each span's samples covering its tokens exactly), ``columns`` (name, dtype and
 trailing shape of every column the trainer gets: the three token columns, plus routed experts when every span
 has the same routed shape and dtype), ``scalars`` (per sample: ``advantage``, ``reward``, ``env``,
-``rollout``, and ``temperature`` when the orchestrator gives it), ``logprobs_mode`` (``raw`` or ``processed``:
-which logprobs the logprobs column holds, as in a batch header; null: not known), and ``attempt``: 0 for a
-step's first build, one more for each rebuild after the trainer reported some of its pools lost. Encoded as
-one msgpack map with ``"kind": "step-manifest"`` and ``"v": 1`` (docs/data-plane.md).
+``rollout``, ``policy``, and ``temperature`` when the orchestrator gives it), ``logprobs_mode`` (``raw`` or
+``processed``: which logprobs the logprobs column holds, as in a batch header; null: not known), and
+``attempt``: 0 for a step's first build, one more for each rebuild after the trainer reported some of its
+pools lost. Encoded as one msgpack map with ``"kind": "step-manifest"`` and ``"v": 1`` (docs/data-plane.md).
 
 ``decode_manifest`` is the trainer's edge: it refuses, with a ``WireError`` naming the first problem, anything
 but a valid manifest of this version: a message over MAX_MANIFEST_BYTES, a wrong type or a value out of
@@ -230,7 +230,7 @@ def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, f
     pool_refs: list[PoolRef] = []
     spans: list[SpanRef] = []
     samples: list[SampleRef] = []
-    scalars: dict[str, list[Scalar]] = {"advantage": [], "reward": [], "env": [], "rollout": []}
+    scalars: dict[str, list[Scalar]] = {"advantage": [], "reward": [], "env": [], "rollout": [], "policy": []}
     for rec, advantage in trained:
         h = rec.header
         pool = pools.get(h.worker)
@@ -249,6 +249,7 @@ def build_manifest(run: str, step: int, trained: Sequence[tuple[RolloutRecord, f
             scalars["reward"].append(rec.reward)
             scalars["env"].append(h.env)
             scalars["rollout"].append(h.rid)
+            scalars["policy"].append(h.policy_step)
     if temperatures is not None:
         scalars["temperature"] = [temperatures.get(str(env), 1.0) for env in scalars["env"]]
     return StepManifest(run=run, step=step, attempt=attempt, pools=pool_refs, spans=spans, samples=samples,

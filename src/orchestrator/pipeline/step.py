@@ -142,7 +142,8 @@ class StepBuilder:
     def assemble(self, step: int, trained: Sequence[tuple[RolloutRecord, float]]) -> Batch:
         """Phase ``assemble``: concatenate every trained rollout's column frames once; scalars per sample."""
         lengths: list[int] = []
-        scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": [], "temperature": []}
+        scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": [], "temperature": [],
+                                         "policy": []}
         tails = {s[1:] for rec, _ in trained for s in rec.header.samples}
         with_routed = len(tails) == 1 and (0, 0) not in tails
         if len(tails) > 1:
@@ -166,6 +167,7 @@ class StepBuilder:
                 scalars["env"].append(rec.env)
                 scalars["rollout"].append(rec.rid)
                 scalars["temperature"].append(self.temperatures.get(rec.env, 1.0))
+                scalars["policy"].append(rec.header.policy_step)
         return Batch.from_columns(self.run, step, chunks, lengths, scalars, self.logprobs_mode)
 
 

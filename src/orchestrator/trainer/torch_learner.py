@@ -11,14 +11,17 @@ For each batch:
    earlier, in the mode the server shipped (``batch.logprobs_mode``): ``raw`` is log-softmax of the unscaled
    logits (vLLM's default), ``processed`` of the logits divided by the sample's temperature (vLLM's
    ``--logprobs-mode processed_logprobs``: the distribution it sampled from).
-2. **Report.** Before any update, the shipped logprobs came from the weights of the checkpoint the trainer saved
-   last, so they must equal the recomputed ones: ``max``/``mean`` of ``|shipped - recomputed|`` and the first
-   pass's importance ratio ``exp(recomputed - shipped)`` (mean, min, max) are reported every step. A float32
-   dense model served in float32 matches to < 1e-6; bf16 serving to ~5e-3. Anything larger is a bug somewhere:
-   a misaligned loss mask, a server and trainer that disagree on the logprobs mode, or a server that did not
-   load the weights it answered 200 for (vLLM's CPU MoE reload: REAL-VLLM.md). Above ``warn_mismatch`` a
-   WARNING says so. (With ``max_async_level`` > 0 a step may train on rollouts of older weights: the ratio is
-   then not 1, and the report measures that too.)
+2. **Report.** Before the update on the batch of step ``s`` the trainer's weights are those it saved as
+   ``step_s``, policy ``s``; a sample whose ``policy`` scalar is ``s`` was sampled by exactly these weights, so
+   its shipped logprobs must equal the recomputed ones. Over those on-policy samples, ``max``/``mean`` of
+   ``|shipped - recomputed|`` is the train/inference mismatch: a float32 dense model served in float32 matches to
+   < 1e-6; bf16 serving to ~5e-3. Anything larger is a bug somewhere: a misaligned loss mask, a server and
+   trainer that disagree on the logprobs mode, or a server that did not load the weights it answered 200 for
+   (vLLM's CPU MoE reload: REAL-VLLM.md). Above ``warn_mismatch`` a WARNING says so. Samples of older policies
+   (``max_async_level`` > 0) differ by what the updates since changed, which is not a fault: they are counted
+   (``stale``) and left out of the mismatch, and the importance ratio ``exp(recomputed - shipped)`` of the
+   first pass (mean, min, max) is reported over every sample. A batch without ``policy`` scalars (an older
+   sender) is taken as on-policy throughout.
 3. **Learn.** PPO's clipped surrogate with per-sample weights (GRPO's: each sample weighs the same whatever its
    length), on the shipped advantages; AdamW; ``passes`` optimizer steps per batch, gradients clipped to
    ``max_grad_norm``.
@@ -72,7 +75,7 @@ class TorchLearnStats:
     samples: int
     tokens: int  # trained tokens
     mode: str  # the logprobs mode recomputed: raw or processed
-    mismatch_max: float  # max |shipped - recomputed| over trained tokens
+    mismatch_max: float  # max |shipped - recomputed| over the on-policy samples' trained tokens (nan: none)
     mismatch_mean: float
     ratio_mean: float  # importance ratio exp(recomputed - shipped), first pass
     ratio_min: float
@@ -80,10 +83,14 @@ class TorchLearnStats:
     objective: float  # the clipped surrogate before the update
     clipped: float  # share of trained tokens whose gradient the clip removed (last pass)
     grad_norm: float  # before clipping, first pass
+    stale: int = 0  # samples of older policies, left out of the mismatch
 
     def __str__(self) -> str:
-        return (f"trained {self.tokens} tokens ({self.mode} logprobs): mismatch max {self.mismatch_max:.2e} mean "
-                f"{self.mismatch_mean:.2e}, ratio {self.ratio_mean:.4f} [{self.ratio_min:.3f}, {self.ratio_max:.3f}], "
+        mismatch = (f"mismatch max {self.mismatch_max:.2e} mean {self.mismatch_mean:.2e}"
+                    if math.isfinite(self.mismatch_max) else "mismatch n/a (no on-policy sample)")
+        stale = f" ({self.stale} of {self.samples} samples of older policies)" if self.stale else ""
+        return (f"trained {self.tokens} tokens ({self.mode} logprobs): {mismatch}{stale}, "
+                f"ratio {self.ratio_mean:.4f} [{self.ratio_min:.3f}, {self.ratio_max:.3f}], "
                 f"clipped {self.clipped:.1%}, objective {self.objective:+.4f}, grad norm {self.grad_norm:.3f}")
 
 
@@ -96,6 +103,7 @@ class Sample:
     shipped: torch.Tensor  # float32 [P]: their shipped logprobs
     advantage: float
     temperature: float
+    on_policy: bool  # sampled by the weights the learner holds before this batch's update
 
 
 class TorchLearner:
@@ -118,6 +126,7 @@ class TorchLearner:
         mask = batch.columns["loss_mask"]
         ids, shipped = batch.columns["token_ids"], batch.columns["logprobs"]
         temps = batch.scalars.get("temperature") or [self.config.temperature] * batch.num_samples
+        policies = batch.scalars.get("policy") or [batch.step] * batch.num_samples
         out = []
         for i in range(batch.num_samples):
             a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
@@ -125,7 +134,7 @@ class TorchLearner:
             positions = positions[positions >= 1]  # a sample's first token has no context
             out.append(Sample(torch.from_numpy(ids[a:b].astype(np.int64)), torch.from_numpy(positions),
                               torch.from_numpy(shipped[a:b][positions].astype(np.float32)),
-                              float(batch.scalars["advantage"][i]), float(temps[i])))
+                              float(batch.scalars["advantage"][i]), float(temps[i]), policies[i] == batch.step))
         return out
 
     def mode(self, batch: Batch) -> str:
@@ -139,8 +148,9 @@ class TorchLearner:
         """Report the mismatch, then ``passes`` optimizer steps on the clipped surrogate."""
         samples, mode = self.samples(batch), self.mode(batch)
         tokens = sum(int(s.positions.numel()) for s in samples)
+        stale = sum(not s.on_policy for s in samples)
         if tokens == 0:
-            return TorchLearnStats(len(samples), 0, mode, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0)
+            return TorchLearnStats(len(samples), 0, mode, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, stale)
         first: dict[str, float] = {}
         clipped = 0.0
         for p in range(self.config.passes):
@@ -154,8 +164,8 @@ class TorchLearner:
                 self.optimizer.step()
         stats = TorchLearnStats(len(samples), tokens, mode, first["mismatch_max"], first["mismatch_mean"],
                                 first["ratio_mean"], first["ratio_min"], first["ratio_max"], first["objective"],
-                                clipped, first["grad_norm"])
-        if stats.mismatch_mean > self.config.warn_mismatch:
+                                clipped, first["grad_norm"], stale)
+        if stats.mismatch_mean > self.config.warn_mismatch:  # False for nan: no on-policy sample
             log.warning("step %d: the shipped logprobs differ from the trainer's recomputation by %.3g on average "
                         "(max %.3g): a misaligned loss mask, a logprobs mode the server and trainer disagree on, or "
                         "a server not serving the weights it loaded", batch.step, stats.mismatch_mean,
@@ -179,13 +189,14 @@ class TorchLearner:
                     active += int(unclipped.sum())
                     total += int(ratio.numel())
                     if report:
-                        diffs.append((logp.detach() - shipped).abs().cpu())
                         ratios.append(ratio.detach().cpu())
+                        if s.on_policy:
+                            diffs.append((logp.detach() - shipped).abs().cpu())
             loss.backward()  # type: ignore[no-untyped-call]
             objective -= float(loss.detach())
         out = {"objective": objective, "clipped": 1.0 - active / max(total, 1)}
         if report:
-            d, r = torch.cat(diffs), torch.cat(ratios)
+            d, r = torch.cat(diffs) if diffs else torch.full((1,), math.nan), torch.cat(ratios)
             out |= {"mismatch_max": float(d.max()), "mismatch_mean": float(d.mean()), "ratio_mean": float(r.mean()),
                     "ratio_min": float(r.min()), "ratio_max": float(r.max())}
         return out

@@ -10,7 +10,9 @@ the public trainer library (``orchestrator.transport``):
   policy ``μ``, possibly a step or two old: ``max_async_level``); 0 elsewhere;
 - ``batch.scalars["advantage"][i]``: the sample's advantage (its reward minus its group's mean);
 - ``batch.logprobs_mode``: which logprobs ``logprobs`` holds, ``"raw"`` or ``"processed"`` (below), and
-  ``batch.scalars["temperature"][i]``: the temperature sample ``i`` was sampled at.
+  ``batch.scalars["temperature"][i]``: the temperature sample ``i`` was sampled at;
+- ``batch.scalars["policy"][i]``: the policy step of the weights that sampled it (``step_N`` checkpoints are
+  policy ``N``; a batch of step ``s`` from a trainer that trains every step is on-policy where it equals ``s``).
 
 The model it trains is the tiny policy the simulated servers sample from (``orchestrator.policy``); a real
 trainer would run its model's forward and backward instead of ``Policy.logits_at``/``gradient``, and the
