@@ -70,9 +70,11 @@ async def demo(cfg: JobConfig, *, learn: bool = True, real_stack: Path | None = 
             cfg = await stack.enter_async_context(with_real_servers(cfg, real_stack))
             what = "real vLLM servers on the tiny dense model"
         console.print(f"[bold]demo[/]: {cfg.sim.servers} {what}: " + ", ".join(cfg.inference.servers))
-        orch = await stack.enter_async_context(Orchestrator.open(cfg))
+        # before the env workers start: importing torch from a cold disk took 10-20 s on a fresh CI machine, and a
+        # worker starved of I/O meanwhile went silent past scheduler.worker_silence_s and was killed
         learner = (None if not learn else PolicyLearner() if real_stack is None
-                   else torch_learner(Path(cfg.model.tokenizer or "")))
+                   else await asyncio.to_thread(torch_learner, Path(cfg.model.tokenizer or "")))
+        orch = await stack.enter_async_context(Orchestrator.open(cfg))
         trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
                                    checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints", learner=learner)
         orch.on_step = progress.on_step

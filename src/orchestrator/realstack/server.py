@@ -12,6 +12,10 @@ on the same port. The command line is the one REAL-VLLM.md checked on CPUs:
 - ``--enforce-eager``: no torch.compile (a start takes 35-60 s instead of 54-230 s);
 - ``--generation-config vllm``: the model directory's sampling defaults do not override what a request leaves
   unset;
+- ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE=30``: vLLM closes an idle connection after 5 s, exactly when verifiers' httpx
+  pool (keepalive expiry 5 s) may still pick it for a request, which then fails as "Connection error." (the likely
+  cause of a lone such failure in a CI run of the demo, after a weight sync had left the connections idle); with a
+  longer server keep-alive the client always drops an idle connection first;
 - ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) and, with ``cpus``, ``taskset`` plus ``VLLM_CPU_OMP_THREADS_BIND``
   so the server computes on those cores only (the benchmark gives it one core, everything else the other).
 
@@ -67,7 +71,8 @@ class ServeOptions:
     def environment(self, paths: StackPaths) -> dict[str, str]:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CACHE_ROOT": str(paths.cache),
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **self.env}
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "30",
+               **self.env}
         if self.cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         env.pop("PYTHONPATH", None)  # the server's venv, not ours
