@@ -41,7 +41,8 @@ class ShiftedProbe(TorchLearner):
                 for a, b in zip(batch.offsets[:-1], batch.offsets[1:], strict=True)]
         self.multi_turn.append(sum(r > 1 for r in runs))
         samples = [Sample(s.token_ids, s.positions[s.positions + 1 < s.token_ids.numel()] + 1, s.shipped[
-            s.positions + 1 < s.token_ids.numel()], s.advantage, s.temperature) for s in self.samples(batch)]
+            s.positions + 1 < s.token_ids.numel()], s.advantage, s.temperature, s.on_policy)
+            for s in self.samples(batch)]
         with_grad = self._backward(samples, self.mode(batch), len(samples), report=True)
         self.model.zero_grad(set_to_none=True)
         self.shifted.append(with_grad["mismatch_mean"])
