@@ -22,6 +22,7 @@ DEAD_EXIT_S = 1.0  # how long the process outlives its engine (a real vLLM 0.31:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from orchestrator.sim.kv import KVModel
     from orchestrator.sim.policy import LOGPROBS_MODES
     from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILE_NAMES
 
@@ -53,9 +54,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-rate", type=float, default=0.0, help="fraction of connections dropped")
     p.add_argument("--record-replies", action="store_true",
                    help="keep each reply's token ids and routed experts in GET /sim/log (tests; memory grows)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="context length on the model card (default: 4096)")
+    kv = KVModel(capacity_tokens=4096)
+    p.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help="simulate a KV cache of this many tokens: replies take as long as continuous batching under "
+                   "it decodes them, preempting when it is full, and GET /metrics shows the load (default: off; "
+                   "at least --max-model-len)")
+    p.add_argument("--kv-block-tokens", type=int, default=kv.block_tokens, help="tokens per KV block (default: 16)")
+    p.add_argument("--kv-max-running", type=int, default=kv.max_running,
+                   help=f"requests decoded at once, vLLM's max_num_seqs (default: {kv.max_running})")
+    p.add_argument("--kv-step-ms", type=float, default=kv.step_ms,
+                   help=f"one decode iteration, a token for every running request (default: {kv.step_ms})")
+    p.add_argument("--kv-prefill-ms-per-1k", type=float, default=kv.prefill_ms_per_1k,
+                   help=f"added to an iteration per 1k context tokens (re)computed (default: {kv.prefill_ms_per_1k})")
 
 
 def main(args: argparse.Namespace) -> int:
+    from orchestrator.sim.kv import KVModel
     from orchestrator.sim.server import Faults
 
     for name in ("error_rate", "hang_rate", "malformed_rate", "drop_rate"):
@@ -68,12 +83,24 @@ def main(args: argparse.Namespace) -> int:
     if not 1 <= args.num_experts <= 65535 or args.top_k > args.num_experts:
         print("sim-inference: --num-experts must be within [1, 65535] and at least --top-k", file=sys.stderr)
         return 2
+    kv = None
+    if args.kv_capacity_tokens is not None:
+        try:
+            kv = KVModel(args.kv_capacity_tokens, args.kv_block_tokens, args.kv_max_running, args.kv_step_ms,
+                         args.kv_prefill_ms_per_1k)
+        except ValueError as e:
+            print(f"sim-inference: {e}", file=sys.stderr)
+            return 2
+        if kv.capacity_tokens < args.max_model_len:
+            print(f"sim-inference: --kv-capacity-tokens {kv.capacity_tokens} cannot hold one request of "
+                  f"--max-model-len {args.max_model_len}", file=sys.stderr)
+            return 2
     faults = Faults(latency_ms=args.latency_ms, latency_max_ms=args.latency_max_ms, error_rate=args.error_rate,
                     hang_rate=args.hang_rate, malformed_rate=args.malformed_rate, drop_rate=args.drop_rate)
-    return run_async(_serve(args, faults))
+    return run_async(_serve(args, faults, kv))
 
 
-async def _serve(args: argparse.Namespace, faults: object) -> int:
+async def _serve(args: argparse.Namespace, faults: object, kv: object) -> int:
     from orchestrator.sim.server import SimServer
 
     stop = asyncio.Event()
@@ -83,7 +110,7 @@ async def _serve(args: argparse.Namespace, faults: object) -> int:
     async with SimServer.open(args.host, args.port, profile=args.profile, dev_mode=args.dev_mode, model=args.model,
                               seed=args.seed, layers=args.layers, top_k=args.top_k, num_experts=args.num_experts,
                               faults=faults, record_replies=args.record_replies, scale_out=args.scale_out,
-                              logprobs_mode=args.logprobs_mode) as server:
+                              logprobs_mode=args.logprobs_mode, max_model_len=args.max_model_len, kv=kv) as server:
         print(server.url, flush=True)
         if await _first_set(stop, server.engine.died) is server.engine.died:
             # the real process exits a second or three after its engine died (observed on vLLM 0.31.0); until

