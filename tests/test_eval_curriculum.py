@@ -20,14 +20,9 @@ from orchestrator.testing.procs import orchestrator_process, processes_mentionin
 from orchestrator.testing.sim import sim_process
 from orchestrator.transport.trainer import read_journal
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 
 BOUND_S = 240  # a hang guard only: a run of a few steps takes 10-30 s on a quiet 2-core machine
-
-
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
 def job(tmp_path: Path, url: str, steps: int, extra: str = "", envs: str | None = None, name: str = "j") -> Path:

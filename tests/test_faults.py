@@ -44,7 +44,7 @@ from orchestrator.testing.sim import Faults, SimCluster, sim_cluster
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(500), pytest.mark.usefixtures("verifiers_home")]
 
 GROUP = 4
 FAILURES_TO_EVICT = 3
@@ -68,11 +68,6 @@ PROVIDER, MALFORMED = "failed:provider_error", "failed:malformed_reply"
 # whichever comes first: both count as timeouts here.
 TIMEOUTS = ("failed:timeout", "failed:group_timeout")
 TIMEOUT = "timeouts"  # what scheduler_failures counts both under
-
-
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
 
 
 def job(tmp_path: Path, urls: list[str], data_plane: str, *, steps: int, max_inflight: int = 3 * GROUP,

@@ -32,17 +32,12 @@ from orchestrator.testing.primerl import (
 from orchestrator.testing.procs import Process, orchestrator_process
 from orchestrator.testing.sim import sim_cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.usefixtures("verifiers_home")]
 
 STEPS = 4
 SEQ_LEN = 128
 PAD = 4
 TEMPERATURE = 0.7
-
-
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers; the child inherits
 
 
 def write_job(tmp_path: Path, urls: list[str], trainer_dir: Path, ranks: int, address: str | None) -> Path:
