@@ -23,7 +23,7 @@ from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
 JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many times that with every core busy
 
 
@@ -67,11 +67,6 @@ def unacked_steps(orch: Orchestrator) -> dict[int, object]:
     return dict(orch.unacked.steps)
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
-
-
 async def test_steps_reach_the_trainer_from_the_workers_pools_and_acknowledgements_free_them(tmp_path: Path) -> None:
     batches: list[Batch] = []
     async with sim_servers(1, layers=3, top_k=2, profile="prime-rl") as servers:
@@ -87,8 +82,10 @@ async def test_steps_reach_the_trainer_from_the_workers_pools_and_acknowledgemen
             assert sender.acked == cfg.run.max_steps - 1
             assert unacked_steps(orch) == {}  # every step's rollouts released on acknowledgement
     assert [r.step for r in trainer.received] == [0, 1, 2]
+    batch_size = cfg.scheduler.batch_size
+    assert batch_size is not None
     for r, batch in zip(trainer.received, batches, strict=True):
-        assert r.samples >= cfg.scheduler.batch_size - 4  # whole groups; zero-advantage rollouts filtered
+        assert r.samples >= batch_size - 4  # whole groups; zero-advantage rollouts filtered
         assert r.routed_shape is not None
         assert r.routed_shape[1:] == (3, 2)
         assert batch.columns["token_ids"].dtype.str == "<i4"

@@ -245,8 +245,9 @@ class Flood:
             elif choice < 0.6:
                 frames = [rng.randbytes(rng.randint(0, 40)) for _ in range(rng.randint(1, 3))]
             elif choice < 0.8:
-                frames = [bytearray(f) for f in rng.choice(VALID)]
-                frames[0][rng.randrange(len(frames[0]))] ^= 0xFF
+                flipped = [bytearray(f) for f in rng.choice(VALID)]
+                flipped[0][rng.randrange(len(flipped[0]))] ^= 0xFF
+                frames = [bytes(f) for f in flipped]
             else:
                 frames = [pack(Fatal("local-0", "I say stop"))]
             await rogue.send_multipart([bytes(f) for f in frames])

@@ -23,7 +23,7 @@ from orchestrator.transport.filesystem import FileBatchReceiver
 from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
 from orchestrator.transport.wire import Batch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
 JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many times that with every core busy
 
 
@@ -80,18 +80,15 @@ async def run_job(cfg: JobConfig) -> tuple[Orchestrator, ReferenceTrainer]:
     return orch, trainer
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
-
-
 async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(2, layers=3, top_k=2, profile="prime-rl") as servers:  # router replay: prime-rl's server
         cfg = job(tmp_path, [s.url for s in servers], backend="prime-rl", data_plane=data_plane)
         orch, trainer = await run_job(cfg)
     assert [r.step for r in trainer.received] == [0, 1, 2]
+    batch_size = cfg.scheduler.batch_size
+    assert batch_size is not None
     for r in trainer.received:
-        assert r.samples >= cfg.scheduler.batch_size - 4  # whole groups; zero-advantage rollouts filtered
+        assert r.samples >= batch_size - 4  # whole groups; zero-advantage rollouts filtered
         assert r.routed_shape is not None
         assert r.routed_shape[1:] == (3, 2)
         assert r.routed_shape[0] == r.tokens

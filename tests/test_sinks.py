@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -105,7 +106,7 @@ def test_wandb_gets_every_metric_eval_metrics_and_sample_tables(tmp_path: Path) 
     assert run.name == "offline-unit"
     assert run.tags == ["test", "unit"]
     assert run.config["run"]["name"] == "sinks"  # the job's config, for comparing runs
-    steps = {}
+    steps: dict[int, dict[str, Any]] = {}
     for row in run.history:
         steps.setdefault(row["_step"], {}).update(row)
     assert sorted(s for s, row in steps.items() if "rollouts" in row) == [0, 1, 2]
@@ -138,9 +139,9 @@ async def test_a_run_logs_to_wandb_offline_and_reads_back(tmp_path: Path, data_p
     metrics = [orjson.loads(x) for x in (out / "metrics.jsonl").read_bytes().splitlines()]
     (run_dir,) = offline_runs(out)
     run = read_offline_run(run_dir)
-    steps: dict[int, dict[str, object]] = {}
+    steps: dict[int, dict[str, Any]] = {}
     for row in run.history:
-        steps.setdefault(int(row["_step"]), {}).update(row)  # type: ignore[arg-type]
+        steps.setdefault(int(row["_step"]), {}).update(row)
     assert sorted(steps) == [0, 1]
     for m in metrics:
         logged = steps[m["step"]]
@@ -148,7 +149,7 @@ async def test_a_run_logs_to_wandb_offline_and_reads_back(tmp_path: Path, data_p
         assert logged["reward_mean/arith"] == pytest.approx(m["reward_mean"]["arith"])
         assert logged["lag/p99"] == pytest.approx(m["lag"]["p99"])
         assert logged["phase_s/wait"] == pytest.approx(m["phase_s"]["wait"])
-        table = run.table(logged["samples"])  # type: ignore[arg-type]
+        table = run.table(logged["samples"])
         assert 1 <= len(table) <= 2
         rows = {r["rollout"]: r for r in map(orjson.loads, (out / "rollouts.jsonl").read_bytes().splitlines())}
         for sample in table:

@@ -37,7 +37,7 @@ from orchestrator.testing.sim import Faults, sim_cluster, sim_process
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 
 WORKER_SILENCE_S = 3.0  # heartbeats come every second; a loaded machine's worker is not silent this long
 REQUEST_TIMEOUT_S = 2.0  # a healthy sim server answers in milliseconds; a hung one never
@@ -47,11 +47,6 @@ WEIGHT_SYNC_TIMEOUT_S = 1.0
 START_TIMEOUT_S = 300.0
 JOB_TIMEOUT_S = 240.0  # hang guard from then on: a job here takes 20-60 s on a quiet 2-core machine
 WAIT_S = 120.0  # hang guard of each wait for an event inside a job
-
-
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
 
 
 def job(tmp_path: Path, urls: list[str], data_plane: str, *, steps: int, workers: int = 1,
@@ -244,7 +239,9 @@ async def test_local_workers_stopped_as_they_start_are_named_then_killed_and_res
     messages = [r.getMessage() for r in caplog.records]
     waits = [m for m in messages if m.startswith("env workers: 0 of 2 ready after ")]
     assert waits, messages
-    first = float(re.match(r"env workers: 0 of 2 ready after (\d+) s", waits[0])[1])  # type: ignore[index]
+    said = re.match(r"env workers: 0 of 2 ready after (\d+) s", waits[0])
+    assert said is not None, waits[0]
+    first = float(said[1])
     assert first <= warn_s + 5, waits[0]  # at warn_s, give or take a busy machine's timer
     for name, pid in facts["stopped"].items():
         killed = [i for i, m in enumerate(messages) if re.fullmatch(
