@@ -16,8 +16,9 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.config import JobConfig, load_config
+from orchestrator.config import JobConfig
 from orchestrator.sim.server import Faults
+from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.trainer import ReferenceTrainer
@@ -28,37 +29,13 @@ JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many t
 
 
 def direct_job(tmp_path: Path, urls: list[str], steps: int = 3, overrides: tuple[str, ...] = ()) -> JobConfig:
-    path = tmp_path / "job.toml"
-    path.write_text(f"""
-[run]
-name = "t"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {steps}
-
-[inference]
-servers = {orjson.dumps(urls).decode()}
-backend = "prime-rl"
-request_timeout_s = 120.0
-
-[scheduler]
-batch_size = 8
-max_inflight = 8
-max_async_level = 1
-max_off_policy_steps = 2
-max_buffered_rollouts = 16
-
-[transport]
-data_plane = "direct"
-worker_pool_mb = 4
-
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 2
-sampling = {{ max_tokens = 6 }}
-""")
-    return load_config(path, ["pipeline.gates=[]", *overrides])
+    return job_config(
+        tmp_path, overrides=["pipeline.gates=[]", *overrides], run={"name": "t", "max_steps": steps},
+        inference={"servers": urls, "backend": "prime-rl", "request_timeout_s": 120.0},
+        scheduler={"batch_size": 8, "max_inflight": 8, "max_async_level": 1, "max_off_policy_steps": 2,
+                   "max_buffered_rollouts": 16},
+        transport={"data_plane": "direct", "worker_pool_mb": 4},
+        env=[{**ARITHMETIC, "name": "arith", "workers": 2, "sampling": {"max_tokens": 6}}])
 
 
 def unacked_steps(orch: Orchestrator) -> dict[int, object]:

@@ -31,7 +31,7 @@ from orchestrator.transport.learner import PolicyLearner
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch, decode, encode, encode_shm_header, shm_layout
 from test_dataplane_manifest import POOLS, record
-from test_orchestrator import JOB_GUARD_S, job
+from test_orchestrator import ARITH, JOB_GUARD_S, job
 from test_real_servers import checked, write_job
 
 pytestmark = pytest.mark.usefixtures("verifiers_home")
@@ -183,14 +183,7 @@ def test_the_learner_recomputes_logprobs_in_the_batch_s_mode(mode: Any, reported
 @pytest.mark.parametrize(("server_mode", "temperature"), [("processed_logprobs", 0.7), ("raw_logprobs", 1.0)])
 async def test_a_job_s_batches_carry_the_servers_mode_and_its_first_ratio_is_one(
         tmp_path: Path, data_plane: str, server_mode: str, temperature: float) -> None:
-    envs = f"""
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 4, temperature = {temperature} }}
-"""
+    envs = [{**ARITH, "sampling": {"max_tokens": 4, "temperature": temperature}}]
     got: list[tuple[Any, set[float]]] = []
     policies: list[set[int]] = []
 

@@ -26,6 +26,7 @@ from orchestrator.config import load_config
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.preflight import Preflight, PreflightError, preflight
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer
+from orchestrator.testing.jobs import ARITHMETIC, write_job_toml
 from orchestrator.testing.procs import orchestrator_process
 from orchestrator.testing.sim import Faults, ProfileName, SimServer, sim_process, sim_servers
 from orchestrator.transport.trainer import ReferenceTrainer
@@ -37,31 +38,13 @@ STEPS = 4
 KEEP = {"mode": "keep", "clear_cache": "false"}
 
 
-def write_job(tmp_path: Path, urls: list[str], backend: str, *, steps: int = STEPS, extra: str = "") -> Path:
-    path = tmp_path / "job.toml"
-    path.write_text(f"""
-[run]
-name = "real"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {steps}
-[inference]
-servers = {json.dumps(urls)}
-backend = "{backend}"
-probe_interval_s = 0.2
-[scheduler]
-batch_size = 8
-max_inflight = 8
-max_async_level = 1
-max_off_policy_steps = 2
-[pipeline]
-gates = []  # every finished group trains: gates are not what this test is about
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 4 }}
-{extra}""")
-    return path
+def write_job(tmp_path: Path, urls: list[str], backend: str, *, steps: int = STEPS) -> Path:
+    return write_job_toml(
+        tmp_path, run={"name": "real", "max_steps": steps},
+        inference={"servers": urls, "backend": backend, "probe_interval_s": 0.2},
+        scheduler={"batch_size": 8, "max_inflight": 8, "max_async_level": 1, "max_off_policy_steps": 2},
+        pipeline={"gates": []},  # every finished group trains: gates are not what this test is about
+        env=[ARITHMETIC])
 
 
 async def sim_log(url: str) -> dict[str, Any]:
