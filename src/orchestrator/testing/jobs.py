@@ -48,23 +48,21 @@ def toml_text(**sections: Section | Sequence[Section]) -> str:
     return "\n".join(out)
 
 
-def write_job_toml(directory: Path, *, filename: str = "job.toml", run: Section | None = None,
-                   **sections: Section | Sequence[Section]) -> Path:
-    """Write ``directory/filename`` from ``run`` and ``sections`` (``run.output_dir`` defaults to
+def write_job_toml(directory: Path, *, run: Section | None = None, **sections: Section | Sequence[Section]) -> Path:
+    """Write ``directory/job.toml`` from ``run`` and ``sections`` (``run.output_dir`` defaults to
     ``directory/out``); returns its path."""
-    return _write(directory, filename, run, sections)
+    return _write(directory, run, sections)
 
 
 def job_config(directory: Path, *, overrides: Sequence[str] = (), run: Section | None = None,
                **sections: Section | Sequence[Section]) -> JobConfig:
     """``write_job_toml``, then the job loaded as ``orchestrator run`` loads it (``overrides``: ``key=value``)."""
-    return load_config(_write(directory, "job.toml", run, sections), overrides)
+    return load_config(_write(directory, run, sections), overrides)
 
 
-def _write(directory: Path, filename: str, run: Section | None, sections: Mapping[str, Section | Sequence[Section]]
-           ) -> Path:
+def _write(directory: Path, run: Section | None, sections: Mapping[str, Section | Sequence[Section]]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / filename
+    path = directory / "job.toml"
     path.write_text(toml_text(run={"output_dir": directory / "out", **(run or {})}, **sections))
     return path
 
@@ -83,7 +81,8 @@ def _value(v: Any) -> str:
             return ("-inf" if v < 0 else "inf") if math.isinf(v) else "nan"
         return repr(v)
     if isinstance(v, str | Path):
-        return json.dumps(str(v))  # a JSON string is a TOML basic string
+        return json.dumps(str(v), ensure_ascii=False)  # a JSON string is a TOML basic string (not ASCII-escaped:
+        # JSON would write a character past U+FFFF as a surrogate pair, which TOML refuses)
     if isinstance(v, Mapping):
         return "{ " + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + " }"
     if isinstance(v, Sequence):
