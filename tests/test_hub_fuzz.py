@@ -189,8 +189,6 @@ async def test_a_worker_that_keeps_sending_invalid_messages_is_dropped(tmp_path:
         assert hub.events.empty()
 
 
-
-
 @dataclass
 class Flood:
     """A rogue that sends forged and random messages to the hub at ``address`` (``run``) until ``stop`` is set;

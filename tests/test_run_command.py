@@ -197,7 +197,6 @@ def read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-
 SERVER_DEATH_JOB = """
 [run]
 name = "server-death"
