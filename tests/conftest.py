@@ -51,3 +51,12 @@ def data_plane(request: pytest.FixtureRequest) -> str:
     """The ``--data-plane`` this session runs its zmq jobs with: ``"through"`` (default) or ``"direct"``."""
     value: str = request.config.getoption("--data-plane")
     return value
+
+
+@pytest.fixture
+def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$HOME in the test's ``tmp_path``: verifiers writes ``~/.cache/verifiers``, and env workers (children)
+    inherit it. The files that run jobs use it (``pytestmark = pytest.mark.usefixtures("verifiers_home")``); not
+    autouse, since Hypothesis refuses function-scoped fixtures on its ``@given`` tests and most tests start no
+    env worker."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -18,6 +18,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,10 +32,11 @@ def peer_batch(step: int, samples: int = 4, tokens_each: int = 16) -> Batch:
     """A small batch whose every byte depends on ``step``, so a stale or overwritten view shows."""
     total = samples * tokens_each
     base = np.arange(total, dtype=np.int64) + step * 7919
-    chunks = {"token_ids": [base.astype(np.int32)], "loss_mask": [(base % 2).astype(np.uint8)],
-              "logprobs": [(base / 1000).astype(np.float32)],
-              "routed_experts": [(base[:, None, None] + np.arange(8).reshape(1, 4, 2)).astype(np.uint8) % 251]}
-    scalars = {"advantage": [float(step)] * samples, "env": ["e"] * samples}
+    chunks: dict[str, list[np.ndarray]] = {
+        "token_ids": [base.astype(np.int32)], "loss_mask": [(base % 2).astype(np.uint8)],
+        "logprobs": [(base / 1000).astype(np.float32)],
+        "routed_experts": [(base[:, None, None] + np.arange(8).reshape(1, 4, 2)).astype(np.uint8) % 251]}
+    scalars: dict[str, list[Any]] = {"advantage": [float(step)] * samples, "env": ["e"] * samples}
     return Batch.from_columns("peer", step, chunks, [tokens_each] * samples, scalars)
 
 

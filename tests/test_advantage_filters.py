@@ -39,9 +39,7 @@ def hooks() -> Iterator[types.ModuleType]:
     def long_rollout(rollout: R, advantage: float, min_tokens: int) -> bool:
         return len(rollout.token_ids) >= min_tokens
 
-    mod.rank_advantage = rank_advantage  # type: ignore[attr-defined]
-    mod.wrong_length = wrong_length  # type: ignore[attr-defined]
-    mod.long_rollout = long_rollout  # type: ignore[attr-defined]
+    vars(mod).update(rank_advantage=rank_advantage, wrong_length=wrong_length, long_rollout=long_rollout)
     sys.modules["user_hooks"] = mod
     yield mod
     del sys.modules["user_hooks"]

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,8 +226,9 @@ async def test_sender_ignores_malformed_trainer_messages(message: bytes, tmp_pat
             except TimeoutError:
                 pytest.fail("the sender stopped reading the trainer channel after a malformed message")
             announced = sender.announcements()
+            assert isinstance(announced, AsyncGenerator)  # a generator: closed below
             assert (await asyncio.wait_for(anext(announced), 5)).step == 7
-            await announced.aclose()  # type: ignore[attr-defined]
+            await announced.aclose()
             assert sender.acked == 0
             warnings = [r.getMessage() for r in caplog.records if r.name == LINK_LOGGER]
             assert len(warnings) == 1, warnings

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -68,10 +69,10 @@ def test_what_cannot_be_loaded_is_named_with_why(tmp_path: Path) -> None:
         {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}})),
      "lacks model-2.safetensors, which model.safetensors.index.json names"),
 ])
-def test_a_corrupt_or_incomplete_file_is_named(tmp_path: Path, write: object, why: str) -> None:
+def test_a_corrupt_or_incomplete_file_is_named(tmp_path: Path, write: Callable[[Path], object], why: str) -> None:
     d = tmp_path / "ckpt"
     safetensors(d / "model-1.safetensors")  # a good shard beside the bad file
-    write(d)  # type: ignore[operator]
+    write(d)
     got = why_unloadable(str(d))
     assert got is not None
     assert got.startswith(why), got

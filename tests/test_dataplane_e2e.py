@@ -16,60 +16,32 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.config import JobConfig, load_config
+from orchestrator.config import JobConfig
 from orchestrator.sim.server import Faults
+from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
 JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many times that with every core busy
 
 
 def direct_job(tmp_path: Path, urls: list[str], steps: int = 3, overrides: tuple[str, ...] = ()) -> JobConfig:
-    path = tmp_path / "job.toml"
-    path.write_text(f"""
-[run]
-name = "t"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {steps}
-
-[inference]
-servers = {orjson.dumps(urls).decode()}
-backend = "prime-rl"
-request_timeout_s = 120.0
-
-[scheduler]
-batch_size = 8
-max_inflight = 8
-max_async_level = 1
-max_off_policy_steps = 2
-max_buffered_rollouts = 16
-
-[transport]
-data_plane = "direct"
-worker_pool_mb = 4
-
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 2
-sampling = {{ max_tokens = 6 }}
-""")
-    return load_config(path, ["pipeline.gates=[]", *overrides])
+    return job_config(
+        tmp_path, overrides=["pipeline.gates=[]", *overrides], run={"name": "t", "max_steps": steps},
+        inference={"servers": urls, "backend": "prime-rl", "request_timeout_s": 120.0},
+        scheduler={"batch_size": 8, "max_inflight": 8, "max_async_level": 1, "max_off_policy_steps": 2,
+                   "max_buffered_rollouts": 16},
+        transport={"data_plane": "direct", "worker_pool_mb": 4},
+        env=[{**ARITHMETIC, "name": "arith", "workers": 2, "sampling": {"max_tokens": 6}}])
 
 
 def unacked_steps(orch: Orchestrator) -> dict[int, object]:
     """The steps ``orch`` sent in direct mode that the trainer has not acknowledged."""
     assert orch.unacked is not None
     return dict(orch.unacked.steps)
-
-
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
 
 
 async def test_steps_reach_the_trainer_from_the_workers_pools_and_acknowledgements_free_them(tmp_path: Path) -> None:
@@ -87,8 +59,10 @@ async def test_steps_reach_the_trainer_from_the_workers_pools_and_acknowledgemen
             assert sender.acked == cfg.run.max_steps - 1
             assert unacked_steps(orch) == {}  # every step's rollouts released on acknowledgement
     assert [r.step for r in trainer.received] == [0, 1, 2]
+    batch_size = cfg.scheduler.batch_size
+    assert batch_size is not None
     for r, batch in zip(trainer.received, batches, strict=True):
-        assert r.samples >= cfg.scheduler.batch_size - 4  # whole groups; zero-advantage rollouts filtered
+        assert r.samples >= batch_size - 4  # whole groups; zero-advantage rollouts filtered
         assert r.routed_shape is not None
         assert r.routed_shape[1:] == (3, 2)
         assert batch.columns["token_ids"].dtype.str == "<i4"

@@ -158,7 +158,7 @@ def test_a_request_with_no_connection_to_its_server_ends_within_its_timeout() ->
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"  # bound, never listening: connections are refused
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no pipe until a connection is made
         sock.connect(address)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import zmq
@@ -164,13 +164,9 @@ async def test_a_worker_whose_pool_has_no_room_gets_no_group_until_it_has(tmp_pa
         await records_in(hub)
         assert hub.has_ready()
         await worker.send(pack(Heartbeat("w0", pool_free=NBYTES - 64)))  # its largest rollout does not fit
-        await wait_for(lambda: not hub.has_ready())
+        await wait_until(lambda: not hub.has_ready(), WAIT_S, "the hub to take the heartbeat", poll_s=0.01)
         assert hub.metrics["pool_full"] == 1
         await worker.send(pack(Heartbeat("w0", pool_free=NBYTES)))
-        await wait_for(hub.has_ready)
+        await wait_until(hub.has_ready, WAIT_S, "the hub to take the heartbeat", poll_s=0.01)
         hub.assign(Assign("g2", "e", 0, ["g2-0"], "http://127.0.0.1:9/v1", {}, 0))
         assert isinstance(await next_message(worker, Assign), Assign)
-
-
-async def wait_for(ready: Callable[[], bool]) -> None:
-    await wait_until(ready, WAIT_S, "the hub to take the heartbeat", poll_s=0.01)

@@ -55,7 +55,13 @@ async def test_manifests_arrive_in_order_as_views_or_batches_and_acknowledgement
         tmp_path: Path) -> None:
     async with link(tmp_path) as (store, pool, sender):
         held: dict[int, list[str]] = {}
-        sender.on_ack = lambda step: [store.release(held.pop(s)) for s in sorted(held) if s <= step]
+
+        def release(step: int) -> None:
+            for s in sorted(held):
+                if s <= step:
+                    store.release(held.pop(s))
+
+        sender.on_ack = release
         receiver = BatchReceiver(sender.address)
         try:
             first = [record(store, 0), record(store, 1)]

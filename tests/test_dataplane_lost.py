@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -23,13 +24,8 @@ from orchestrator.transport.receiver import BatchReceiver
 from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
 STEPS = 4
-
-
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
 
 
 async def test_a_worker_killed_before_the_trainer_maps_its_pool_makes_the_step_refill(tmp_path: Path) -> None:
@@ -89,7 +85,7 @@ async def test_a_worker_killed_before_the_trainer_maps_its_pool_makes_the_step_r
     rows = [orjson.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_bytes().splitlines()]
     lost_rows = [r for r in rows if r.get("attempt") and r["failure"] == "worker_died"]
     assert 0 in {r["step"] for r in lost_rows}  # lost rollouts are logged failed, with the attempt replacing them
-    final: dict[str, dict[str, object]] = {}  # what became of each rollout: its row of the newest attempt
+    final: dict[str, dict[str, Any]] = {}  # what became of each rollout: its row of the newest attempt
     for r in rows:
         if r["rollout"] not in final or r.get("attempt", 0) >= final[r["rollout"]].get("attempt", 0):
             final[r["rollout"]] = r
@@ -145,4 +141,6 @@ async def test_a_trainer_killed_holding_a_mapped_step_gets_it_again_when_restart
                 await orch.run()
             assert unacked_steps(orch) == {}
     assert [r.step for r in trainer.received] == list(range(STEPS))
-    assert all(r.samples >= cfg.scheduler.batch_size - 4 for r in trainer.received)
+    batch_size = cfg.scheduler.batch_size
+    assert batch_size is not None
+    assert all(r.samples >= batch_size - 4 for r in trainer.received)

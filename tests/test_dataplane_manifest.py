@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from orchestrator.dataplane.layout import ALIGN, SpanLoc, span_layout
+from orchestrator.dataplane.layout import ALIGN, RoutedDtype, SpanLoc, span_layout
 from orchestrator.dataplane.manifest import (
     MAX_MANIFEST_BYTES,
     StepManifest,
@@ -24,13 +24,13 @@ POOLS = {"w0": PoolInfo(id="p0", size=1 << 20, host="node-a", path="/run/job/poo
          "w1": PoolInfo(id="p1", size=1 << 20, host="node-a", path="/run/job/pools/w1.pool")}
 
 
-def record(rid: str, worker: str, offset: int, samples: list[tuple[int, int, int]], routed: str = "uint8",
+def record(rid: str, worker: str, offset: int, samples: list[tuple[int, int, int]], routed: RoutedDtype = "uint8",
            pool: str | None = None, policy: int = 12) -> RolloutRecord:
     """A direct-mode record as the hub holds it: a header whose span fits its samples' layout."""
     tokens = sum(s[0] for s in samples)
-    nbytes = span_layout(tokens, samples[0][1], samples[0][2], routed).nbytes  # type: ignore[arg-type]
+    nbytes = span_layout(tokens, samples[0][1], samples[0][2], routed).nbytes
     header = RolloutHeader(rid=rid, group="g", env="e", task=0, policy_step=policy, worker=worker, server="s", ok=True,
-                           reward=1.0, samples=samples, routed_dtype=routed,  # type: ignore[arg-type]
+                           reward=1.0, samples=samples, routed_dtype=routed,
                            tokens=tokens, span=SpanLoc(pool or POOLS[worker].id, offset, nbytes))
     record = RolloutRecord(header, [])
     record.check()

@@ -10,8 +10,9 @@ import dataclasses
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,13 +24,8 @@ from orchestrator.transport.receiver import BatchReceiver
 from orchestrator.transport.trainer import save_initial_checkpoint
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
 
 
 async def worker_alive(proc: Process) -> None:
@@ -59,7 +55,8 @@ async def fetching_trainer(address: str, ckpt: Path, got: list[tuple[int, list[s
     return receiver
 
 
-async def remote_job(tmp_path: Path, trainer: Callable[[Orchestrator, Path], Awaitable[object]]) -> Orchestrator:
+async def remote_job(tmp_path: Path,
+                     trainer: Callable[[Orchestrator, Path], Coroutine[Any, Any, object]]) -> Orchestrator:
     """A direct-mode job whose one env worker is a remote process serving its pool over tcp, with ``trainer``
     (given the orchestrator and a checkpoint directory) run beside it."""
     async with sim_servers(1, profile="prime-rl") as servers:

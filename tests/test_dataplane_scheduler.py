@@ -10,6 +10,7 @@ from pathlib import Path
 
 from orchestrator.config import JobConfig, load_config
 from orchestrator.inference.pool import InferencePool
+from orchestrator.scheduling.groups import Group
 from orchestrator.scheduling.scheduler import Scheduler
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub, Outcome
@@ -31,7 +32,7 @@ async def running(cfg: JobConfig, outcome: Callable[[str, str], Outcome] = lambd
                   ) -> AsyncIterator[tuple[Scheduler, FakeWorkerHub]]:
     hub = FakeWorkerHub({e.label: 50 for e in cfg.env}, outcome, pool="pool-1")
     async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
-        sched = Scheduler(cfg, pool, hub)  # type: ignore[arg-type]
+        sched = Scheduler(cfg, pool, hub)
         task = tg.create_task(sched.run())
         try:
             yield sched, hub
@@ -40,7 +41,7 @@ async def running(cfg: JobConfig, outcome: Callable[[str, str], Outcome] = lambd
             hub.close()
 
 
-def trained(groups: list) -> set[str]:  # type: ignore[type-arg]
+def trained(groups: list[Group]) -> set[str]:
     return {r.rid for g in groups for r in g.survivors}
 
 

@@ -12,6 +12,7 @@ import pytest
 from orchestrator.config import FilterConfig
 from orchestrator.dataplane.layout import SpanLoc, shapes_layout
 from orchestrator.dataplane.manifest import decode_manifest, encode_manifest
+from orchestrator.pipeline.dump import ReplayGroup
 from orchestrator.pipeline.step import StepBuilder
 from orchestrator.scheduling.groups import lose_columns
 from orchestrator.testing.steps import synthetic_config, synthetic_groups
@@ -20,7 +21,7 @@ from orchestrator.worker.protocol import PoolInfo
 POOLS = {"w1": PoolInfo(id="p1", size=1 << 24, host="h"), "w2": PoolInfo(id="p2", size=1 << 24, host="h")}
 
 
-def direct_groups() -> list:  # type: ignore[type-arg]
+def direct_groups() -> list[ReplayGroup]:
     """Synthetic groups whose records carry spans instead of frames: even groups on w1 (pool p1, current),
     odd groups on w2 in pool p0 (w2 has renewed its pool to p2 since)."""
     groups = synthetic_groups(32, turns=2, tokens=64, layers=2, top_k=2, group_size=8)
@@ -62,6 +63,7 @@ def test_a_group_that_loses_some_columns_keeps_the_advantages_of_the_rest() -> N
     group = direct_groups()[0]  # 8 rollouts on w1, pool p1
     for r in group.records[5:]:
         r.header.worker = "w9"  # three of them on another worker, whose pool goes
+    # a dump's group has no advantages (the scheduler's Group does): given them here, as lose_columns reads any group
     group.advantages = np.arange(8, dtype=np.float64)  # type: ignore[attr-defined]
     assert lose_columns(group, "w9", "p1", "exited") == 3
     assert [r.ok for r in group.records] == [True] * 5 + [False] * 3

@@ -54,7 +54,7 @@ def test_span_layout_aligns_every_column_and_sizes_routed_experts_by_dtype() -> 
                                            ((1, 1, 1, "int8"), "dtype")])
 def test_span_layout_refuses_impossible_shapes(args: tuple[int, int, int, str], why: str) -> None:
     with pytest.raises(ValueError, match=r"layout|dtype"):
-        span_layout(*args)  # type: ignore[arg-type]
+        span_layout(*args)  # type: ignore[arg-type]  # the point: a dtype span_layout refuses ("int8")
 
 
 def test_shapes_layout_refuses_samples_whose_routed_shapes_differ() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +29,8 @@ def step_groups() -> list[ReplayGroup]:
     return groups
 
 
-def as_bytes(frames: list[object]) -> list[bytes]:
-    return [bytes(memoryview(f).cast("B")) for f in frames]  # type: ignore[arg-type]
+def as_bytes(frames: Sequence[memoryview]) -> list[bytes]:
+    return [bytes(memoryview(f).cast("B")) for f in frames]
 
 
 def test_dump_then_load_round_trips_exact_bytes(tmp_path: Path) -> None:

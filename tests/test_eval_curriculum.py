@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from math import comb
 from pathlib import Path
 from typing import Any
@@ -16,30 +17,23 @@ import orjson
 import pytest
 
 from orchestrator.state import load_state
+from orchestrator.testing.jobs import ARITHMETIC, Section, write_job_toml
 from orchestrator.testing.procs import orchestrator_process, processes_mentioning, wait_until
 from orchestrator.testing.sim import sim_process
 from orchestrator.transport.trainer import read_journal
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 
 BOUND_S = 240  # a hang guard only: a run of a few steps takes 10-30 s on a quiet 2-core machine
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+ARITH: Section = {**ARITHMETIC, "name": "arith"}
 
 
-def job(tmp_path: Path, url: str, steps: int, extra: str = "", envs: str | None = None, name: str = "j") -> Path:
-    out = tmp_path / "out"
-    envs = envs or ('[[env]]\nname = "arith"\ntaskset = "orchestrator-arithmetic"\ngroup_size = 4\nworkers = 1\n'
-                    'sampling = { max_tokens = 4 }\n')
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "job.toml"
-    path.write_text(f'[run]\nname = "{name}"\noutput_dir = "{out}"\nmax_steps = {steps}\n'
-                    f'[inference]\nservers = ["{url}"]\n[scheduler]\nbatch_size = 8\nmax_inflight = 16\n'
-                    f'{extra}\n{envs}')
-    return path
+def job(tmp_path: Path, url: str, steps: int, *, envs: Sequence[Section] = (ARITH,), name: str = "j",
+        scheduler: Section | None = None, **sections: Section) -> Path:
+    return write_job_toml(tmp_path, run={"name": name, "max_steps": steps}, inference={"servers": [url]},
+                          scheduler={"batch_size": 8, "max_inflight": 16, **(scheduler or {})}, env=envs, **sections)
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
@@ -53,16 +47,8 @@ async def run_with_trainer(cfg: Path, tmp_path: Path, *args: str) -> int:
         return await asyncio.wait_for(run.wait(), BOUND_S)
 
 
-EVAL = """
-[eval]
-interval = 2
-num_examples = 5
-group_size = 4
-[[eval.env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-sampling = { max_tokens = 4 }
-"""
+EVAL: Section = {"interval": 2, "num_examples": 5, "group_size": 4,
+                 "env": [{"name": "arith", "taskset": "orchestrator-arithmetic", "sampling": {"max_tokens": 4}}]}
 
 
 def unbiased(n: int, c: int, k: int) -> tuple[float, float]:
@@ -71,10 +57,9 @@ def unbiased(n: int, c: int, k: int) -> tuple[float, float]:
 
 
 async def test_eval_rows_at_their_steps_with_pass_at_k_of_their_rollouts_and_a_curriculum(tmp_path: Path) -> None:
-    envs = ('[[env]]\nname = "arith"\ntaskset = "orchestrator-arithmetic"\ngroup_size = 4\nworkers = 1\n'
-            'sampling = { max_tokens = 4 }\n[env.curriculum]\nwindow = 1\n')
+    envs = [{**ARITH, "curriculum": {"window": 1}}]
     async with sim_process() as server:
-        cfg = job(tmp_path, server.url, 5, EVAL, envs)
+        cfg = job(tmp_path, server.url, 5, eval=EVAL, envs=envs)
         assert await run_with_trainer(cfg, tmp_path) == 0
     out = tmp_path / "out"
     metrics = rows(out / "metrics.jsonl")
@@ -109,7 +94,7 @@ async def test_eval_rows_at_their_steps_with_pass_at_k_of_their_rollouts_and_a_c
 
 async def test_orchestrator_eval_evaluates_the_servers_once_without_a_trainer(tmp_path: Path) -> None:
     async with sim_process() as server:
-        cfg = job(tmp_path, server.url, 5, EVAL)
+        cfg = job(tmp_path, server.url, 5, eval=EVAL)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "eval", str(cfg), "--step", "7",
             "--json", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -134,9 +119,9 @@ async def test_orchestrator_eval_without_an_eval_section_is_a_config_error(tmp_p
 
 
 async def test_gates_that_reject_everything_stop_the_run_with_a_clear_error(tmp_path: Path) -> None:
-    extra = 'max_rejected_batches = 2\n[[pipeline.gates]]\nname = "reward_range"\nargs = { min = 2.0 }\n'
     async with sim_process() as server:
-        cfg = job(tmp_path, server.url, 3, extra)
+        cfg = job(tmp_path, server.url, 3, scheduler={"max_rejected_batches": 2},
+                  pipeline={"gates": [{"name": "reward_range", "args": {"min": 2.0}}]})
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "run", str(cfg),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -146,8 +131,7 @@ async def test_gates_that_reject_everything_stop_the_run_with_a_clear_error(tmp_
     assert b"reward_range" in stderr
 
 
-TWO_ENVS = "".join(f'[[env]]\nname = "{n}"\ntaskset = "orchestrator-arithmetic"\ngroup_size = 2\nweight = {w}\n'
-                   f'workers = 1\nsampling = {{ max_tokens = 4 }}\n' for n, w in (("a", 1.0), ("b", 2.0)))
+TWO_ENVS = [{**ARITHMETIC, "name": n, "group_size": 2, "weight": w} for n, w in (("a", 1.0), ("b", 2.0))]
 
 
 def draws(out: Path) -> dict[str, tuple[str, int]]:
@@ -157,14 +141,14 @@ def draws(out: Path) -> dict[str, tuple[str, int]]:
 
 async def test_a_sigkilled_run_resumes_drawing_exactly_what_an_uninterrupted_run_draws(tmp_path: Path) -> None:
     steps = 8
-    extra = "[pipeline]\ngates = []\n"  # every finished group trains: more draws to compare
+    every: Section = {"gates": []}  # every finished group trains: more draws to compare
     async with sim_process() as server:
         straight = tmp_path / "straight"
-        assert await run_with_trainer(job(straight, server.url, steps, extra, TWO_ENVS), straight) == 0
+        assert await run_with_trainer(job(straight, server.url, steps, envs=TWO_ENVS, pipeline=every), straight) == 0
         expected = draws(straight / "out")
 
         cut = tmp_path / "cut"
-        cfg = job(cut, server.url, steps, extra, TWO_ENVS)
+        cfg = job(cut, server.url, steps, envs=TWO_ENVS, pipeline=every)
         out = cut / "out"
         journal = cut / "journal.jsonl"
         async with orchestrator_process("receive", f"ipc://{out}/trainer.sock", "--journal", str(journal),

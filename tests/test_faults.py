@@ -36,15 +36,16 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator, load_metrics
-from orchestrator.config import JobConfig, load_config
+from orchestrator.config import JobConfig
 from orchestrator.inference.pool import PROBE_CACHE_SALT
 from orchestrator.memory import rss_mb
+from orchestrator.testing.jobs import ARITHMETIC, Section, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import Faults, SimCluster, sim_cluster
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(500), pytest.mark.usefixtures("verifiers_home")]
 
 GROUP = 4
 FAILURES_TO_EVICT = 3
@@ -70,50 +71,18 @@ TIMEOUTS = ("failed:timeout", "failed:group_timeout")
 TIMEOUT = "timeouts"  # what scheduler_failures counts both under
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
-
-
 def job(tmp_path: Path, urls: list[str], data_plane: str, *, steps: int, max_inflight: int = 3 * GROUP,
-        async_level: int = 2, extra: str = "") -> JobConfig:
-    path = tmp_path / "job.toml"
-    path.write_text(f"""
-[run]
-name = "faults"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {steps}
-
-[inference]
-servers = {orjson.dumps(urls).decode()}
-request_timeout_s = {REQUEST_TIMEOUT_S}
-failures_to_evict = {FAILURES_TO_EVICT}
-probe_interval_s = 0.1
-weight_sync_timeout_s = {REQUEST_TIMEOUT_S}
-no_server_warn_interval_s = {WARN_INTERVAL_S}
-
-[scheduler]
-batch_size = 8
-max_inflight = {max_inflight}
-max_async_level = {async_level}
-max_off_policy_steps = 100
-max_buffered_rollouts = {max_inflight + 8}
-{extra}
-
-[pipeline]
-gates = []  # every finished group trains: gates are not what this test is about
-
-[transport]
-data_plane = "{data_plane}"
-
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = {GROUP}
-workers = 1
-sampling = {{ max_tokens = 6 }}
-""")
-    return load_config(path)
+        async_level: int = 2, scheduler: Section | None = None) -> JobConfig:
+    return job_config(
+        tmp_path, run={"name": "faults", "max_steps": steps},
+        inference={"servers": urls, "request_timeout_s": REQUEST_TIMEOUT_S, "failures_to_evict": FAILURES_TO_EVICT,
+                   "probe_interval_s": 0.1, "weight_sync_timeout_s": REQUEST_TIMEOUT_S,
+                   "no_server_warn_interval_s": WARN_INTERVAL_S},
+        scheduler={"batch_size": 8, "max_inflight": max_inflight, "max_async_level": async_level,
+                   "max_off_policy_steps": 100, "max_buffered_rollouts": max_inflight + 8, **(scheduler or {})},
+        pipeline={"gates": []},  # every finished group trains: gates are not what this test is about
+        transport={"data_plane": data_plane},
+        env=[{**ARITHMETIC, "name": "arith", "group_size": GROUP, "sampling": {"max_tokens": 6}}])
 
 
 @contextlib.asynccontextmanager
@@ -373,7 +342,7 @@ async def test_500s_hangs_and_malformed_replies(tmp_path: Path, data_plane: str)
         # against FLUSH_S (1 s, after which a hung rollout's finished siblings report). A slow rollout that times
         # out anyway is accounted for below. A high async level lets steps take the survivors of timed-out groups.
         cfg = job(tmp_path, cluster.urls, data_plane, steps=steps, max_inflight=6 * GROUP, async_level=8,
-                  extra="group_timeout_s = 8.0")
+                  scheduler={"group_timeout_s": 8.0})
 
         def inject() -> None:  # right after step 1 (its take_counts is past): the env worker is warm by then
             for i in range(3):

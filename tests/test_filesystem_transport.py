@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from orchestrator.errors import DuplicateStep
+from orchestrator.testing.procs import wait_until
 from orchestrator.transport import Batch, CorruptBatchFile, FileBatchReceiver, FileBatchSender, encode
 from orchestrator.transport.filesystem import MAGIC, batch_path, read_batch_file, write_batch_file
 
@@ -43,14 +44,6 @@ def names(directory: Path) -> list[str]:
 
 def total_size(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.iterdir())
-
-
-async def wait_until(predicate: Callable[[], bool], limit_s: float = 5.0) -> None:
-    for _ in range(int(limit_s / 0.005)):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    pytest.fail(f"condition not met within {limit_s} s")
 
 
 async def test_round_trip_of_several_steps_in_order(tmp_path: Path) -> None:
@@ -233,7 +226,8 @@ async def test_send_waits_while_max_pending_files_exist(tmp_path: Path, caplog: 
     with caplog.at_level(logging.WARNING):
         pending = asyncio.ensure_future(sender.send(make_batch(2)))
         try:
-            await wait_until(lambda: sender.waiting and "has not consumed" in caplog.text)
+            await wait_until(lambda: sender.waiting and "has not consumed" in caplog.text, 5.0, "the warning",
+                             poll_s=0.005)
             assert not pending.done()
             assert not batch_path(tmp_path, 2).exists()
             assert (await asyncio.to_thread(receiver.recv, 5)).step == 0  # consuming one frees a slot

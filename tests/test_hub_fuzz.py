@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.app import Orchestrator
-from orchestrator.config import load_config
+from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.trainer import ReferenceTrainer
@@ -189,26 +189,6 @@ async def test_a_worker_that_keeps_sending_invalid_messages_is_dropped(tmp_path:
         assert hub.events.empty()
 
 
-JOB = """
-[run]
-name = "fuzz"
-output_dir = "{out}"
-max_steps = 3
-[inference]
-servers = ["{url}"]
-[scheduler]
-batch_size = 8
-max_inflight = 8
-[pipeline]
-gates = []  # every finished group trains: gates are not what this test is about
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 4 }}
-"""
-
-
 @dataclass
 class Flood:
     """A rogue that sends forged and random messages to the hub at ``address`` (``run``) until ``stop`` is set;
@@ -245,8 +225,9 @@ class Flood:
             elif choice < 0.6:
                 frames = [rng.randbytes(rng.randint(0, 40)) for _ in range(rng.randint(1, 3))]
             elif choice < 0.8:
-                frames = [bytearray(f) for f in rng.choice(VALID)]
-                frames[0][rng.randrange(len(frames[0]))] ^= 0xFF
+                flipped = [bytearray(f) for f in rng.choice(VALID)]
+                flipped[0][rng.randrange(len(flipped[0]))] ^= 0xFF
+                frames = [bytes(f) for f in flipped]
             else:
                 frames = [pack(Fatal("local-0", "I say stop"))]
             await rogue.send_multipart([bytes(f) for f in frames])
@@ -260,9 +241,10 @@ async def test_a_job_completes_while_a_rogue_floods_its_hub(tmp_path: Path, monk
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     batches: list[Batch] = []
     async with sim_servers(1) as servers:
-        path = tmp_path / "job.toml"
-        path.write_text(JOB.format(out=tmp_path / "out", url=servers[0].url))
-        cfg = load_config(path)
+        cfg = job_config(tmp_path, run={"name": "fuzz", "max_steps": 3}, inference={"servers": [servers[0].url]},
+                         scheduler={"batch_size": 8, "max_inflight": 8},
+                         pipeline={"gates": []},  # every finished group trains: gates are not what this test is about
+                         env=[ARITHMETIC])
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=3, on_batch=lambda b: batches.append(
                 Batch(b.run, b.step, {k: v.copy() for k, v in b.columns.items()}, b.offsets.copy(), dict(b.scalars))),

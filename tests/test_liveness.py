@@ -30,7 +30,7 @@ from orchestrator.testing.procs import (
 from orchestrator.testing.sim import sim_process
 from orchestrator.transport.trainer import read_journal
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 
 HANG_GUARD_S = 240.0  # process start-ups, env workers and a run of a few steps, on a loaded 2-core machine
 
@@ -43,11 +43,6 @@ def cut_journal(path: Path, keep: int) -> None:
     """Keep the first ``keep`` lines: a trainer whose checkpoint is older than what it acknowledged."""
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join(lines[:keep]))
-
-
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
 def trainer(out: Path, journal: Path, ckpt: Path, log: Path, *extra: str

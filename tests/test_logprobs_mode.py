@@ -21,7 +21,7 @@ from orchestrator.app import Orchestrator
 from orchestrator.dataplane.manifest import build_manifest, decode_manifest, encode_manifest
 from orchestrator.dataplane.reader import StepView
 from orchestrator.errors import WireError
-from orchestrator.inference.logprobs import LogprobsCheck, resolve
+from orchestrator.inference.logprobs import LogprobsCheck, Stated, resolve
 from orchestrator.inference.preflight import PreflightError
 from orchestrator.policy import Cursor, Policy
 from orchestrator.sim.server import SimServer
@@ -31,21 +31,17 @@ from orchestrator.transport.learner import PolicyLearner
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch, decode, encode, encode_shm_header, shm_layout
 from test_dataplane_manifest import POOLS, record
-from test_orchestrator import JOB_GUARD_S, job
+from test_orchestrator import ARITH, JOB_GUARD_S, job
 from test_real_servers import checked, write_job
 
+pytestmark = pytest.mark.usefixtures("verifiers_home")
 RAISED = "env[0].sampling.temperature = 0.7"
 BOTH_FIXES = ("start vLLM with --logprobs-mode processed_logprobs", 'set inference.logprobs_mode = "raw"')
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
-
-
-def hot(stated: str = "auto", trainer_tempers: bool = False) -> LogprobsCheck:
+def hot(stated: Stated = "auto", trainer_tempers: bool = False) -> LogprobsCheck:
     """A job whose one training env samples at temperature 0.7."""
-    return LogprobsCheck(stated, (("env[0].sampling.temperature", 0.7),), trainer_tempers)  # type: ignore[arg-type]
+    return LogprobsCheck(stated, (("env[0].sampling.temperature", 0.7),), trainer_tempers)
 
 
 async def settle(servers: list[SimServer], check: LogprobsCheck, backend: str = "vllm") -> str:
@@ -124,8 +120,8 @@ def test_servers_started_with_a_logits_mode_ship_no_logprobs() -> None:
 
 
 def small_batch(mode: Any) -> Batch:
-    chunks = {"token_ids": [np.arange(5, dtype=np.int32)], "loss_mask": [np.ones(5, np.uint8)],
-              "logprobs": [np.zeros(5, np.float32)]}
+    chunks: dict[str, list[np.ndarray]] = {"token_ids": [np.arange(5, dtype=np.int32)],
+                                           "loss_mask": [np.ones(5, np.uint8)], "logprobs": [np.zeros(5, np.float32)]}
     return Batch.from_columns("run", 0, chunks, [5], {"advantage": [0.5], "temperature": [0.7]}, mode)
 
 
@@ -165,7 +161,7 @@ def learner_batch(mode: Any, temperature: float, reported: str) -> Batch:
     prompt, token = [2, 5, 14, 11, 113, 85, 131, 83, 3, 2, 6], 140
     z = Cursor(Policy.initial(), np.array(prompt)).logits() / (temperature if reported == "processed" else 1.0)
     lp = float(z[token] - z.max() - np.log(np.exp(z - z.max()).sum()))
-    chunks = {"token_ids": [np.array([*prompt, token], np.int32)],
+    chunks: dict[str, list[np.ndarray]] = {"token_ids": [np.array([*prompt, token], np.int32)],
               "loss_mask": [np.array([0] * len(prompt) + [1], np.uint8)],
               "logprobs": [np.array([0.0] * len(prompt) + [lp], np.float32)]}
     return Batch.from_columns("run", 0, chunks, [len(prompt) + 1], {"advantage": [1.0], "temperature": [temperature]},
@@ -187,14 +183,7 @@ def test_the_learner_recomputes_logprobs_in_the_batch_s_mode(mode: Any, reported
 @pytest.mark.parametrize(("server_mode", "temperature"), [("processed_logprobs", 0.7), ("raw_logprobs", 1.0)])
 async def test_a_job_s_batches_carry_the_servers_mode_and_its_first_ratio_is_one(
         tmp_path: Path, data_plane: str, server_mode: str, temperature: float) -> None:
-    envs = f"""
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 4, temperature = {temperature} }}
-"""
+    envs = [{**ARITH, "sampling": {"max_tokens": 4, "temperature": temperature}}]
     got: list[tuple[Any, set[float]]] = []
     policies: list[set[int]] = []
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.config import JobConfig, load_config
+from orchestrator.config import JobConfig
 from orchestrator.errors import EnvironmentLoadError, TransportError
 from orchestrator.pipeline.dump import load_dump
 from orchestrator.sim.server import Faults
 from orchestrator.state import load_state
+from orchestrator.testing.jobs import ARITHMETIC, Section, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.transport.checkpoints import write_marker
@@ -23,51 +25,26 @@ from orchestrator.transport.filesystem import FileBatchReceiver
 from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
 from orchestrator.transport.wire import Batch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
 JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many times that with every core busy
 
 
-def job(tmp_path: Path, urls: list[str], extra: str = "", envs: str | None = None, steps: int = 3,
+ARITH: Section = {**ARITHMETIC, "name": "arith", "sampling": {"max_tokens": 6}}
+
+
+def job(tmp_path: Path, urls: list[str], *, envs: Sequence[Section] = (ARITH,), steps: int = 3,
         backend: str = "vllm", weights_path: str | None = None, data_plane: str = "through",
-        transport: str = "") -> JobConfig:
-    """``transport``: more lines of its ``[transport]`` table."""
-    envs = envs or """
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = { max_tokens = 6 }
-"""
-    text = f"""
-[run]
-name = "t"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {steps}
-
-[inference]
-servers = {orjson.dumps(urls).decode()}
-backend = "{backend}"
-{f'weights_path = "{weights_path}"' if weights_path else ""}
-request_timeout_s = 120.0  # slow replies on a busy host must not fail rollouts: only a hang would time out
-failures_to_evict = 3
-probe_interval_s = 0.2
-
-[scheduler]
-batch_size = 8
-max_inflight = 8
-max_async_level = 1
-max_off_policy_steps = 2
-max_buffered_rollouts = 16
-{extra}
-
-[transport]
-data_plane = "{data_plane}"
-{transport}
-{envs}"""
-    path = tmp_path / "job.toml"
-    path.write_text(text)
-    return load_config(path, ["pipeline.gates=[]"])  # every finished group trains: not a test of gates
+        transport: Section | None = None, pipeline: Section | None = None) -> JobConfig:
+    """``transport``, ``pipeline``: more keys of those sections."""
+    return job_config(
+        tmp_path, overrides=["pipeline.gates=[]"],  # every finished group trains: not a test of gates
+        run={"name": "t", "max_steps": steps},
+        inference={"servers": urls, "backend": backend, **({"weights_path": weights_path} if weights_path else {}),
+                   # slow replies on a busy host must not fail rollouts: only a hang would time out
+                   "request_timeout_s": 120.0, "failures_to_evict": 3, "probe_interval_s": 0.2},
+        scheduler={"batch_size": 8, "max_inflight": 8, "max_async_level": 1, "max_off_policy_steps": 2,
+                   "max_buffered_rollouts": 16},
+        transport={"data_plane": data_plane, **(transport or {})}, pipeline=pipeline or {}, env=envs)
 
 
 async def run_job(cfg: JobConfig) -> tuple[Orchestrator, ReferenceTrainer]:
@@ -80,18 +57,15 @@ async def run_job(cfg: JobConfig) -> tuple[Orchestrator, ReferenceTrainer]:
     return orch, trainer
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
-
-
 async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(2, layers=3, top_k=2, profile="prime-rl") as servers:  # router replay: prime-rl's server
         cfg = job(tmp_path, [s.url for s in servers], backend="prime-rl", data_plane=data_plane)
         orch, trainer = await run_job(cfg)
     assert [r.step for r in trainer.received] == [0, 1, 2]
+    batch_size = cfg.scheduler.batch_size
+    assert batch_size is not None
     for r in trainer.received:
-        assert r.samples >= cfg.scheduler.batch_size - 4  # whole groups; zero-advantage rollouts filtered
+        assert r.samples >= batch_size - 4  # whole groups; zero-advantage rollouts filtered
         assert r.routed_shape is not None
         assert r.routed_shape[1:] == (3, 2)
         assert r.routed_shape[0] == r.tokens
@@ -122,7 +96,7 @@ async def test_a_dumped_step_holds_the_batch_the_trainer_got(tmp_path: Path, dat
     """Direct mode too: the dump reads the step's columns back from the env workers' pools, before the step is
     sent (pipeline/readback.py), and holds what the trainer got."""
     async with sim_servers(1, layers=3, top_k=2, profile="prime-rl") as servers:
-        cfg = job(tmp_path, [s.url for s in servers], extra="[pipeline]\ndump_steps = [1]", steps=2,
+        cfg = job(tmp_path, [s.url for s in servers], pipeline={"dump_steps": [1]}, steps=2,
                   backend="prime-rl", data_plane=data_plane)
         _orch, trainer = await run_job(cfg)
     out = tmp_path / "out"
@@ -143,15 +117,9 @@ async def test_a_dumped_step_holds_the_batch_the_trainer_got(tmp_path: Path, dat
 async def test_failing_server_and_partial_groups(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(2) as servers:
         servers[0].faults = Faults(error_rate=0.3)
-        cfg = job(tmp_path, [s.url for s in servers], data_plane=data_plane, envs="""
-[[env]]
-name = "guess"
-taskset = "orchestrator-guess-number"
-args = { max_turns = 3 }
-group_size = 4
-workers = 1
-sampling = { max_tokens = 5 }
-""")
+        cfg = job(tmp_path, [s.url for s in servers], data_plane=data_plane, envs=[
+            {"name": "guess", "taskset": "orchestrator-guess-number", "args": {"max_turns": 3}, "group_size": 4,
+             "workers": 1, "sampling": {"max_tokens": 5}}])
         _orch, trainer = await run_job(cfg)
     assert [r.step for r in trainer.received] == [0, 1, 2]
     rows = [orjson.loads(x) for x in (tmp_path / "out" / "rollouts.jsonl").read_bytes().splitlines()]
@@ -164,13 +132,8 @@ sampling = { max_tokens = 5 }
 
 async def test_environment_that_fails_to_load_is_named(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(1) as servers:
-        cfg = job(tmp_path, [servers[0].url], data_plane=data_plane, envs="""
-[[env]]
-name = "broken"
-taskset = "no-such-taskset-xyz"
-group_size = 4
-workers = 1
-""")
+        cfg = job(tmp_path, [servers[0].url], data_plane=data_plane,
+                  envs=[{"name": "broken", "taskset": "no-such-taskset-xyz", "group_size": 4, "workers": 1}])
         with pytest.raises(ExceptionGroup) as info:
             await run_job(cfg)
     matched = info.value.subgroup(EnvironmentLoadError)
@@ -184,14 +147,8 @@ workers = 1
 
 async def test_worker_killed_mid_run_is_restarted_and_no_step_is_lost(tmp_path: Path, data_plane: str) -> None:
     async with sim_servers(1, faults=Faults(latency_ms=20.0)) as servers:
-        cfg = job(tmp_path, [servers[0].url], data_plane=data_plane, envs="""
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 2
-sampling = { max_tokens = 4 }
-""""", steps=8)
+        cfg = job(tmp_path, [servers[0].url], data_plane=data_plane, envs=[{**ARITH, "workers": 2,
+                                                                             "sampling": {"max_tokens": 4}}], steps=8)
         killed: list[int] = []
         async with Orchestrator.open(cfg) as orch:
 
@@ -235,12 +192,8 @@ async def test_filesystem_transport_with_marker_checkpoints(tmp_path: Path) -> N
     batches, markers = tmp_path / "batches", tmp_path / "markers"
     async with sim_servers(1) as servers:
         # kind = "filesystem" keeps the through path: it has no channel back for releases (docs/data-plane.md)
-        cfg = job(tmp_path, [servers[0].url], weights_path=f"{tmp_path}/ckpt/step_{{step}}", transport=f"""
-kind = "filesystem"
-directory = "{batches}"
-checkpoint_source = "marker"
-marker_dir = "{markers}"
-""")
+        cfg = job(tmp_path, [servers[0].url], weights_path=f"{tmp_path}/ckpt/step_{{step}}", transport={
+            "kind": "filesystem", "directory": batches, "checkpoint_source": "marker", "marker_dir": markers})
         receiver = FileBatchReceiver(batches)
         got: list[int] = []
 

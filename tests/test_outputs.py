@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from orchestrator.lagmon import LagStats
 from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_step_line, step_metrics
 
-ROWS = [
+ROWS: list[dict[str, Any]] = [
     {"env": "a", "reward": 1.0, "ok": True, "filtered": False, "tokens": 10, "off_policy": 0, "advantage": 0.5},
     {"env": "a", "reward": 0.0, "ok": True, "filtered": False, "tokens": 20, "off_policy": 1, "advantage": -0.5},
     {"env": "b", "reward": 0.5, "ok": True, "filtered": True, "tokens": 5, "off_policy": 0, "advantage": 0.0},
@@ -85,7 +86,8 @@ def test_outputs_append_jsonl(tmp_path: Path) -> None:
 @given(st.lists(st.integers(0, 4), max_size=12), st.integers(0, 13), st.booleans(), st.integers(1, 64))
 def test_drop_steps_from_keeps_exactly_the_earlier_steps(per_step: list[int], first: int, torn: bool,
                                                          chunk: int) -> None:
-    rows = [{"step": step, "i": i, "pad": "x" * (7 * i)} for step, n in enumerate(per_step) for i in range(n)]
+    rows: list[dict[str, Any]] = [{"step": step, "i": i, "pad": "x" * (7 * i)} for step, n in enumerate(per_step)
+                                  for i in range(n)]
     data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.jsonl"

@@ -4,6 +4,7 @@ server's sampling from it (logprobs exact under the request's sampling parameter
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -100,7 +101,8 @@ def test_save_and_load(tmp_path: Path) -> None:
     (tmp_path / FILE).write_bytes(b"not a policy")
     with pytest.raises(CheckpointError, match="not a tiny policy file"):
         Policy.load(tmp_path)
-    np.savez(tmp_path / FILE, meta=np.array('{"format": 1}'), **policy.weights)
+    arrays: dict[str, Any] = {"meta": np.array('{"format": 1}'), **policy.weights}
+    np.savez(tmp_path / FILE, **arrays)
     with pytest.raises(CheckpointError, match="this build reads"):
         Policy.load(tmp_path)
 
@@ -110,7 +112,7 @@ def test_save_and_load(tmp_path: Path) -> None:
     {"temperature": 1.0}, {"temperature": 0.6}, {"temperature": 1.5, "top_k": 40}, {"temperature": 0.8, "top_p": 0.7},
     {"temperature": 1.0, "top_k": 100, "top_p": 0.9},
 ])
-def test_sampled_logprobs_are_exact_in_each_logprobs_mode(sampling: dict[str, float], mode: str) -> None:
+def test_sampled_logprobs_are_exact_in_each_logprobs_mode(sampling: dict[str, Any], mode: str) -> None:
     """Tokens come from the distribution of temperature, then top-k, then top-p. What the server reports for each
     is, computed here from the batched logits independently: processed, log π(token | context) under that
     distribution; raw (vLLM's default), the log-softmax of the unscaled logits (as observed on vLLM 0.31.0: to
@@ -118,7 +120,7 @@ def test_sampled_logprobs_are_exact_in_each_logprobs_mode(sampling: dict[str, fl
     sim = SimPolicy(SimVocab.load(), seed=3, logprobs_mode=logprobs_mode_named(mode))
     sim.model = perturbed(seed=5, scale=0.3)
     prompt = sequences(sim.model)[0][:10]
-    sp = SamplingParams(max_tokens=12, logprobs=1, ignore_eos=True, **sampling)  # type: ignore[arg-type]
+    sp = SamplingParams(max_tokens=12, logprobs=1, ignore_eos=True, **sampling)
     for _ in range(5):
         sample = sim.sample(prompt.tolist(), sp)
         ids = np.concatenate([prompt, sample.token_ids])

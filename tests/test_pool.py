@@ -15,6 +15,7 @@ import shutil
 import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -29,13 +30,13 @@ from orchestrator.testing.procs import wait_until
 from orchestrator.transport.checkpoints import Checkpoint
 
 
-def config(n: int, **kw: object) -> InferenceConfig:
+def config(n: int, **kw: Any) -> InferenceConfig:
     # check_checkpoints off: these tests are about the calls each server gets, for paths that exist nowhere
-    defaults: dict[str, object] = {"failures_to_evict": 2, "probe_interval_s": 0.01, "weight_sync_timeout_s": 5.0,
+    defaults: dict[str, Any] = {"failures_to_evict": 2, "probe_interval_s": 0.01, "weight_sync_timeout_s": 5.0,
                                    "no_server_warn_interval_s": 30.0, "weights_path": "/ckpt/step_{step}",
                                    "check_checkpoints": False}
     urls = tuple(f"http://fake-{i}.invalid/v1" for i in range(n))
-    return InferenceConfig(servers=urls, **{**defaults, **kw})  # type: ignore[arg-type]
+    return InferenceConfig(servers=urls, **{**defaults, **kw})
 
 
 @contextlib.asynccontextmanager
@@ -136,14 +137,7 @@ async def test_the_probe_does_not_sync_a_server_to_weights_deleted_since(tmp_pat
 
 async def test_resume_follows_a_failed_load_and_the_server_leaves_rotation() -> None:
     async with pool_of(2, probe=False, backend="prime-rl") as (pool, fakes):
-        original = fakes[1].request
-
-        async def load_fails(method: str, path: str, **kw: object) -> bytes:
-            if path == "/update_weights":
-                raise InferenceError("POST /update_weights: HTTP 500")
-            return await original(method, path, **kw)  # type: ignore[arg-type]
-
-        fakes[1].request = load_fails  # type: ignore[method-assign]
+        fakes[1].fail_paths["/update_weights"] = InferenceError("POST /update_weights: HTTP 500")
         result = await pool.update_weights(Checkpoint(5))
         assert (result.updated, list(result.failed)) == ([fakes[0].url], [fakes[1].url])
         assert [c[1] for c in fakes[1].calls] == ["/pause", "/resume"]  # resumed although the load failed
@@ -190,12 +184,7 @@ async def test_a_call_with_no_answer_times_out_and_says_so_while_it_waits(caplog
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("orchestrator.inference.pool.SLOW_CALL_WARN_S", 0.05)
     async with pool_of(1, probe=False, weight_sync_timeout_s=0.3) as (pool, [fake]):
-        never: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-
-        async def hang(method: str, path: str, **kw: object) -> bytes:
-            return await never if path == "/collective_rpc" else b"{}"
-
-        fake.request = hang  # type: ignore[method-assign]
+        fake.hang_paths.add("/collective_rpc")  # never released: no answer
         with caplog.at_level(logging.WARNING):
             result = await pool.update_weights(Checkpoint(1))
         assert "took more than 0.3 s" in result.failed[fake.url]
@@ -258,16 +247,16 @@ def test_reply_parser_raises_only_malformed_reply() -> None:
     outcomes = set()
     for _ in range(400):  # bounded fuzz: replace one nested value with junk
         reply = orjson.loads(orjson.dumps(valid))
-        path: list[tuple[object, object]] = []
+        path: list[tuple[Any, Any]] = []  # (a dict or a list, its key)
         node: object = reply
         while isinstance(node, dict | list) and node and rng.random() < 0.8:
             key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
             path.append((node, key))
-            node = node[key]  # type: ignore[index]
+            node = node[key]
         if not path:
             continue
         parent, key = path[-1]
-        parent[key] = rng.choice(junk)  # type: ignore[index]
+        parent[key] = rng.choice(junk)
         try:
             parse_generate_reply(orjson.dumps(reply), 5)
             outcomes.add("ok")

@@ -34,7 +34,7 @@ def batch(step: int, n: int = 3) -> Batch:
     return Batch.from_columns("run", step, chunks, lengths, scalars)
 
 
-def sender(tmp_path: Path, ranks: int, address: str = "tcp://127.0.0.1:0", **kwargs: Any) -> Any:
+def sender(tmp_path: Path, ranks: int, address: str | None = "tcp://127.0.0.1:0", **kwargs: Any) -> Any:
     return PrimeRLSender.open(tmp_path / "trainer", data_ranks=ranks, seq_len=16, address=address, warn_s=5.0,
                               poll_s=0.01, **kwargs)
 
@@ -71,8 +71,8 @@ async def test_ready_without_a_subscription_is_not_enough(tmp_path: Path) -> Non
         async with sender(tmp_path, 2) as s, asyncio.timeout(TIMEOUT_S):
             host, _, port = s.address.rpartition(":")
             push.connect(f"{host}:{int(port) + 1}")
-            for r in (b"0", b"1", b"7", b"x"):  # 7 and x are ignored, with a warning
-                await push.send(r)
+            for rank_id in (b"0", b"1", b"7", b"x"):  # 7 and x are ignored, with a warning
+                await push.send(rank_id)
             sending = asyncio.ensure_future(s.send(batch(0)))
             await wait_until(lambda: s.presence.ready == {0, 1}, TIMEOUT_S, "READY from both ranks")
             assert not sending.done()  # READY, but nobody subscribed: PUB would drop the messages
@@ -88,8 +88,8 @@ async def test_ready_without_a_subscription_is_not_enough(tmp_path: Path) -> Non
                 assert DECODER.decode(payload)
                 sub.close()
     finally:
-        for r in ranks:
-            r.close()
+        for rank in ranks:
+            rank.close()
         push.close()
         ctx.term()
 

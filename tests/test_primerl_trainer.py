@@ -21,6 +21,7 @@ import orjson
 import pytest
 
 from orchestrator.state import load_state
+from orchestrator.testing.jobs import ARITHMETIC, write_job_toml
 from orchestrator.testing.primerl import (
     FakePrimeRLTrainer,
     MicroBatch,
@@ -32,7 +33,7 @@ from orchestrator.testing.primerl import (
 from orchestrator.testing.procs import Process, orchestrator_process
 from orchestrator.testing.sim import sim_cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.usefixtures("verifiers_home")]
 
 STEPS = 4
 SEQ_LEN = 128
@@ -40,53 +41,19 @@ PAD = 4
 TEMPERATURE = 0.7
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers; the child inherits
-
-
 def write_job(tmp_path: Path, urls: list[str], trainer_dir: Path, ranks: int, address: str | None) -> Path:
-    transport = f'address = "{address}"' if address else 'prime_rl_layout = "filesystem"'
-    path = tmp_path / "job.toml"
-    path.write_text(f"""
-[run]
-name = "prime"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {STEPS}
-
-[inference]
-servers = {orjson.dumps(urls).decode()}
-backend = "prime-rl"
-# prime-rl's trainer tempers its logprobs, so at temperature {TEMPERATURE} the servers must report processed ones;
-# prime-rl's server has no /server_info to say so: stated
-logprobs_mode = "processed"
-request_timeout_s = 120.0  # a slow reply on a busy host must not fail: timeouts evict servers, which then skip syncs
-
-[scheduler]
-batch_size = 8
-max_inflight = 8
-max_async_level = 0
-max_off_policy_steps = 1
-max_buffered_rollouts = 16
-
-[transport]
-kind = "prime-rl"
-{transport}
-trainer_dir = "{trainer_dir}"
-data_ranks = {ranks}
-seq_len = {SEQ_LEN}
-pad_to_multiple_of = {PAD}
-
-[pipeline]
-gates = []  # every finished group trains: gates are not what this test is about
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 6, temperature = {TEMPERATURE} }}
-""")
-    return path
+    return write_job_toml(
+        tmp_path, run={"name": "prime", "max_steps": STEPS},
+        # prime-rl's trainer tempers its logprobs, so at temperature TEMPERATURE the servers must report processed
+        # ones; prime-rl's server has no /server_info to say so: stated. A slow reply on a busy host must not fail:
+        # timeouts evict servers, which then skip syncs
+        inference={"servers": urls, "backend": "prime-rl", "logprobs_mode": "processed", "request_timeout_s": 120.0},
+        scheduler={"batch_size": 8, "max_inflight": 8, "max_async_level": 0, "max_off_policy_steps": 1,
+                   "max_buffered_rollouts": 16},
+        transport={"kind": "prime-rl", **({"address": address} if address else {"prime_rl_layout": "filesystem"}),
+                   "trainer_dir": trainer_dir, "data_ranks": ranks, "seq_len": SEQ_LEN, "pad_to_multiple_of": PAD},
+        pipeline={"gates": []},  # every finished group trains: gates are not what this test is about
+        env=[{**ARITHMETIC, "name": "arith", "sampling": {"max_tokens": 6, "temperature": TEMPERATURE}}])
 
 
 async def next_step(trainer: FakePrimeRLTrainer, run: Process) -> list[list[MicroBatch]]:

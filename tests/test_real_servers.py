@@ -25,47 +25,26 @@ from orchestrator.assets import tokenizer_dir
 from orchestrator.config import load_config
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.preflight import Preflight, PreflightError, preflight
-from orchestrator.inference.server import HttpInferenceServer
+from orchestrator.inference.server import HttpInferenceServer, InferenceServer
+from orchestrator.testing.jobs import ARITHMETIC, write_job_toml
 from orchestrator.testing.procs import orchestrator_process
-from orchestrator.testing.sim import Faults, SimServer, sim_process, sim_servers
+from orchestrator.testing.sim import Faults, ProfileName, SimServer, sim_process, sim_servers
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
 
-pytestmark = pytest.mark.timeout(400)  # a hang guard: two server processes and a job, on a busy host
+pytestmark = [pytest.mark.timeout(400),  # a hang guard: two server processes and a job, on a busy host
+              pytest.mark.usefixtures("verifiers_home")]
 STEPS = 4
 KEEP = {"mode": "keep", "clear_cache": "false"}
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
-
-
-def write_job(tmp_path: Path, urls: list[str], backend: str, *, steps: int = STEPS, extra: str = "") -> Path:
-    path = tmp_path / "job.toml"
-    path.write_text(f"""
-[run]
-name = "real"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {steps}
-[inference]
-servers = {json.dumps(urls)}
-backend = "{backend}"
-probe_interval_s = 0.2
-[scheduler]
-batch_size = 8
-max_inflight = 8
-max_async_level = 1
-max_off_policy_steps = 2
-[pipeline]
-gates = []  # every finished group trains: gates are not what this test is about
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 4 }}
-{extra}""")
-    return path
+def write_job(tmp_path: Path, urls: list[str], backend: str, *, steps: int = STEPS) -> Path:
+    return write_job_toml(
+        tmp_path, run={"name": "real", "max_steps": steps},
+        inference={"servers": urls, "backend": backend, "probe_interval_s": 0.2},
+        scheduler={"batch_size": 8, "max_inflight": 8, "max_async_level": 1, "max_off_policy_steps": 2},
+        pipeline={"gates": []},  # every finished group trains: gates are not what this test is about
+        env=[ARITHMETIC])
 
 
 async def sim_log(url: str) -> dict[str, Any]:
@@ -80,7 +59,7 @@ def step_of(path: str | None) -> int:
 
 
 @pytest.mark.parametrize(("profile", "backend"), [("prime-rl", "prime-rl"), ("vllm-0.26", "vllm")])
-async def test_a_run_through_weight_syncs_speaks_each_servers_protocol(tmp_path: Path, profile: str,
+async def test_a_run_through_weight_syncs_speaks_each_servers_protocol(tmp_path: Path, profile: ProfileName,
                                                                        backend: str) -> None:
     ckpt = tmp_path / "ckpt"
     async with sim_process(["--seed", "1"], profile=profile) as a, sim_process(["--seed", "2"], profile=profile) as b:
@@ -98,6 +77,7 @@ async def test_a_run_through_weight_syncs_speaks_each_servers_protocol(tmp_path:
         cut = False
         for n, sync in enumerate(syncs, start=1):
             weights = str((ckpt / f"step_{n}").resolve())
+            load: list[tuple[str, dict[str, str], Any, int]]
             if backend == "prime-rl":
                 load = [("/update_weights", {}, {"weight_dir": weights}, 200)]
             else:  # vLLM 0.26 has no weight versions: that call's 404 is expected and ignored
@@ -124,7 +104,7 @@ async def test_a_run_through_weight_syncs_speaks_each_servers_protocol(tmp_path:
 async def checked(servers: list[SimServer], backend: str, model: str = "sim-model", tokenizer: Path | None = None,
                   logprobs: LogprobsCheck | None = None) -> AsyncIterator[Preflight]:
     async with aiohttp.ClientSession() as session:
-        apis = [HttpInferenceServer(s.url, session) for s in servers]
+        apis: list[InferenceServer] = [HttpInferenceServer(s.url, session) for s in servers]
         yield await preflight(apis, backend=backend, model=model, tokenizer=tokenizer or tokenizer_dir(), resume=True,
                               logprobs=logprobs)
 
@@ -140,7 +120,8 @@ def other_tokenizer(directory: Path) -> Path:
     return directory
 
 
-BREAKS = [  # (profile, server options, backend, check kwargs, words the one message must contain)
+# (profile, server options, backend, check kwargs, words the one message must contain)
+BREAKS: list[tuple[ProfileName, dict[str, Any], str, dict[str, Any], str]] = [
     ("vllm-0.26", {"dev_mode": False}, "vllm", {}, "start vLLM with VLLM_SERVER_DEV_MODE=1"),
     ("vllm-0.33", {}, "vllm", {}, "use vLLM 0.31 (or 0.26) or prime-rl's server"),
     ("vllm-0.26", {"layers": 2, "top_k": 2}, "vllm", {}, "for router replay use prime-rl's inference server"),
@@ -157,11 +138,11 @@ BREAKS = [  # (profile, server options, backend, check kwargs, words the one mes
 
 @pytest.mark.parametrize(("profile", "options", "backend", "kwargs", "fix"), BREAKS,
                          ids=[f"{p}-{b}-{'-'.join(map(str, [*o, *k])) or 'default'}" for p, o, b, k, _ in BREAKS])
-async def test_preflight_names_each_break_and_its_fix(tmp_path: Path, profile: str, options: dict[str, Any],
+async def test_preflight_names_each_break_and_its_fix(tmp_path: Path, profile: ProfileName, options: dict[str, Any],
                                                        backend: str, kwargs: dict[str, Any], fix: str) -> None:
     if kwargs.get("tokenizer") == "other":
         kwargs = {**kwargs, "tokenizer": other_tokenizer(tmp_path / "tok")}
-    async with sim_servers(2, profile=profile, **options) as servers:  # type: ignore[arg-type]
+    async with sim_servers(2, profile=profile, **options) as servers:
         with pytest.raises(PreflightError) as e:
             async with checked(servers, backend, **kwargs):
                 pass

@@ -26,7 +26,7 @@ from orchestrator.testing.sim import sim_process
 from orchestrator.transport.trainer import read_journal
 from orchestrator.transport.zmq_link import ckpt_address
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("verifiers_home")]
 HANG_GUARD_S = 240.0  # every wait ends on an event; this only stops one that never comes (a test took 146 s under load)
 
 
@@ -36,11 +36,6 @@ def journal_steps(path: Path) -> list[int]:
 
 def file_steps(path: Path) -> list[int]:
     return [orjson.loads(line)["step"] for line in path.read_bytes().splitlines()]
-
-
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
 async def test_sigkilled_orchestrator_resumes_and_the_trainer_gets_every_step_once(tmp_path: Path,

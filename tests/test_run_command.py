@@ -66,9 +66,13 @@ def test_a_bar_on_a_terminal_resumed_run_counts_from_its_first_step() -> None:
     assert "\x1b[" in text  # drawn in place
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 def test_log_lines_go_above_the_bar_and_the_handler_gets_its_stream_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    err = io.StringIO()
-    err.isatty = lambda: True  # type: ignore[method-assign]  # a terminal on stderr too
+    err = Terminal()  # a terminal on stderr too
     monkeypatch.setattr("sys.stderr", err)
     handler = logging.StreamHandler(err)
     root = logging.getLogger()
@@ -191,7 +195,6 @@ def read_all(fd: int) -> bytes:
     finally:
         os.close(fd)
     return b"".join(chunks)
-
 
 
 SERVER_DEATH_JOB = """

@@ -47,7 +47,7 @@ def test_without_routed_experts() -> None:
         ([Node([1], [True], [float("nan")])], "non-finite logprob"),
         ([Node([1], routed_experts=routed(1, 2, 3)), Node([2], routed_experts=routed(1, 4, 3))], "shapes differ"),
         ([Node([1]), Node([2**40])], "node 1: .*"),  # not an int32 token id
-        ([Node([1], [True], ["x"])], "node 0: .*"),  # type: ignore[list-item]
+        ([Node([1], [True], ["x"])], "node 0: .*"),  # type: ignore[list-item]  # the point: not a number
         ([Node([1, 2]), Node([3], [True], [-1.0, -2.0])], "node 1: 2 logprobs for 1 sampled tokens"),
         ([Node([1, 2], [True, True], [-1.0, 0.0]), Node([3], [True], [float("inf")])], "node 1: non-finite"),
     ],
@@ -58,6 +58,7 @@ def test_inconsistent_data_is_a_sample_error(nodes: list[Node], message: str) ->
 
 
 def test_any_sequence_type_gives_the_same_sample() -> None:
+    # the point: element and sequence types other than Node's annotations (numpy bools, tuples, arrays)
     as_lists = build_sample([Node([1, 2], [False, True], [-0.5]),
                              Node([3], [np.True_], [-1.5])])  # type: ignore[list-item]
     as_other = build_sample([Node((1, 2), (False, True), (-0.5,)),  # type: ignore[arg-type]

@@ -34,7 +34,7 @@ async def running(cfg: JobConfig, outcome: Callable[[str, str], Outcome] = lambd
     hub = FakeWorkerHub({**{e.label: 50 for e in cfg.env}, **{EVAL_PREFIX + e.label: 50 for e in evals}}, outcome,
                         delay_s)
     async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
-        sched = Scheduler(cfg, pool, hub, policy, checkpoints=checkpoints)  # type: ignore[arg-type]
+        sched = Scheduler(cfg, pool, hub, policy, checkpoints=checkpoints)
         task = tg.create_task(sched.run())
         try:
             yield sched, hub

@@ -87,8 +87,8 @@ def test_tasks_move_between_pools_as_they_are_learned() -> None:
     cur.record(3, 1.0)  # mean of the last two = 1.0 -> easy
     sizes = cur.take_metrics()["pool_sizes"]
     assert (sizes["hard"], sizes["normal"], sizes["easy"]) == (2, 1, 1)
-    drawn = Counter(cur.take()[1] for _ in range(3))
-    assert drawn["easy"] == 0  # weight 0: never drawn while other pools have tasks
+    drawn_pools = Counter(cur.take()[1] for _ in range(3))
+    assert drawn_pools["easy"] == 0  # weight 0: never drawn while other pools have tasks
 
 
 def test_curriculum_draws_each_pool_by_its_weight() -> None:
@@ -137,7 +137,7 @@ def test_bad_pools_are_named(pools: tuple[PoolConfig, ...], why: str) -> None:
 def view(rewards: list[float], advantages: list[float] | None = None, env: str = "a") -> GroupView:
     if advantages is None:
         records = [SimpleNamespace(reward=r) for r in rewards]
-        advantages = AdvantageFn(PipelineConfig())(records).tolist()  # type: ignore[arg-type]
+        advantages = AdvantageFn(PipelineConfig())(records).tolist()
     return GroupView(env, 0, 0, rewards, advantages)
 
 
@@ -220,4 +220,4 @@ def test_eval_metrics_of_hand_worked_groups() -> None:
 
 def test_advantages_fn_is_what_gates_see() -> None:
     records = [SimpleNamespace(reward=r) for r in (0.0, 1.0)]
-    assert np.allclose(AdvantageFn(PipelineConfig())(records), [-0.5, 0.5])  # type: ignore[arg-type]
+    assert np.allclose(AdvantageFn(PipelineConfig())(records), [-0.5, 0.5])

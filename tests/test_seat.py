@@ -33,8 +33,13 @@ def test_a_trainer_heard_once_the_holder_is_gone_takes_the_seat() -> None:
     assert seat.hear(b"b", "host:2", 6.0, gone) is Verdict.ADMITTED  # a's connection closed meanwhile
     assert seat.holder is not None
     assert (seat.holder.id, seat.holder.name, seat.holder.since) == (b"b", "host:2", 6.0)
-    asked = []
-    assert seat.hear(b"b", "host:2", 7.0, lambda: asked.append(1) or True) is Verdict.HOLDER
+    asked: list[int] = []
+
+    def ask() -> bool:
+        asked.append(1)
+        return True
+
+    assert seat.hear(b"b", "host:2", 7.0, ask) is Verdict.HOLDER
     assert asked == []  # the holder's own messages never probe
 
 

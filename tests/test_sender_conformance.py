@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +43,7 @@ from orchestrator.transport import (
     Sender,
 )
 from orchestrator.transport.memfd import serve_pool
+from orchestrator.transport.primerl import Layout
 from orchestrator.worker.protocol import PoolInfo, RolloutHeader, RolloutRecord
 
 TIMEOUT_S = 60.0  # a hang guard only: every wait below ends on an event
@@ -158,6 +159,7 @@ async def _direct(tmp: Path, resume: bool) -> AsyncIterator[Sender[Any]]:
     try:
         async with serve_pool(store, path), ManifestSender.open(f"ipc://{tmp}/t.sock", BOUND, 5.0,
                                                                 require_report=resume) as sender:
+            assert isinstance(sender, ManifestSender)  # open() is BatchSender's: typed as the base
             sender.store = store
             sender.pool_info = PoolInfo(id=store.id, size=store.capacity, host=socket.gethostname(), path=path)
             yield sender
@@ -174,9 +176,9 @@ class Kind:
     trainer_survives_sender_restart: bool = True  # prime-rl's sends READY once: it restarts with the sender
 
 
-def _prime_rl(layout: str) -> Callable[[Path, bool], contextlib.AbstractAsyncContextManager[Sender[Any]]]:
+def _prime_rl(layout: Layout) -> Callable[[Path, bool], contextlib.AbstractAsyncContextManager[Sender[Any]]]:
     def open_(tmp: Path, resume: bool) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
-        return PrimeRLSender.open(tmp / "trainer", data_ranks=2, seq_len=64, layout=layout,  # type: ignore[arg-type]
+        return PrimeRLSender.open(tmp / "trainer", data_ranks=2, seq_len=64, layout=layout,
                                   address="tcp://127.0.0.1:0" if layout == "zmq" else None, window=BOUND,
                                   resume=resume, warn_s=5.0, poll_s=0.01)
     return open_
@@ -201,11 +203,6 @@ KINDS = [
 def kind(request: pytest.FixtureRequest) -> Kind:
     k: Kind = request.param
     return k
-
-
-async def until(ready: Callable[[], bool], what: str) -> None:
-    """Wait for a state the sender reaches on its own (checked every 5 ms; TIMEOUT_S is a hang guard)."""
-    await wait_until(ready, TIMEOUT_S, what, poll_s=0.005)
 
 
 async def send_all(sender: Sender[Any], steps: range) -> list[bool]:
@@ -239,7 +236,7 @@ async def trainer_gone(sender: Sender[Any]) -> AsyncIterator[None]:
         monitor = sender.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             yield
-            event = await asyncio.wait_for(recv_monitor_message(monitor), TIMEOUT_S)  # type: ignore[arg-type]
+            event = await asyncio.wait_for(recv_monitor_message(monitor), TIMEOUT_S)
             assert event["event"] == zmq.EVENT_DISCONNECTED
         finally:
             sender.router.disable_monitor()
@@ -247,7 +244,7 @@ async def trainer_gone(sender: Sender[Any]) -> AsyncIterator[None]:
     else:
         yield
         if isinstance(sender, PrimeRLSender) and sender.layout == "zmq":  # prime-rl: each rank unsubscribed
-            await until(lambda: sender.presence.lost == {0, 1}, "both ranks lost")
+            await wait_until(lambda: sender.presence.lost == {0, 1}, TIMEOUT_S, "both ranks lost", poll_s=0.005)
 
 
 async def test_every_step_once_in_order(kind: Kind, tmp_path: Path) -> None:
@@ -265,7 +262,7 @@ async def test_the_bound_holds_a_send_until_the_trainer_acknowledges(kind: Kind,
             asyncio.timeout(TIMEOUT_S):
         assert await send_all(sender, range(BOUND)) == [True] * BOUND  # the trainer has taken none of them
         held = asyncio.ensure_future(sender.send(batch(BOUND)))
-        await until(lambda: sender.waiting, "the send waiting at the bound")
+        await wait_until(lambda: sender.waiting, TIMEOUT_S, "the send waiting at the bound", poll_s=0.005)
         assert sender.next_step == BOUND  # waiting at the bound, not sent, not dropped
         assert await take(end, 1) == [0]
         assert await held is True
@@ -316,12 +313,13 @@ async def test_a_wait_for_weights_is_named_by_every_kind(kind: Kind, tmp_path: P
         said = sender.checkpoint_wanted(5)
         async with trainer_end(kind, sender, tmp_path, -1), asyncio.timeout(TIMEOUT_S):
             if isinstance(sender, BatchSender):
-                await until(lambda: sender.holder is not None, "the trainer heard")
+                await wait_until(lambda: sender.holder is not None, TIMEOUT_S, "the trainer heard", poll_s=0.005)
             elif isinstance(sender, PrimeRLSender) and sender.layout == "zmq":
-                await until(lambda: sender.presence.complete, "every rank present")
+                await wait_until(lambda: sender.presence.complete, TIMEOUT_S, "every rank present", poll_s=0.005)
             later = sender.checkpoint_wanted(5)
         if announced is not None:
-            await announced.aclose()  # type: ignore[attr-defined]
+            assert isinstance(announced, AsyncGenerator)
+            await announced.aclose()
     expected = {
         "zmq": ("no trainer is connected to", "has announced no checkpoint; asked it for its newest"),
         "shm": ("no trainer is connected to", "has announced no checkpoint; asked it for its newest"),

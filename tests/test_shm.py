@@ -23,6 +23,7 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, TransportError
+from orchestrator.testing.procs import wait_until
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver
 from orchestrator.transport.shm import SpanRing
 from orchestrator.transport.wire import shm_layout
@@ -76,13 +77,6 @@ async def peer(*args: str) -> AsyncIterator[Peer]:
             await proc.wait()
 
 
-async def until(ready: object, timeout_s: float = HANG_GUARD_S) -> None:
-    """Wait (polling the loop, which delivers the trainer's messages) until ``ready()`` holds."""
-    async with asyncio.timeout(timeout_s):
-        while not ready():  # type: ignore[operator]  # noqa: ASYNC110 - the sender has no public ack event
-            await asyncio.sleep(0.005)
-
-
 def assert_equal(got: Batch, want: Batch) -> None:
     assert (got.step, got.run, got.num_samples, got.scalars) == (want.step, want.run, want.num_samples, want.scalars)
     np.testing.assert_array_equal(got.offsets, want.offsets)
@@ -134,6 +128,7 @@ async def test_round_trip_views_the_receivers_own_mapping_without_copies(tmp_pat
             assert sender.pool is not None
             await sender.send(peer_batch(0))
             frames = sender.unacked[0]
+            assert frames is not None
             assert [len(f) < 1024 for f in frames] == [True]  # the header alone goes over ZMQ
             header = msgpack.unpackb(frames[0])
             assert header["shm"] == {"id": sender.pool.id, "size": 1 << 20}
@@ -165,10 +160,10 @@ async def test_auto_ack_releases_a_batch_at_the_next_recv_or_on_release(tmp_path
             assert (sender.acked, sender.pool.spans) == (-1, 2)  # step 0 is still the trainer's
             assert_equal(first, peer_batch(0))
             second = await asyncio.wait_for(receiver.recv(), HANG_GUARD_S)  # step 0 is done now
-            await until(lambda: sender.acked == 0)
+            await wait_until(lambda: sender.acked == 0, HANG_GUARD_S, "step 0 acknowledged", poll_s=0.005)
             assert (sender.pool.spans, sorted(sender.unacked)) == (1, [1])
             await receiver.release(second)
-            await until(lambda: sender.acked == 1)
+            await wait_until(lambda: sender.acked == 1, HANG_GUARD_S, "step 1 acknowledged", poll_s=0.005)
             assert (sender.pool.live_bytes, sender.pool.spans) == (0, 0)
         finally:
             receiver.close()
@@ -185,7 +180,7 @@ async def test_sync_receiver_maps_the_pool_and_releases_on_the_next_recv(tmp_pat
                 assert_equal(got, peer_batch(step))
                 assert receiver.shm.mapping is not None
                 assert np.shares_memory(got.columns["routed_experts"], np.frombuffer(receiver.shm.mapping, np.uint8))
-            await until(lambda: sender.acked == 1)
+            await wait_until(lambda: sender.acked == 1, HANG_GUARD_S, "step 1 acknowledged", poll_s=0.005)
             assert receiver.shm.fetches == 1
         finally:
             receiver.close()
@@ -203,14 +198,17 @@ async def test_a_full_pool_back_pressures_until_the_trainer_releases(tmp_path: P
             assert (sender.pool.live_bytes, sender.pool.spans) == (3 * SPAN, 3)
             with caplog.at_level(logging.WARNING, "orchestrator.transport.shm"):
                 fourth = asyncio.ensure_future(sender.send(peer_batch(3)))
-                await until(lambda: "of the shared-memory pool" in caplog.text)  # warned after warn_s of waiting
+                await wait_until(lambda: "of the shared-memory pool" in caplog.text, HANG_GUARD_S,
+                                 "the warning after warn_s of waiting", poll_s=0.005)
                 assert not fourth.done()
             assert "waits for" in caplog.text
             got = await asyncio.wait_for(receiver.recv(), HANG_GUARD_S)
             assert got.step == 0
             await receiver.release(got)
             await asyncio.wait_for(fourth, HANG_GUARD_S)
-            assert msgpack.unpackb(sender.unacked[3][0])["columns"][0]["shm_offset"] == 0  # step 0's bytes reused
+            third = sender.unacked[3]
+            assert third is not None
+            assert msgpack.unpackb(third[0])["columns"][0]["shm_offset"] == 0  # step 0's bytes reused
             for step in range(1, 4):  # steps 1..3 intact although step 3 reuses step 0's span
                 assert_equal(await asyncio.wait_for(receiver.recv(), HANG_GUARD_S), peer_batch(step))
         finally:

@@ -67,7 +67,7 @@ async def test_a_sigterm_to_the_process_then_to_its_group_counts_once(tmp_path: 
                              alive=run)
             assert run.stderr is not None
             run.send_signal(signal.SIGTERM)
-            lines = []
+            lines: list[bytes] = []
             while not any(b"SIGTERM: stopping" in line for line in lines):
                 lines.append(await asyncio.wait_for(run.stderr.readline(), 120))
                 assert lines[-1], b"".join(lines).decode()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from orchestrator.policy import FILE, Cursor
-from orchestrator.sim.profiles import DEFAULT_PROFILE, get_profile
+from orchestrator.sim.profiles import DEFAULT_PROFILE, ProfileName, get_profile
 from orchestrator.testing.sim import sim_process, sim_servers, weights_dir
 from orchestrator.transport.trainer import link_initial_policy
 
@@ -52,7 +52,7 @@ async def generate(s: aiohttp.ClientSession, srv: Any, **sp: Any) -> tuple[int, 
     ("vllm-0.32", 403, SCALE_OUT_403),  # refused (REAL-VLLM.md, 0.32.0)
     ("vllm-0.33", 403, SCALE_OUT_403),
 ])
-async def test_without_scale_out_generate_is_missing_or_refused(profile: str, status: int, body: Any) -> None:
+async def test_without_scale_out_generate_is_missing_or_refused(profile: ProfileName, status: int, body: Any) -> None:
     async with sim_servers(1, profile=profile, scale_out=False) as [srv], aiohttp.ClientSession() as s:
         assert await generate(s, srv) == (status, body)
         assert (await call(s, "POST", root(srv) + "/pause", params={"mode": "keep"}))[0] == 200  # the rest serves
@@ -62,7 +62,7 @@ async def test_without_scale_out_generate_is_missing_or_refused(profile: str, st
 
 
 @pytest.mark.parametrize("profile", ["vllm-0.26", "prime-rl"])
-async def test_servers_without_the_flag_always_serve_generate(profile: str) -> None:
+async def test_servers_without_the_flag_always_serve_generate(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile, scale_out=False) as [srv], aiohttp.ClientSession() as s:
         assert (await generate(s, srv))[0] == 200
 
@@ -103,7 +103,8 @@ async def load(s: aiohttp.ClientSession, srv: Any, path: Path) -> tuple[int, Any
 
 @pytest.mark.parametrize("kind", ["missing", "empty", "corrupt"])
 @pytest.mark.parametrize("profile", ["vllm-0.31", "vllm-0.26", "vllm-0.33", "prime-rl"])
-async def test_a_failed_load_kills_the_engine_at_the_next_request(tmp_path: Path, profile: str, kind: str) -> None:
+async def test_a_failed_load_kills_the_engine_at_the_next_request(tmp_path: Path, profile: ProfileName,
+                                                                 kind: str) -> None:
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         status, body = await load(s, srv, bad_weights(tmp_path, kind))
         assert (status, body["error"]["type"], body["error"]["code"]) == (500, "InternalServerError", 500)
@@ -204,7 +205,7 @@ async def test_replies_report_the_logprobs_of_the_mode_and_server_info_says_whic
 
 
 @pytest.mark.parametrize(("profile", "dev_mode"), [("prime-rl", True), ("vllm-0.31", False)])
-async def test_server_info_is_a_dev_route(profile: str, dev_mode: bool) -> None:
+async def test_server_info_is_a_dev_route(profile: ProfileName, dev_mode: bool) -> None:
     """prime-rl's server never runs in dev mode (it sets no --logprobs-mode either: vLLM's raw default)."""
     async with sim_servers(1, profile=profile, dev_mode=dev_mode) as [srv], aiohttp.ClientSession() as s:
         assert await call(s, "GET", root(srv) + "/server_info", params={"config_format": "json"}) == (

@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from orchestrator.sim.gate import GateState
+from orchestrator.sim.profiles import ProfileName
 from orchestrator.sim.server import Faults, SimServer
 from orchestrator.testing.sim import sim_servers, weights_dir
 from test_sim_server import HANG_GUARD_S, VLLM, call, error_of, generate, root
@@ -49,7 +50,8 @@ async def load(s: aiohttp.ClientSession, srv: SimServer, path: Path) -> None:
 
 
 @pytest.mark.parametrize("profile", [*VLLM, "prime-rl"])
-async def test_keep_pause_holds_requests_until_resume_then_samples_new_weights(profile: str, tmp_path: Path) -> None:
+async def test_keep_pause_holds_requests_until_resume_then_samples_new_weights(profile: ProfileName,
+                                                                               tmp_path: Path) -> None:
     async with sim_servers(1, profile=profile, faults=Faults(hold=True)) as [srv], aiohttp.ClientSession() as s:
         inflight = started(s, srv)
         await until(srv, lambda st: st.running == 1)
@@ -80,7 +82,7 @@ async def test_keep_pause_holds_requests_until_resume_then_samples_new_weights(p
 
 @pytest.mark.parametrize("profile", VLLM)
 @pytest.mark.parametrize("inside", ["held", "in latency"])
-async def test_abort_pause_ends_requests_in_the_server(profile: str, inside: str) -> None:
+async def test_abort_pause_ends_requests_in_the_server(profile: ProfileName, inside: str) -> None:
     faults = Faults(hold=True) if inside == "held" else Faults(latency_ms=3_600_000)  # ended by the abort only
     async with sim_servers(1, profile=profile, faults=faults) as [srv], aiohttp.ClientSession() as s:
         inflight = started(s, srv)
@@ -109,7 +111,7 @@ async def test_abort_pause_ends_requests_in_the_server(profile: str, inside: str
 
 
 @pytest.mark.parametrize("profile", VLLM)
-async def test_abort_pause_ends_requests_queued_by_a_keep_pause(profile: str) -> None:
+async def test_abort_pause_ends_requests_queued_by_a_keep_pause(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         await call(s, "POST", root(srv) + "/pause", params={"mode": "keep"})
         queued = started(s, srv)  # 0.33 queues under keep too
@@ -121,7 +123,7 @@ async def test_abort_pause_ends_requests_queued_by_a_keep_pause(profile: str) ->
 
 
 @pytest.mark.parametrize("profile", ["vllm-0.26", "vllm-0.33"])
-async def test_wait_pause_returns_once_requests_in_flight_finish(profile: str) -> None:
+async def test_wait_pause_returns_once_requests_in_flight_finish(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile, faults=Faults(hold=True)) as [srv], aiohttp.ClientSession() as s:
         inflight = started(s, srv)
         await until(srv, lambda st: st.running == 1)

@@ -19,12 +19,13 @@ import pybase64
 import pytest
 
 from orchestrator.policy import FILE, Policy
+from orchestrator.sim.profiles import ProfileName
 from orchestrator.sim.server import Faults, SimServer
 from orchestrator.sim.vocab import SimVocab
 from orchestrator.testing.sim import PROFILE_NAMES, sim_cluster, sim_process, sim_servers, weights_dir
 
 PROMPT = [2, 5, 14, 11, 113]
-VLLM = ["vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33"]
+VLLM: list[ProfileName] = ["vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33"]
 TOKEN_ID_LOGPROBS = ("vllm-0.32", "vllm-0.33")
 STRICT = ("vllm-0.31", "vllm-0.32", "vllm-0.33")  # cache_salt checked, routed_experts_prompt_start in 0..P
 ADMIN = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/collective_rpc"),
@@ -73,7 +74,7 @@ def error_of(body: Any) -> dict[str, Any]:
     return {k: body["error"][k] for k in ("type", "param", "code")}
 
 
-def decode_experts(profile: str, payload: Any) -> np.ndarray:
+def decode_experts(profile: ProfileName, payload: Any) -> np.ndarray:
     if profile == "prime-rl":
         arr = np.frombuffer(pybase64.b64decode(payload["data"]), dtype=np.dtype(payload["dtype"]))
         return arr.reshape(payload["shape"])
@@ -81,7 +82,7 @@ def decode_experts(profile: str, payload: Any) -> np.ndarray:
     return np.asarray(np.load(io.BytesIO(pybase64.b64decode(payload)), allow_pickle=False))
 
 
-def check_reply(profile: str, raw: bytes, prompt_len: int) -> None:
+def check_reply(profile: ProfileName, raw: bytes, prompt_len: int) -> None:
     """What a client relies on in a generate reply; raises (ValueError, KeyError, ...) when it is broken."""
     choice = orjson.loads(raw)["choices"][0]  # orjson refuses NaN, as a strict JSON parser does
     ids, content = choice["token_ids"], choice["logprobs"]["content"]
@@ -101,7 +102,7 @@ def check_reply(profile: str, raw: bytes, prompt_len: int) -> None:
 
 
 @pytest.mark.parametrize("profile", PROFILE_NAMES)
-async def test_health_models_version_and_unknown_routes(profile: str) -> None:
+async def test_health_models_version_and_unknown_routes(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile, max_model_len=2048) as [srv], aiohttp.ClientSession() as s:
         async with s.get(root(srv) + "/health") as r:
             assert (r.status, await r.read(), r.content_type) == (200, b"", "application/octet-stream")
@@ -126,7 +127,7 @@ async def test_health_models_version_and_unknown_routes(profile: str) -> None:
 
 
 @pytest.mark.parametrize("profile", PROFILE_NAMES)
-async def test_tokenize_uses_the_built_in_tokenizer(profile: str) -> None:
+async def test_tokenize_uses_the_built_in_tokenizer(profile: ProfileName) -> None:
     vocab = SimVocab.load()
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         status, body = await call(s, "POST", root(srv) + "/tokenize", json={"model": "sim-model",
@@ -144,7 +145,7 @@ async def test_tokenize_uses_the_built_in_tokenizer(profile: str) -> None:
 
 
 @pytest.mark.parametrize("profile", VLLM)
-async def test_vllm_admin_routes_need_dev_mode(profile: str) -> None:
+async def test_vllm_admin_routes_need_dev_mode(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile, dev_mode=False) as [srv], aiohttp.ClientSession() as s:
         for method, path in ADMIN:
             assert await call(s, method, root(srv) + path, json={}) == (404, {"detail": "Not Found"}), path
@@ -166,7 +167,7 @@ async def test_prime_rl_serves_its_own_admin_routes_only() -> None:
 
 
 @pytest.mark.parametrize("profile", VLLM)
-async def test_vllm_pause_defaults_to_abort_and_clearing_the_cache(profile: str) -> None:
+async def test_vllm_pause_defaults_to_abort_and_clearing_the_cache(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         assert await call(s, "GET", root(srv) + "/is_paused") == (200, {"is_paused": False})
         assert await call(s, "POST", root(srv) + "/pause", json={"mode": "keep"}) == (200, {"status": "paused"})
@@ -181,7 +182,7 @@ async def test_vllm_pause_defaults_to_abort_and_clearing_the_cache(profile: str)
         assert (status, error_of(body)) == (400, bad_request("query.mode"))
         status, body = await call(s, "POST", root(srv) + "/pause", params={"clear_cache": "maybe"})
         assert (status, error_of(body)) == (400, bad_request("query.clear_cache"))
-        assert srv.gate.mode == "keep"  # refused pauses change nothing
+        assert (srv.gate.mode, srv.counters.cache_resets) == ("keep", 1)  # refused pauses change nothing
         assert await call(s, "POST", root(srv) + "/reset_prefix_cache") == (200, {"success": True})
         assert srv.counters.cache_resets == 2
         assert [(c.path, c.query, c.body, c.status) for c in srv.log.admin][:3] == [
@@ -198,7 +199,7 @@ async def test_prime_rl_pause_ignores_its_parameters() -> None:
 
 
 @pytest.mark.parametrize("profile", VLLM)
-async def test_vllm_weight_loads(profile: str, tmp_path: Any) -> None:
+async def test_vllm_weight_loads(profile: ProfileName, tmp_path: Any) -> None:
     weights_dir(tmp_path)
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         rpc = root(srv) + "/collective_rpc"
@@ -220,7 +221,7 @@ async def test_vllm_weight_loads(profile: str, tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize("profile", ["vllm-0.31", "vllm-0.32", "vllm-0.33"])
-async def test_weight_version_routes(profile: str) -> None:
+async def test_weight_version_routes(profile: ProfileName) -> None:
     spans = profile != "vllm-0.31"  # 0.31 has the routes, but its replies carry no weight_versions (observed)
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         assert await call(s, "GET", root(srv) + "/weight_info") == (200, {"weight_version": "default"})
@@ -258,7 +259,7 @@ async def test_prime_rl_update_weights(tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize("profile", PROFILE_NAMES)
-async def test_generate_validation(profile: str) -> None:
+async def test_generate_validation(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         url = root(srv) + "/inference/v1/generate"
         sp = {"max_tokens": 4}
@@ -279,7 +280,7 @@ async def test_generate_validation(profile: str) -> None:
 
 
 @pytest.mark.parametrize("profile", PROFILE_NAMES)
-async def test_cache_salt_rules(profile: str) -> None:
+async def test_cache_salt_rules(profile: ProfileName) -> None:
     bad = ["", "a/b", "a@b", "a\\b", "a\x00b", "x" * 129]
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         for salt in bad:
@@ -297,7 +298,7 @@ async def test_cache_salt_rules(profile: str) -> None:
 
 
 @pytest.mark.parametrize("profile", PROFILE_NAMES)
-async def test_reply_shape(profile: str) -> None:
+async def test_reply_shape(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile) as [srv], aiohttp.ClientSession() as s:
         _status, raw = await generate_raw(s, srv, stop_token_ids=[3])
         assert b"weight_version\"" not in raw  # no real server sends one (0.32+ send weight_versions spans)
@@ -350,7 +351,7 @@ async def test_max_tokens_defaults_to_the_rest_of_the_context() -> None:
 
 
 @pytest.mark.parametrize(("profile", "num_experts"), [(p, e) for p in PROFILE_NAMES for e in (64, 512)])
-async def test_routed_experts(profile: str, num_experts: int) -> None:
+async def test_routed_experts(profile: ProfileName, num_experts: int) -> None:
     async with sim_servers(1, profile=profile, layers=3, top_k=2, num_experts=num_experts) as [srv], \
             aiohttp.ClientSession() as s:
         for start in (0, 2):
@@ -423,7 +424,7 @@ async def test_chat_completions() -> None:
 
 
 @pytest.mark.parametrize("profile", PROFILE_NAMES)
-async def test_malformed_replies_break_the_contract(profile: str) -> None:
+async def test_malformed_replies_break_the_contract(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile, layers=2, top_k=2, faults=Faults(malformed_rate=1.0)) as [srv], \
             aiohttp.ClientSession() as s:
         for _ in range(12):
@@ -440,7 +441,8 @@ async def test_malformed_replies_break_the_contract(profile: str) -> None:
 
 @pytest.mark.parametrize("kind", ["error_rate", "drop_rate"])
 async def test_injected_errors_and_drops(kind: str) -> None:
-    async with sim_servers(1, faults=Faults(**{kind: 1.0})) as [srv], aiohttp.ClientSession() as s:
+    rates: dict[str, Any] = {kind: 1.0}
+    async with sim_servers(1, faults=Faults(**rates)) as [srv], aiohttp.ClientSession() as s:
         if kind == "error_rate":
             status, body = await generate(s, srv)
             assert (status, error_of(body)["type"]) == (500, "InternalServerError")

@@ -6,27 +6,25 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.config import JobConfig, load_config
+from orchestrator.config import JobConfig
 from orchestrator.errors import ConfigError
 from orchestrator.sinks import JsonlSink, flatten, open_sinks
+from orchestrator.testing.jobs import ARITHMETIC, Section, job_config
 from orchestrator.testing.sim import sim_servers
 from orchestrator.testing.wandb_offline import offline_runs, read_offline_run
 from orchestrator.transport.trainer import ReferenceTrainer
 
-WANDB = """
-[monitor.wandb]
-project = "orchestrator-tests"
-name = "offline-{tag}"
-mode = "offline"
-tags = ["test", "{tag}"]
-samples_every = {every}
-samples = 2
-"""
+
+def wandb(tag: str, every: int) -> Section:
+    """A ``[monitor.wandb]`` section, offline."""
+    return {"project": "orchestrator-tests", "name": f"offline-{tag}", "mode": "offline", "tags": ["test", tag],
+            "samples_every": every, "samples": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -36,30 +34,13 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
 
 
-def job(tmp_path: Path, url: str = "http://127.0.0.1:9/v1", wandb: str = "", steps: int = 2,
+def job(tmp_path: Path, url: str = "http://127.0.0.1:9/v1", wandb: Section | None = None, steps: int = 2,
         data_plane: str = "through") -> JobConfig:
-    path = tmp_path / "job.toml"
-    path.write_text(f"""
-[run]
-name = "sinks"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {steps}
-[inference]
-servers = ["{url}"]
-request_timeout_s = 10.0
-[scheduler]
-batch_size = 8
-max_inflight = 8
-[transport]
-data_plane = "{data_plane}"
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 6 }}
-{wandb}""")
-    return load_config(path)
+    return job_config(
+        tmp_path, run={"name": "sinks", "max_steps": steps},
+        inference={"servers": [url], "request_timeout_s": 10.0}, scheduler={"batch_size": 8, "max_inflight": 8},
+        transport={"data_plane": data_plane}, env=[{**ARITHMETIC, "name": "arith", "sampling": {"max_tokens": 6}}],
+        monitor={"wandb": wandb} if wandb else {})
 
 
 def test_flatten_keeps_numbers_under_slash_keys() -> None:
@@ -70,7 +51,7 @@ def test_flatten_keeps_numbers_under_slash_keys() -> None:
 def test_check_names_the_missing_wandb_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # how Python spells "not installed" to find_spec
     with pytest.raises(ConfigError) as e:
-        job(tmp_path, wandb=WANDB.format(tag="x", every=1))
+        job(tmp_path, wandb=wandb("x", 1))
     (problem,) = e.value.problems
     assert "job.toml: monitor.wandb: needs the wandb package: pip install 'rollout-orchestrator[wandb]'" in problem
     job(tmp_path)  # without [monitor.wandb], nothing needs it
@@ -88,7 +69,7 @@ def test_jsonl_sink_writes_one_file_with_other_prefixes_marked(tmp_path: Path) -
 
 
 def test_wandb_gets_every_metric_eval_metrics_and_sample_tables(tmp_path: Path) -> None:
-    cfg = job(tmp_path, wandb=WANDB.format(tag="unit", every=2))
+    cfg = job(tmp_path, wandb=wandb("unit", 2))
     out = tmp_path / "out"
     sinks = open_sinks(cfg, out)
     try:
@@ -105,7 +86,7 @@ def test_wandb_gets_every_metric_eval_metrics_and_sample_tables(tmp_path: Path) 
     assert run.name == "offline-unit"
     assert run.tags == ["test", "unit"]
     assert run.config["run"]["name"] == "sinks"  # the job's config, for comparing runs
-    steps = {}
+    steps: dict[int, dict[str, Any]] = {}
     for row in run.history:
         steps.setdefault(row["_step"], {}).update(row)
     assert sorted(s for s, row in steps.items() if "rollouts" in row) == [0, 1, 2]
@@ -128,7 +109,7 @@ def test_wandb_gets_every_metric_eval_metrics_and_sample_tables(tmp_path: Path) 
 async def test_a_run_logs_to_wandb_offline_and_reads_back(tmp_path: Path, data_plane: str) -> None:
     """Direct mode too: the samples table's token text is read back from the env workers' pools."""
     async with sim_servers(1) as servers:
-        cfg = job(tmp_path, servers[0].url, wandb=WANDB.format(tag="run", every=1), steps=2, data_plane=data_plane)
+        cfg = job(tmp_path, servers[0].url, wandb=wandb("run", 1), steps=2, data_plane=data_plane)
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=2, checkpoint_dir=tmp_path / "ckpt")
             async with asyncio.timeout(100), asyncio.TaskGroup() as tg:
@@ -138,9 +119,9 @@ async def test_a_run_logs_to_wandb_offline_and_reads_back(tmp_path: Path, data_p
     metrics = [orjson.loads(x) for x in (out / "metrics.jsonl").read_bytes().splitlines()]
     (run_dir,) = offline_runs(out)
     run = read_offline_run(run_dir)
-    steps: dict[int, dict[str, object]] = {}
+    steps: dict[int, dict[str, Any]] = {}
     for row in run.history:
-        steps.setdefault(int(row["_step"]), {}).update(row)  # type: ignore[arg-type]
+        steps.setdefault(int(row["_step"]), {}).update(row)
     assert sorted(steps) == [0, 1]
     for m in metrics:
         logged = steps[m["step"]]
@@ -148,7 +129,7 @@ async def test_a_run_logs_to_wandb_offline_and_reads_back(tmp_path: Path, data_p
         assert logged["reward_mean/arith"] == pytest.approx(m["reward_mean"]["arith"])
         assert logged["lag/p99"] == pytest.approx(m["lag"]["p99"])
         assert logged["phase_s/wait"] == pytest.approx(m["phase_s"]["wait"])
-        table = run.table(logged["samples"])  # type: ignore[arg-type]
+        table = run.table(logged["samples"])
         assert 1 <= len(table) <= 2
         rows = {r["rollout"]: r for r in map(orjson.loads, (out / "rollouts.jsonl").read_bytes().splitlines())}
         for sample in table:

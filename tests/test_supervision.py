@@ -29,15 +29,16 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator, load_metrics
-from orchestrator.config import InferenceConfig, JobConfig, load_config
+from orchestrator.config import InferenceConfig, JobConfig
 from orchestrator.inference.pool import PROBE_CACHE_SALT, InferencePool
 from orchestrator.sim.server import SimServer
+from orchestrator.testing.jobs import ARITHMETIC, Section, job_config
 from orchestrator.testing.procs import orchestrator_process, wait_until
 from orchestrator.testing.sim import Faults, sim_cluster, sim_process
 from orchestrator.transport.checkpoints import Checkpoint
 from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 
 WORKER_SILENCE_S = 3.0  # heartbeats come every second; a loaded machine's worker is not silent this long
 REQUEST_TIMEOUT_S = 2.0  # a healthy sim server answers in milliseconds; a hung one never
@@ -49,46 +50,16 @@ JOB_TIMEOUT_S = 240.0  # hang guard from then on: a job here takes 20-60 s on a 
 WAIT_S = 120.0  # hang guard of each wait for an event inside a job
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
-
-
 def job(tmp_path: Path, urls: list[str], data_plane: str, *, steps: int, workers: int = 1,
-        inference: str = "", scheduler: str = "", silence_s: float = WORKER_SILENCE_S, extra: str = "") -> JobConfig:
-    path = tmp_path / "job.toml"
-    path.write_text(f"""
-[run]
-name = "supervision"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {steps}
-
-[inference]
-servers = {orjson.dumps(urls).decode()}
-failures_to_evict = 3
-probe_interval_s = 0.2
-{inference}
-
-[scheduler]
-batch_size = 8
-max_inflight = 8
-max_async_level = 2
-max_buffered_rollouts = 16
-worker_silence_s = {silence_s}
-{scheduler}
-
-[transport]
-data_plane = "{data_plane}"
-
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = {workers}
-sampling = {{ max_tokens = 4 }}
-{extra}
-""")
-    return load_config(path)
+        inference: Section | None = None, scheduler: Section | None = None, silence_s: float = WORKER_SILENCE_S,
+        monitor: Section | None = None) -> JobConfig:
+    return job_config(
+        tmp_path, run={"name": "supervision", "max_steps": steps},
+        inference={"servers": urls, "failures_to_evict": 3, "probe_interval_s": 0.2, **(inference or {})},
+        scheduler={"batch_size": 8, "max_inflight": 8, "max_async_level": 2, "max_buffered_rollouts": 16,
+                   "worker_silence_s": silence_s, **(scheduler or {})},
+        transport={"data_plane": data_plane},
+        env=[{**ARITHMETIC, "name": "arith", "workers": workers}], monitor=monitor or {})
 
 
 class Steps:
@@ -224,7 +195,7 @@ async def test_local_workers_stopped_as_they_start_are_named_then_killed_and_res
     warn_s = 1.0
     facts: dict[str, Any] = {}
     async with sim_cluster(1) as cluster:
-        cfg = job(tmp_path, cluster.urls, data_plane, steps=2, workers=2, extra=f"[monitor]\nstall_warn_s = {warn_s}")
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=2, workers=2, monitor={"stall_warn_s": warn_s})
 
         @contextlib.asynccontextmanager
         async def stopped_as_they_start(orch: Orchestrator) -> AsyncIterator[None]:
@@ -244,7 +215,9 @@ async def test_local_workers_stopped_as_they_start_are_named_then_killed_and_res
     messages = [r.getMessage() for r in caplog.records]
     waits = [m for m in messages if m.startswith("env workers: 0 of 2 ready after ")]
     assert waits, messages
-    first = float(re.match(r"env workers: 0 of 2 ready after (\d+) s", waits[0])[1])  # type: ignore[index]
+    said = re.match(r"env workers: 0 of 2 ready after (\d+) s", waits[0])
+    assert said is not None, waits[0]
+    first = float(said[1])
     assert first <= warn_s + 5, waits[0]  # at warn_s, give or take a busy machine's timer
     for name, pid in facts["stopped"].items():
         killed = [i for i, m in enumerate(messages) if re.fullmatch(
@@ -265,7 +238,7 @@ async def test_a_frozen_remote_worker_is_dropped_then_readmitted_when_it_speaks_
     facts: dict[str, Any] = {}
     worker: list[asyncio.subprocess.Process] = []
     async with sim_cluster(1, faults=Faults(latency_ms=20.0)) as cluster:
-        cfg = job(tmp_path, cluster.urls, data_plane, steps=steps, workers=0, scheduler="remote_workers = 1")
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=steps, workers=0, scheduler={"remote_workers": 1})
 
         @contextlib.asynccontextmanager
         async def remote_worker(orch: Orchestrator) -> AsyncIterator[None]:
@@ -327,9 +300,9 @@ async def test_a_hung_server_times_out_its_rollouts_leaves_rotation_and_the_run_
     async with sim_cluster(2, faults=Faults(latency_ms=10.0)) as cluster:
         hung_url = cluster.urls[0]
         cfg = job(tmp_path, cluster.urls, data_plane, steps=100, silence_s=30.0,  # stopped once the server is back
-                  inference=f"request_timeout_s = {REQUEST_TIMEOUT_S}\nweight_sync_timeout_s = 30.0",
+                  inference={"request_timeout_s": REQUEST_TIMEOUT_S, "weight_sync_timeout_s": 30.0},
                   # the group timeout far above the request timeout: that one must fire
-                  scheduler=f"group_timeout_s = 120.0\nmax_off_policy_steps = {off_policy_steps}")
+                  scheduler={"group_timeout_s": 120.0, "max_off_policy_steps": off_policy_steps})
 
         async def hang_then_recover(orch: Orchestrator, watch: Steps, _trainer: ReferenceTrainer) -> None:
             await watch.reached(0)
@@ -380,8 +353,8 @@ async def test_a_stalled_step_names_each_server_out_of_rotation_and_its_last_pro
     facts: dict[str, Any] = {}
     async with sim_cluster(2) as cluster:
         down = cluster.urls[0]
-        cfg = job(tmp_path, cluster.urls, data_plane, steps=100, extra="[monitor]\nstall_warn_s = 1.0",
-                  inference="request_timeout_s = 60.0")  # server 1's held rollouts stay in flight
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=100, monitor={"stall_warn_s": 1.0},
+                  inference={"request_timeout_s": 60.0})  # server 1's held rollouts stay in flight
 
         async def stall_with_one_out(orch: Orchestrator, watch: Steps, _trainer: ReferenceTrainer) -> None:
             await watch.reached(0)

@@ -6,6 +6,7 @@ recompute (a real server's are checked in tests/real). Needs the [torch] extra, 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,8 @@ def sampled_batch(model_dir: Path, *, temperature: float, mode: LogprobsMode, n:
                   advantages: list[float] | None = None, seed: int = 0) -> Batch:
     """``n`` samples: a random prompt, then ``new`` tokens sampled at ``temperature``, each with its logprob in
     ``mode`` (raw: of the unscaled logits; processed: of the tempered ones), as a server would ship them."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # untyped
+    model.eval()
     gen = torch.Generator().manual_seed(seed)
     ids, masks, lps = [], [], []
     for _ in range(n):

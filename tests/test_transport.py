@@ -4,7 +4,9 @@ import asyncio
 import logging
 import subprocess
 import sys
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -30,15 +32,15 @@ from orchestrator.transport import (
 def make_batch(step: int = 0, lengths: tuple[int, ...] = (3, 5, 2), routed: bool = True) -> Batch:
     rng = np.random.default_rng(step)
     total = sum(lengths)
-    chunks = {
+    chunks: dict[str, list[np.ndarray]] = {
         "token_ids": [rng.integers(0, 1000, n, dtype=np.int32) for n in lengths],
         "loss_mask": [rng.integers(0, 2, n, dtype=np.uint8) for n in lengths],
         "logprobs": [rng.normal(size=n).astype(np.float32) for n in lengths],
     }
     if routed:
         chunks["routed_experts"] = [rng.integers(0, 64, (n, 4, 2), dtype=np.uint8) for n in lengths]
-    scalars = {"advantage": [0.5, -0.5, 0.0][: len(lengths)] * 1, "reward": [1.0, 0.0, 0.5][: len(lengths)],
-               "env": ["a", "b", "a"][: len(lengths)]}
+    scalars: dict[str, list[Any]] = {"advantage": [0.5, -0.5, 0.0][: len(lengths)] * 1,
+                                     "reward": [1.0, 0.0, 0.5][: len(lengths)], "env": ["a", "b", "a"][: len(lengths)]}
     batch = Batch.from_columns("run", step, chunks, list(lengths), scalars)
     assert batch.num_tokens == total
     return batch
@@ -89,10 +91,10 @@ def test_header_is_small() -> None:
         (lambda f: [msgpack.packb([1, 2]), *f[1:]], "not a map"),
     ],
 )
-def test_corrupt_messages_are_wire_errors(mangle: object, message: str) -> None:
+def test_corrupt_messages_are_wire_errors(mangle: Callable[[list[bytes]], list[bytes]], message: str) -> None:
     frames = [bytes(f) for f in encode(make_batch())]
     with pytest.raises(WireError, match=message):
-        decode(mangle(frames))  # type: ignore[operator]
+        decode(mangle(frames))
 
 
 @settings(max_examples=200, deadline=None)
@@ -119,6 +121,7 @@ async def test_send_receive_in_order_with_checkpoint(tmp_path: Path) -> None:
             assert [b.step for b in got] == [0, 1, 2]
             await receiver.announce(3)
             announced = sender.announcements()
+            assert isinstance(announced, AsyncGenerator)  # a generator: closed below
             assert (await asyncio.wait_for(anext(announced), 5)).step == 3
             await announced.aclose()
         finally:
@@ -171,6 +174,7 @@ async def test_marker_file_announcements(tmp_path: Path) -> None:
         write_marker(tmp_path / "ckpt", 1)
         write_marker(tmp_path / "ckpt", 2)
         announced = sender.announcements(tmp_path / "ckpt")
+        assert isinstance(announced, AsyncGenerator)  # a generator: closed below
         assert [(await asyncio.wait_for(anext(announced), 5)).step for _ in range(2)] == [1, 2]
         await announced.aclose()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1.ready", "step_2.ready"]
@@ -242,6 +246,7 @@ async def test_sync_receiver(tmp_path: Path) -> None:
                 receiver.recv(timeout_s=0.05)
             receiver.announce(3)
             announced = sender.announcements()
+            assert isinstance(announced, AsyncGenerator)  # a generator: closed below
             assert (await asyncio.wait_for(anext(announced), 5)).step == 3
             await announced.aclose()
         finally:
@@ -328,8 +333,9 @@ async def test_a_resumed_trainer_tells_its_checkpoint_at_once(tmp_path: Path) ->
         receiver = BatchReceiver(sender.address, last_step=4, checkpoint=Checkpoint(5, "/ckpt/step_5"))
         try:
             announced = sender.announcements()
+            assert isinstance(announced, AsyncGenerator)  # a generator: closed below
             assert await asyncio.wait_for(anext(announced), HANG_GUARD_S) == Checkpoint(5, "/ckpt/step_5")
-            await announced.aclose()  # type: ignore[attr-defined]
+            await announced.aclose()
         finally:
             receiver.close()
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from orchestrator.assets import tokenizer_dir
+from orchestrator.sim.profiles import ProfileName
 from orchestrator.testing.sim import sim_servers
 
 LAYERS, TOP_K = 3, 2
@@ -104,7 +105,7 @@ async def test_the_built_in_harness_keeps_one_client_for_all_rollouts(tmp_path: 
     ("vllm-0.26", LAYERS, "string indices must be integers"),  # routed experts as a .npy string, not an object
 ])
 async def test_verifiers_rejects_what_real_servers_send_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           profile: str, layers: int, refusal: str) -> None:
+                                                           profile: ProfileName, layers: int, refusal: str) -> None:
     """The real incompatibilities (research doc, section 5): the server answers 200, verifiers' client fails."""
     monkeypatch.setenv("HOME", str(tmp_path))
     async with sim_servers(1, profile=profile, layers=layers, top_k=TOP_K if layers else 0) as [srv]:

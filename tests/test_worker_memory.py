@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.config import load_config
+from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.sim import sim_servers
 from orchestrator.testing.worker_memory import rss_growth, worker_rss_series
 from orchestrator.transport.trainer import ReferenceTrainer
@@ -37,25 +37,10 @@ async def test_an_env_worker_rss_stays_flat_over_hundreds_of_rollouts(tmp_path: 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers
     steps = (WARMUP_ROLLOUTS + MEASURED_ROLLOUTS) // BATCH
     async with sim_servers(1) as servers:
-        path = tmp_path / "job.toml"
-        path.write_text(f"""
-[run]
-name = "worker-memory"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {steps}
-[inference]
-servers = ["{servers[0].url}"]
-[scheduler]
-batch_size = {BATCH}
-max_inflight = {BATCH}
-max_async_level = 2
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 8 }}
-""")
-        cfg = load_config(path)
+        cfg = job_config(tmp_path, run={"name": "worker-memory", "max_steps": steps},
+                         inference={"servers": [servers[0].url]},
+                         scheduler={"batch_size": BATCH, "max_inflight": BATCH, "max_async_level": 2},
+                         env=[{**ARITHMETIC, "sampling": {"max_tokens": 8}}])
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=steps, checkpoint_dir=tmp_path / "ckpt")
             async with asyncio.timeout(240), asyncio.TaskGroup() as tg:  # a hang guard: ~40 s on 2 busy cores

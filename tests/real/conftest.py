@@ -53,6 +53,3 @@ async def _stop(servers: list[VLLMServer]) -> None:
     await asyncio.gather(*(s.kill(signal.SIGTERM) for s in servers))
 
 
-@pytest.fixture(autouse=True)
-def verifiers_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # verifiers writes ~/.cache/verifiers

@@ -12,7 +12,7 @@ import pytest
 from orchestrator.realstack.install import StackPaths
 from orchestrator.testing.procs import orchestrator_process
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 
 
 async def test_the_demo_runs_on_the_real_stack(stack: StackPaths, tmp_path: Path, repo: Path) -> None:

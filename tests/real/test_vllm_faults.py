@@ -21,7 +21,7 @@ from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
 from orchestrator.transport.trainer import ReferenceTrainer
 from orchestrator.transport.wire import Batch
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("verifiers_home")]
 STEPS = 6
 KILL_AFTER = 1  # steps trained before the kill
 REJOIN_TIMEOUT_S = 400.0  # a vLLM start on a loaded 2-core machine, then a probe

@@ -17,10 +17,10 @@ import orjson
 import pytest
 
 from orchestrator.testing.real_job import RealJob, Servers, get_json, reload_base, run_real_job
-from orchestrator.trainer.torch_learner import Sample, TorchLearnConfig, TorchLearner
+from orchestrator.trainer.torch_learner import Sample, TorchLearnConfig, TorchLearner, TorchLearnStats
 from orchestrator.transport.wire import Batch
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("verifiers_home")]
 STEPS = 4
 TEMPERATURE = 0.7  # != 1: raw and processed logprobs differ, and the servers ship processed ones
 PARITY = 1e-4
@@ -35,7 +35,7 @@ class ShiftedProbe(TorchLearner):
         self.shifted: list[float] = []
         self.multi_turn: list[int] = []  # per step: samples whose loss mask has more than one run (turns)
 
-    def update(self, batch: Batch) -> object:
+    def update(self, batch: Batch) -> TorchLearnStats:
         mask = batch.columns["loss_mask"].astype(np.int8)
         runs = [int(np.count_nonzero(np.diff(mask[a:b], prepend=0) == 1))
                 for a, b in zip(batch.offsets[:-1], batch.offsets[1:], strict=True)]

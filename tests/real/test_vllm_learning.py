@@ -19,7 +19,7 @@ from orchestrator.testing.real_job import RealJob, Servers, reload_base, run_rea
 from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner, TorchLearnStats
 from orchestrator.transport.wire import Batch
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("verifiers_home")]
 STEPS = 12
 EDGE = 3  # steps averaged at each end
 MARGIN = 0.04  # reward; measured: ~0.02 at the start, 0.12-0.17 after 12-15 steps

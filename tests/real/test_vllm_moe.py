@@ -17,7 +17,7 @@ import pytest
 from orchestrator.testing.real_job import RealJob, Servers, run_real_job
 from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("verifiers_home")]
 STEPS = 3
 
 

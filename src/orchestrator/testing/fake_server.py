@@ -3,8 +3,9 @@
 It answers the admin routes of both backends as the real servers do (``/pause``, ``/resume``, prime-rl's
 ``/update_weights {"weight_dir"}``, vLLM's ``/collective_rpc reload_weights`` and ``/update_weight_version``),
 ``/health`` with an empty body, a 2-token ``/inference/v1/generate`` reply (what the pool's probe sends), and
-records every call in ``calls``; ``fail_with`` makes every call raise it, ``hang_paths`` makes calls to those
-paths wait until ``release()``.
+records every call in ``calls``; ``fail_with`` makes every call raise it, ``fail_paths`` makes calls to those
+paths raise (before they are recorded: as if nothing answered), ``hang_paths`` makes calls to those paths wait
+until ``release()``.
 For HTTP-level fidelity use the simulated server (``orchestrator.testing.sim``).
 """
 
@@ -26,6 +27,7 @@ class FakeInferenceServer:
         self.paused = False
         self.weights_path: str | None = None
         self.fail_with: InferenceError | None = None  # set: every call raises it
+        self.fail_paths: dict[str, InferenceError] = {}  # path -> what a call to it raises (the call not recorded)
         self.calls: list[tuple[str, str, dict[str, str], Any]] = []  # method, path, query, body
         self.hang_paths: set[str] = set()
         self._released = asyncio.Event()
@@ -37,6 +39,8 @@ class FakeInferenceServer:
 
     async def request(self, method: str, path: str, *, query: Mapping[str, str] | None = None,
                       body: Any = None) -> bytes:
+        if path in self.fail_paths:
+            raise self.fail_paths[path]
         self.calls.append((method, path, dict(query or {}), body))
         if self.fail_with is not None:
             raise self.fail_with

@@ -14,11 +14,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from orchestrator.procs import process_state
+from orchestrator.testing.jobs import ARITHMETIC, Section, toml_text
 
 __all__ = ["logged", "orchestrator_process", "process_state", "processes_mentioning", "python_process",
            "unix_connections", "wait_until", "write_job"]
@@ -106,32 +107,15 @@ def unix_connections(path: str | Path) -> int:
 
 
 def write_job(directory: Path, url: str, steps: int, name: str, data_plane: str = "through", *, workers: int = 1,
-              extra: str = "") -> tuple[Path, Path]:
+              **more: Section | Sequence[Section]) -> tuple[Path, Path]:
     """A small job (arithmetic, ``workers`` env workers, 8 rollouts a step) for runs as real processes: writes
-    ``directory/job.toml``; returns it and the run's output directory. ``data_plane``: its
-    ``transport.data_plane`` (the transport is kind = "zmq", keep_acked = 0, so both apply); ``extra``: more
-    TOML tables, appended."""
-    out = directory / "out"
-    cfg = directory / "job.toml"
-    cfg.write_text(f"""
-[run]
-name = "{name}"
-output_dir = "{out}"
-max_steps = {steps}
-[inference]
-servers = ["{url}"]
-[scheduler]
-batch_size = 8
-max_inflight = 8
-[pipeline]
-gates = []  # every finished group trains: gates are not what this test is about
-[transport]
-data_plane = "{data_plane}"
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = {workers}
-sampling = {{ max_tokens = 4 }}
-{extra}
-""")
+    ``directory/job.toml`` (``testing.jobs``); returns it and the run's output directory. ``data_plane``: its
+    ``transport.data_plane`` (the transport is kind = "zmq", keep_acked = 0, so both apply); ``more``: more
+    sections (``monitor={...}``)."""
+    out, cfg = directory / "out", directory / "job.toml"
+    cfg.write_text(toml_text(
+        run={"name": name, "output_dir": out, "max_steps": steps}, inference={"servers": [url]},
+        scheduler={"batch_size": 8, "max_inflight": 8},
+        pipeline={"gates": []},  # every finished group trains: gates are not what this test is about
+        transport={"data_plane": data_plane}, env=[{**ARITHMETIC, "workers": workers}], **more))
     return cfg, out

@@ -33,8 +33,8 @@ from orchestrator.sim.profiles import DEFAULT_PROFILE, PROFILE_NAMES, ProfileNam
 from orchestrator.sim.server import Faults, SimServer
 from orchestrator.testing.fake_server import FakeInferenceServer
 
-__all__ = ["PROFILE_NAMES", "FakeInferenceServer", "Faults", "ProfileName", "SimCluster", "SimProcess", "sim_cluster",
-           "sim_process", "sim_servers", "weights_dir"]
+__all__ = ["PROFILE_NAMES", "FakeInferenceServer", "Faults", "ProfileName", "SimCluster", "SimProcess", "SimServer",
+           "sim_cluster", "sim_process", "sim_servers", "weights_dir"]
 
 
 @functools.cache
