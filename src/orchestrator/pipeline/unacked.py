@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from orchestrator.pipeline.step import StepBuilder
     from orchestrator.scheduling.groups import Group
     from orchestrator.scheduling.scheduler import Scheduler
-    from orchestrator.transport.zmq_link import BatchSender, LostStep
+    from orchestrator.transport.reports import LostStep
+    from orchestrator.transport.zmq_link import BatchSender
     from orchestrator.worker.hub import WorkerHub
 
 log = logging.getLogger(__name__)
