@@ -30,8 +30,11 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from orchestrator.dataplane.manifest import MAX_ATTEMPTS, StepManifest
 from orchestrator.errors import TransportError
+from orchestrator.pipeline.rows import RolloutRow
 from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
 if TYPE_CHECKING:
@@ -59,7 +62,7 @@ class UnackedSteps:
     ``write_rows(rows)`` appends to rollouts.jsonl (blocking: called through ``off_loop``)."""
 
     def __init__(self, builder: StepBuilder, hub: WorkerHub, sender: BatchSender,
-                 off_loop: Callable[..., Awaitable[Any]], write_rows: Callable[[list[dict[str, Any]]], None]) -> None:
+                 off_loop: Callable[..., Awaitable[Any]], write_rows: Callable[[list[RolloutRow]], None]) -> None:
         self.builder, self.hub, self.sender = builder, hub, sender
         self.off_loop, self.write_rows = off_loop, write_rows
         self.steps: dict[int, SentStep] = {}
@@ -136,8 +139,8 @@ class UnackedSteps:
         self.hub.release(result.untrained)
         new_gids = {g.gid for g in [*added, *dropped]}
         gone_rids = {r.rid for r in gone}
-        rows = [{**row, "attempt": attempt} for row in result.rows
-                if row["group"] in new_gids or row["rollout"] in gone_rids]
+        rows = [msgspec.structs.replace(row, attempt=attempt) for row in result.rows
+                if row.group in new_gids or row.rollout in gone_rids]
         await self.off_loop(self.write_rows, rows)
         if step not in self.steps:  # acknowledged meanwhile: impossible for a trainer waiting on it, but cheap
             self.hub.release(result.trained)
