@@ -119,7 +119,9 @@ def reported_steps(link: RawLink, until: int) -> list[int]:
     """Every ``have`` the receiver sent, up to the first that reports ``until`` (messages keep their order)."""
     out: list[int] = []
     while until not in out:
-        out.append(int(link.report()["have"]))
+        have = link.report().have
+        assert have is not None, "a receiver's report always says what it has"
+        out.append(have)
     return out
 
 

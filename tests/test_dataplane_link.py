@@ -20,7 +20,8 @@ from orchestrator.dataplane.store import ColumnStore
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport.memfd import serve_pool
 from orchestrator.transport.receiver import BatchReceiver, Received, SyncBatchReceiver
-from orchestrator.transport.zmq_link import BatchSender, LostStep
+from orchestrator.transport.reports import LostStep
+from orchestrator.transport.zmq_link import BatchSender
 from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
 sys.path.insert(0, str(Path(__file__).parent))

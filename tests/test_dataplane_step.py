@@ -51,7 +51,7 @@ def test_a_manifest_names_only_rollouts_in_current_pools_and_returns_the_rest(
     assert all(r.header.worker == "w1" for r in result.trained)
     lost = [r for g in groups[1::2] for r in g.records]
     assert all(r.header.failure == "worker_died" for r in lost)  # w2's columns are gone with pool p0
-    assert {row["rollout"] for row in result.rows if row["failure"] == "worker_died"} == {r.rid for r in lost}
+    assert {row.rollout for row in result.rows if row.failure == "worker_died"} == {r.rid for r in lost}
     survivors = {r.rid for g in groups for r in g.survivors}
     assert named.isdisjoint(r.rid for r in result.untrained)
     assert named | {r.rid for r in result.untrained} == survivors  # every survivor is trained or released
@@ -86,13 +86,13 @@ def test_token_filters_use_the_workers_verdicts_and_custom_filters_are_named_not
     with caplog.at_level(logging.WARNING):
         result = StepBuilder(cfg, vocab_size=1 << 17).build_manifest(0, groups, (), POOLS)
     named = {s.rollout for s in result.batch.spans}
-    rows = {row["rollout"]: row for row in result.rows}
+    rows = {row.rollout: row for row in result.rows}
     for rid in flagged:
         assert rid not in named  # enforced
-        assert "gibberish" in rows[rid]["filters"]
+        assert "gibberish" in rows[rid].filters
     for rid in looping:
-        assert "repetition" in rows[rid]["filters"]
-        assert rows[rid]["filtered"] == ("zero_advantage" in rows[rid]["filters"])  # monitor only
+        assert "repetition" in rows[rid].filters
+        assert rows[rid].filtered == ("zero_advantage" in rows[rid].filters)  # monitor only
     assert result.filter_counts["gibberish"] == {"synth-a": len(flagged)}  # even groups are synth-a
     skipped = [r for r in caplog.records if "not applied" in r.getMessage()]
     assert len(skipped) == 1  # named once, not run on a manifest

@@ -16,6 +16,7 @@ import pytest
 from orchestrator.pipeline.outputs import StepOutputs
 from orchestrator.sinks.jsonl import OutputError
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
+from orchestrator.testing.steps import rollout_row
 
 JOB = """[run]
 name = "r"
@@ -109,7 +110,7 @@ def test_a_full_disk_under_the_outputs_is_a_message_naming_the_file(tmp_path: Pa
     outputs.metrics_path.symlink_to("/dev/full")  # every write: ENOSPC
     full = r"metrics\.jsonl: cannot write the run's outputs \(No space left on device\)"
     with pytest.raises(OutputError, match=full):
-        outputs.write([{"step": 0}], {"step": 0})
+        outputs.write([rollout_row()], {"step": 0})
 
 
 def test_a_failed_state_save_is_a_message_and_leaves_the_old_state_and_no_temp_file(

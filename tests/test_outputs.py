@@ -4,19 +4,22 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator.errors import Failure
 from orchestrator.lagmon import LagStats
 from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_step_line, step_metrics
+from orchestrator.testing.steps import rollout_row
 
-ROWS: list[dict[str, Any]] = [
-    {"env": "a", "reward": 1.0, "ok": True, "filtered": False, "tokens": 10, "off_policy": 0, "advantage": 0.5},
-    {"env": "a", "reward": 0.0, "ok": True, "filtered": False, "tokens": 20, "off_policy": 1, "advantage": -0.5},
-    {"env": "b", "reward": 0.5, "ok": True, "filtered": True, "tokens": 5, "off_policy": 0, "advantage": 0.0},
-    {"env": "b", "reward": 0.0, "ok": False, "filtered": False, "tokens": 0, "off_policy": 0, "error": "timeout"},
+ROWS = [
+    rollout_row(env="a", reward=1.0, ok=True, filtered=False, tokens=10, off_policy=0, advantage=0.5),
+    rollout_row(env="a", reward=0.0, ok=True, filtered=False, tokens=20, off_policy=1, advantage=-0.5),
+    rollout_row(env="b", reward=0.5, ok=True, filtered=True, tokens=5, off_policy=0, advantage=0.0),
+    rollout_row(env="b", reward=0.0, ok=False, filtered=False, tokens=0, off_policy=0, error="timeout"),
 ]
 LAG = LagStats(10, 0.1, 0.5, 1.0, 2.0, 3.0)
 
@@ -34,10 +37,10 @@ def test_metrics_aggregate_per_env() -> None:
 
 
 def test_rows_of_dropped_groups_count_as_rollouts_and_failures_but_not_in_rewards() -> None:
-    dropped = [{"env": "a", "reward": 0.0, "ok": False, "filtered": False, "tokens": 0, "off_policy": 0,
-                "dropped": True, "failure": "env_error"},
-               {"env": "b", "reward": 1.0, "ok": True, "filtered": False, "tokens": 7, "off_policy": 3,
-                "dropped": True}]  # a group-scoring group's survivor: dropped with its group
+    dropped = [rollout_row(env="a", reward=0.0, ok=False, filtered=False, tokens=0, off_policy=0,
+                           dropped=True, failure=Failure.ENV),
+               rollout_row(env="b", reward=1.0, ok=True, filtered=False, tokens=7, off_policy=3,
+                           dropped=True)]  # a group-scoring group's survivor: dropped with its group
     m = step_metrics(3, ROWS + dropped, phase_s={}, lag=LAG, rss_mb=1.0, wall_s=2.0)
     assert (m["rollouts"], m["failed"], m["dropped"], m["trained"], m["filtered"]) == (6, 2, 2, 2, 1)
     assert m["reward_mean"] == {"a": 0.5, "b": 0.5}  # as without the dropped rows
@@ -72,7 +75,7 @@ def test_step_line_names_the_largest_env_worker_rss() -> None:
 
 def test_outputs_append_jsonl(tmp_path: Path) -> None:
     out = StepOutputs(tmp_path / "run")
-    rows = [dict(r, reward=np.float32(r["reward"])) for r in ROWS]  # numpy scalars serialise
+    rows = [msgspec.structs.replace(r, reward=np.float32(r.reward)) for r in ROWS]  # numpy scalars serialise
     for step in range(2):
         out.write(rows, step_metrics(step, ROWS, phase_s={}, lag=LAG, rss_mb=1.0, wall_s=1.0))
     lines = out.rollouts_path.read_bytes().splitlines()

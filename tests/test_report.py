@@ -11,6 +11,7 @@ import pytest
 from orchestrator.cli import main
 from orchestrator.lagmon import LagStats
 from orchestrator.pipeline.outputs import StepOutputs, step_metrics
+from orchestrator.testing.steps import rollout_row
 
 PNG = b"\x89PNG\r\n\x1a\n"
 NAMES = ["reward", "lag", "rss", "phases", "throughput"]
@@ -19,8 +20,8 @@ NAMES = ["reward", "lag", "rss", "phases", "throughput"]
 def write_metrics(out: Path, steps: int) -> None:
     outputs = StepOutputs(out)
     for step in range(steps):
-        rows = [{"env": env, "reward": (step + i) % 3 / 2, "ok": i != 3, "filtered": i == 2, "tokens": 10 * (i + 1),
-                 "off_policy": i % 2} for env in ("arith", "guess") for i in range(4)]
+        rows = [rollout_row(env=env, reward=(step + i) % 3 / 2, ok=i != 3, filtered=i == 2, tokens=10 * (i + 1),
+                            off_policy=i % 2) for env in ("arith", "guess") for i in range(4)]
         lag = LagStats(50, 0.1, 0.4, 1.0, 2.0 + step, 3.0 + step)
         metrics = step_metrics(step, rows, phase_s={"wait": 1.0, "advantage": 0.01, "assemble": 0.05, "send": 0.02},
                                lag=lag, rss_mb=300.0 + step, wall_s=1.2)

@@ -47,6 +47,7 @@ from orchestrator.pipeline.outputs import (
     step_metrics,
 )
 from orchestrator.pipeline.readback import Readback
+from orchestrator.pipeline.rows import RolloutRow
 from orchestrator.pipeline.step import StepBuilder, StepResult
 from orchestrator.pipeline.unacked import UnackedSteps
 from orchestrator.scheduling.groups import Group
@@ -324,7 +325,7 @@ class Orchestrator:
             log.warning("step %d: not dumped: its columns cannot be read back: %s", manifest.step, e)
             return shown, None
 
-    def _finish_step(self, step: int, rows: list[dict[str, Any]], phase: dict[str, float], lag: LagStats,
+    def _finish_step(self, step: int, rows: list[RolloutRow], phase: dict[str, float], lag: LagStats,
                      t0: float, extra: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
         """Blocking (a worker thread): collect garbage, return memory to the OS, then the step's metrics
         (pandas), rollouts.jsonl, the metrics sinks (metrics.jsonl, W&B) and the state file."""
@@ -342,7 +343,7 @@ class Orchestrator:
         metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
         return metrics
 
-    def _write_rows(self, step: int, rows: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
+    def _write_rows(self, step: int, rows: list[RolloutRow], metrics: dict[str, Any]) -> None:
         """A step regenerated after a resume that the trainer already had (not sent) keeps the rows written
         when it was trained; one sent again gets the new rows (outdir.py)."""
         held = self.held.pop(step, None)
@@ -356,7 +357,7 @@ class Orchestrator:
             for line in old_metrics:
                 self.sinks.log(orjson.loads(line), step=step)
         else:
-            self.outputs.write_rows([{**r, "regenerated": True} for r in rows])
+            self.outputs.write_rows([msgspec.structs.replace(r, regenerated=True) for r in rows])
             self.sinks.log({**metrics, "regenerated": True}, step=step)
 
 

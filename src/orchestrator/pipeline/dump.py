@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +33,7 @@ import msgpack
 import orjson
 
 from orchestrator.errors import WireError
+from orchestrator.pipeline.rows import RolloutRow
 from orchestrator.transport.filesystem import read_frame_file, write_frame_file
 from orchestrator.transport.wire import Batch, decode, encode
 from orchestrator.worker.protocol import RolloutRecord, header_from_dict, header_to_dict
@@ -85,7 +86,7 @@ class StepDump:
     step: int
     groups: list[ReplayGroup]
     batch_frames: list[memoryview]
-    rows: list[dict[str, Any]]
+    rows: list[dict[str, Any]]  # the JSON objects of its rollouts.jsonl, as read (written from RolloutRow.as_dict)
     meta: dict[str, Any]
     config_toml: str | None
 
@@ -119,7 +120,7 @@ def dump_path(output_dir: Path, step: int) -> Path:
     return output_dir / "dumps" / f"step_{step:06d}"
 
 
-def write_dump(final: Path, step: int, groups: Sequence[GroupLike], batch: Batch, rows: Sequence[Mapping[str, Any]],
+def write_dump(final: Path, step: int, groups: Sequence[GroupLike], batch: Batch, rows: Sequence[RolloutRow],
                *, run: str, vocab_size: int | None = None, config_toml: str | None = None) -> DumpInfo:
     """Blocking (call from a worker thread): write the dump directory ``final`` atomically (an existing one
     is replaced); log and return its size."""
@@ -136,7 +137,7 @@ def write_dump(final: Path, step: int, groups: Sequence[GroupLike], batch: Batch
     record_frames = [msgpack.packb(index, use_bin_type=True), *(f for g in groups for r in g.records for f in r.frames)]
     sizes = {"records": write_frames(tmp / "records.frames", record_frames),
              "batch": write_frames(tmp / "batch.frames", encode(batch))}
-    (tmp / "rollouts.jsonl").write_bytes(b"".join(orjson.dumps(r, option=_ROW_OPTS) for r in rows))
+    (tmp / "rollouts.jsonl").write_bytes(b"".join(orjson.dumps(r.as_dict(), option=_ROW_OPTS) for r in rows))
     if config_toml is not None:
         (tmp / "config.toml").write_text(config_toml)
     sizes["rows"] = (tmp / "rollouts.jsonl").stat().st_size

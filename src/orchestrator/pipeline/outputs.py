@@ -1,10 +1,10 @@
 """What each step leaves behind: ``rollouts.jsonl``, ``metrics.jsonl`` and one INFO log line.
 
-A rollout row is a flat dict (env, task, group, reward, advantage, filters, filtered, error, lengths,
-timing...; never big arrays). ``step_metrics`` aggregates a step's rows with pandas into the metrics row;
-``StepOutputs`` appends rows (and, for scripts, metrics) with one write per file; the orchestrator sends
-metrics through its sinks (orchestrator.sinks: metrics.jsonl, W&B). Both run in a worker thread, never on the
-event loop; orjson serialises (numpy scalars included).
+A rollout row is a ``RolloutRow`` (pipeline/rows.py: env, task, group, reward, advantage, filters, filtered,
+error, lengths, timing...; never big arrays), written as its ``as_dict()``. ``step_metrics`` aggregates a step's
+rows with pandas into the metrics row; ``StepOutputs`` appends rows (and, for scripts, metrics) with one write per
+file; the orchestrator sends metrics through its sinks (orchestrator.sinks: metrics.jsonl, W&B). Both run in a
+worker thread, never on the event loop; orjson serialises (numpy scalars included).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import orjson
 import pandas as pd
 
 from orchestrator.lagmon import LagStats
+from orchestrator.pipeline.rows import RolloutRow
 from orchestrator.sinks.jsonl import JsonlSink, append_bytes
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ _OPTS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
 
 def step_metrics(
     step: int,
-    rows: Sequence[Mapping[str, Any]],
+    rows: Sequence[RolloutRow],
     *,
     phase_s: Mapping[str, float],
     lag: LagStats,
@@ -35,12 +36,13 @@ def step_metrics(
     wall_s: float,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The metrics row of one step, aggregated over its rollout rows (each has env, reward, ok, filtered,
-    tokens and off_policy keys, and ``dropped`` for rows of dropped groups). ``rollouts`` and ``failed`` count
-    every row; rewards, ``filtered``, ``off_policy`` and ``tokens`` only the groups the step took."""
-    df = pd.DataFrame.from_records(list(rows), columns=["env", "reward", "ok", "filtered", "tokens", "off_policy",
-                                                        "dropped"])
-    dropped = df["dropped"].astype("boolean").fillna(False).astype(bool)
+    """The metrics row of one step, aggregated over its rollout rows (``dropped``: rows of dropped groups).
+    ``rollouts`` and ``failed`` count every row; rewards, ``filtered``, ``off_policy`` and ``tokens`` only the
+    groups the step took."""
+    df = pd.DataFrame.from_records([(r.env, r.reward, r.ok, r.filtered, r.tokens, r.off_policy, r.dropped)
+                                    for r in rows],
+                                   columns=["env", "reward", "ok", "filtered", "tokens", "off_policy", "dropped"])
+    dropped = df["dropped"].astype(bool)
     kept = df[~dropped]
     ok = kept[kept["ok"].astype(bool)] if len(kept) else kept
     trained = ok[~ok["filtered"].astype(bool)] if len(ok) else ok
@@ -113,9 +115,9 @@ class StepOutputs:
         self.metrics = JsonlSink(output_dir)
         self.metrics_path = self.metrics.path()
 
-    def write_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+    def write_rows(self, rows: Sequence[RolloutRow]) -> None:
         """Blocking: call from a worker thread. One write per step."""
-        append_bytes(self.rollouts_path, b"".join(orjson.dumps(r, option=_OPTS) for r in rows))
+        append_bytes(self.rollouts_path, b"".join(orjson.dumps(r.as_dict(), option=_OPTS) for r in rows))
 
     def write_lines(self, rollouts: Sequence[bytes]) -> None:
         """Blocking: append ``rollouts.jsonl`` lines as they are (a step's rows written before a resume)."""
@@ -125,7 +127,7 @@ class StepOutputs:
         """Blocking: an evaluation round's rollouts."""
         append_bytes(self.eval_rollouts_path, b"".join(orjson.dumps(r, option=_OPTS) for r in rollouts))
 
-    def write(self, rows: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any]) -> None:
+    def write(self, rows: Sequence[RolloutRow], metrics: Mapping[str, Any]) -> None:
         """Blocking: call from a worker thread. One write per file per step."""
         self.write_rows(rows)
         self.metrics.log(metrics, step=int(metrics["step"]))

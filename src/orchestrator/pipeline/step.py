@@ -26,6 +26,7 @@ from orchestrator.config import JobConfig
 from orchestrator.dataplane.manifest import StepManifest, build_manifest
 from orchestrator.pipeline.advantage import AdvantageFn
 from orchestrator.pipeline.filters import FilterSet
+from orchestrator.pipeline.rows import RolloutRow, dropped_rows
 from orchestrator.scheduling.groups import lose_columns
 from orchestrator.transport.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
 from orchestrator.worker.protocol import PoolInfo, RolloutRecord
@@ -38,7 +39,7 @@ B = TypeVar("B", Batch, StepManifest)
 @dataclass
 class StepResult(Generic[B]):
     batch: B  # what the sender sends: a Batch, or (direct) a StepManifest
-    rows: list[dict[str, Any]]
+    rows: list[RolloutRow]
     phase_s: dict[str, float]
     filter_counts: dict[str, dict[str, int]]
     untrained: list[RolloutRecord] = field(default_factory=list)  # survivors left out: never read
@@ -94,7 +95,7 @@ class StepBuilder:
         return self._result(manifest, rows, phase, groups, trained)
 
     def _rows(self, step: int, groups: Sequence[Any], dropped: Sequence[Any], filters: FilterSet | None = None
-              ) -> tuple[list[dict[str, Any]], list[tuple[RolloutRecord, float]], dict[str, float]]:
+              ) -> tuple[list[RolloutRow], list[tuple[RolloutRecord, float]], dict[str, float]]:
         phase: dict[str, float] = {}
         t = time.perf_counter()
         advantages = self.advantages(groups)
@@ -106,7 +107,7 @@ class StepBuilder:
         phase["filter"] = time.perf_counter() - t
         return rows, trained, phase
 
-    def _result(self, batch: B, rows: list[dict[str, Any]], phase: dict[str, float], groups: Sequence[Any],
+    def _result(self, batch: B, rows: list[RolloutRow], phase: dict[str, float], groups: Sequence[Any],
                 trained: list[tuple[RolloutRecord, float]]) -> StepResult[B]:
         kept = {id(rec) for rec, _ in trained}
         untrained = [r for g in groups for r in g.survivors if id(r) not in kept]
@@ -125,18 +126,18 @@ class StepBuilder:
         return out
 
     def filter(self, step: int, groups: Sequence[Any], advantages: Sequence[np.ndarray],
-               filters: FilterSet | None = None) -> tuple[list[dict[str, Any]], list[tuple[RolloutRecord, float]]]:
+               filters: FilterSet | None = None) -> tuple[list[RolloutRow], list[tuple[RolloutRecord, float]]]:
         """Phase ``filter``: every rollout's row (failed ones included) and the (record, advantage) pairs
         to train on. Filter counts accumulate until ``filters.take_counts()``."""
-        rows: list[dict[str, Any]] = []
+        rows: list[RolloutRow] = []
         trained: list[tuple[RolloutRecord, float]] = []
         for g, adv in zip(groups, advantages, strict=True):
-            rows += [failed_row(step, g, r) for r in g.records if not r.ok]
+            rows += [RolloutRow.failed(step, g, r) for r in g.records if not r.ok]
             for rec, a in zip(g.survivors, adv.tolist(), strict=True):
                 verdict = (filters or self.filters)(rec, a)
                 if not verdict.filtered:
                     trained.append((rec, a))
-                rows.append(survivor_row(step, g, rec, a, list(verdict.matched), verdict.filtered))
+                rows.append(RolloutRow.survivor(step, g, rec, a, list(verdict.matched), verdict.filtered))
         return rows, trained
 
     def assemble(self, step: int, trained: Sequence[tuple[RolloutRecord, float]]) -> Batch:
@@ -169,31 +170,3 @@ class StepBuilder:
                 scalars["temperature"].append(self.temperatures.get(rec.env, 1.0))
                 scalars["policy"].append(rec.header.policy_step)
         return Batch.from_columns(self.run, step, chunks, lengths, scalars, self.logprobs_mode)
-
-
-def failed_row(step: int, g: Any, r: RolloutRecord, dropped: bool = False) -> dict[str, Any]:
-    """The row of a failed rollout of group ``g``: why it failed (``failure``, ``error``), no reward."""
-    h = r.header
-    return {"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": r.rid, "reward": 0.0,
-            "advantage": None, "ok": False, "filters": [], "filtered": False, "dropped": dropped,
-            "failure": h.failure, "error": h.error, "tokens": 0, "policy": g.policy, "off_policy": step - g.policy,
-            "stop": h.stop, "wall_s": h.wall_s, "worker": h.worker}
-
-
-def survivor_row(step: int, g: Any, rec: RolloutRecord, advantage: float | None, filters: list[str],
-                 filtered: bool, dropped: bool = False) -> dict[str, Any]:
-    """The row of a rollout that came back with a reward (``advantage`` None: its group was dropped)."""
-    h = rec.header
-    return {"step": step, "env": g.env, "task": g.task, "group": g.gid, "rollout": h.rid, "reward": rec.reward,
-            "advantage": advantage, "ok": True, "filters": filters, "filtered": filtered, "dropped": dropped,
-            "failure": None, "error": None, "tokens": h.tokens, "samples": len(h.samples), "turns": h.turns,
-            "policy": g.policy, "off_policy": step - g.policy, "metrics": h.metrics, "stop": h.stop,
-            "wall_s": h.wall_s, "worker": h.worker}
-
-
-def dropped_rows(step: int, groups: Sequence[Any]) -> list[dict[str, Any]]:
-    """Rows of dropped groups (all failed, or group scoring with a failure), ``"dropped": true``: nothing of
-    them trains, their failures say why."""
-    return [failed_row(step, g, r, dropped=True) if not r.ok
-            else survivor_row(step, g, r, None, [], filtered=False, dropped=True)
-            for g in groups for r in g.records]

@@ -30,15 +30,19 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from orchestrator.dataplane.manifest import MAX_ATTEMPTS, StepManifest
 from orchestrator.errors import TransportError
+from orchestrator.pipeline.rows import RolloutRow
 from orchestrator.worker.protocol import PoolInfo, RolloutRecord
 
 if TYPE_CHECKING:
     from orchestrator.pipeline.step import StepBuilder
     from orchestrator.scheduling.groups import Group
     from orchestrator.scheduling.scheduler import Scheduler
-    from orchestrator.transport.zmq_link import BatchSender, LostStep
+    from orchestrator.transport.reports import LostStep
+    from orchestrator.transport.zmq_link import BatchSender
     from orchestrator.worker.hub import WorkerHub
 
 log = logging.getLogger(__name__)
@@ -58,7 +62,7 @@ class UnackedSteps:
     ``write_rows(rows)`` appends to rollouts.jsonl (blocking: called through ``off_loop``)."""
 
     def __init__(self, builder: StepBuilder, hub: WorkerHub, sender: BatchSender,
-                 off_loop: Callable[..., Awaitable[Any]], write_rows: Callable[[list[dict[str, Any]]], None]) -> None:
+                 off_loop: Callable[..., Awaitable[Any]], write_rows: Callable[[list[RolloutRow]], None]) -> None:
         self.builder, self.hub, self.sender = builder, hub, sender
         self.off_loop, self.write_rows = off_loop, write_rows
         self.steps: dict[int, SentStep] = {}
@@ -135,8 +139,8 @@ class UnackedSteps:
         self.hub.release(result.untrained)
         new_gids = {g.gid for g in [*added, *dropped]}
         gone_rids = {r.rid for r in gone}
-        rows = [{**row, "attempt": attempt} for row in result.rows
-                if row["group"] in new_gids or row["rollout"] in gone_rids]
+        rows = [msgspec.structs.replace(row, attempt=attempt) for row in result.rows
+                if row.group in new_gids or row.rollout in gone_rids]
         await self.off_loop(self.write_rows, rows)
         if step not in self.steps:  # acknowledged meanwhile: impossible for a trainer waiting on it, but cheap
             self.hub.release(result.trained)

@@ -5,7 +5,8 @@ version the servers had when it opened). It completes when every rollout has com
 ``expire(now, policy)`` says which in-flight groups must end now: too far off-policy
 (``max_off_policy_steps``) or running longer than ``group_timeout_s``; their missing rollouts fail with
 ``stale`` / ``group_timeout`` (the caller cancels them at the workers). Counts per outcome accumulate in
-``counts`` (``completed``, ``failed:<kind>``, ``late``, ``cancelled``) until the caller takes them.
+``counts`` (``completed``, ``late``, ``cancelled``) and ``failed`` (by ``Failure`` kind) until the caller takes
+them (``take_counts``: ``failed:<kind>`` keys, as metrics name them).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def failure_summary(records: list[RolloutRecord]) -> str:
     """Why the failed ``records`` failed, in a clause: each kind and its count, most common first, and the
     first error of that kind, e.g. ``stale x4 (sampled with policy 3, now 6)``."""
     failed = [r.header for r in records if not r.ok]
-    kinds = Counter(str(h.failure or Failure.ENV) for h in failed).most_common()
+    kinds = Counter(h.failure or Failure.ENV for h in failed).most_common()
     if not kinds:
         return "none failed"
-    first = next((h.error for h in failed if str(h.failure or Failure.ENV) == kinds[0][0] and h.error), None)
+    first = next((h.error for h in failed if (h.failure or Failure.ENV) == kinds[0][0] and h.error), None)
     text = ", ".join(f"{kind} x{n}" for kind, n in kinds)
     return text if first is None else f"{text} ({first[:200]})"
 
@@ -96,6 +97,7 @@ class GroupTracker:
         self.inflight: dict[str, Group] = {}
         self.by_rid: dict[str, Group] = {}
         self.counts: Counter[str] = Counter()
+        self.failed: Counter[Failure] = Counter()  # a rollout without a kind counts as env_error
 
     @property
     def inflight_rollouts(self) -> int:
@@ -118,7 +120,10 @@ class GroupTracker:
         h.env, h.task, h.policy_step = group.env, group.task, group.policy  # ours, whatever the worker said
         group.missing.discard(h.rid)
         group.records.append(record)
-        self.counts["completed" if record.ok else f"failed:{h.failure or Failure.ENV}"] += 1
+        if record.ok:
+            self.counts["completed"] += 1
+        else:
+            self.failed[h.failure or Failure.ENV] += 1
         if group.missing:
             return group, False
         del self.inflight[group.gid]
@@ -142,6 +147,8 @@ class GroupTracker:
         return out
 
     def take_counts(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.counts)
+        """The counts since the last call, as metrics.jsonl names them: failures as ``failed:<kind>``."""
+        out: dict[str, Any] = {**self.counts, **{f"failed:{kind}": n for kind, n in self.failed.items()}}
         self.counts.clear()
+        self.failed.clear()
         return out

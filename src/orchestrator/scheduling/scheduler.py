@@ -535,7 +535,7 @@ class Scheduler:
         else:
             out = self.pool.out_of_rotation()
             cause = "rollouts" + (f" (servers out of rotation: {out})" if out else "")
-        failed = {k.removeprefix("failed:"): v for k, v in self.tracker.counts.items() if k.startswith("failed:")}
+        failed = {str(kind): n for kind, n in self.tracker.failed.items()}  # str: the log shows the kind's value
         log.warning("step %d has %d of %d after %.0f s without progress: waits for %s; %d rollouts in flight, %d "
                     "stale discarded, %d groups dropped, %d rejected by gates (%d of %d allowed), failures %s", step,
                     count, target, waited_s, cause, self.inflight_rollouts, self.counts["stale_rollouts"],

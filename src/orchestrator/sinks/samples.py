@@ -8,9 +8,11 @@ thread. A tokenizer without ``tokenizer.json`` shows token ids instead.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from orchestrator.pipeline.rows import RolloutRow
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class SampleTable:
         text: str = self._tokenizer.decode(list(ids), skip_special_tokens=False)
         return text[:MAX_CHARS]
 
-    def rows(self, rows: Sequence[Mapping[str, Any]], groups: Sequence[Any], limit: int) -> list[dict[str, Any]]:
+    def rows(self, rows: Sequence[RolloutRow], groups: Sequence[Any], limit: int) -> list[dict[str, Any]]:
         """Up to ``limit`` rollouts, the first successful one of each of the step's groups in order: scalars
         from its row, and its first sample's ``prompt`` (the tokens before the first sampled one) and
         ``completion`` (the rest: every turn, the environment's replies included)."""
@@ -46,16 +48,17 @@ class SampleTable:
         out: list[dict[str, Any]] = []
         seen: set[str] = set()
         for row in rows:
-            rec = records.get(row["rollout"])
-            if rec is None or row["group"] in seen or not rec.header.samples or rec.header.span is not None:
+            rec = records.get(row.rollout)
+            if rec is None or row.group in seen or not rec.header.samples or rec.header.span is not None:
                 continue  # (a span: direct mode, and its columns could not be read back)
-            seen.add(row["group"])
+            seen.add(row.group)
             n = rec.header.samples[0][0]
             ids, mask = rec.column("token_ids")[:n], rec.column("loss_mask")[:n]
             first = int(mask.argmax()) if mask.any() else n
-            out.append({"step": row["step"], "env": row["env"], "task": row["task"], "rollout": row["rollout"],
-                        "reward": row["reward"], "advantage": row["advantage"], "turns": row.get("turns", 0),
-                        "stop": row.get("stop"), "prompt": self.decode(ids[:first].tolist()),
+            turns = row.turns if isinstance(row.turns, int) else 0  # (UNSET only in a failed rollout's row)
+            out.append({"step": row.step, "env": row.env, "task": row.task, "rollout": row.rollout,
+                        "reward": row.reward, "advantage": row.advantage, "turns": turns,
+                        "stop": row.stop, "prompt": self.decode(ids[:first].tolist()),
                         "completion": self.decode(ids[first:].tolist())})
             if len(out) >= limit:
                 break

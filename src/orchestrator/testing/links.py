@@ -2,7 +2,7 @@
 
 ``raw_link(address)`` binds a ROUTER at ``address`` and a PULL on its trainer channel, as ``BatchSender`` does,
 and yields a ``RawLink``: ``send(peer, frames)`` routes one message to the receiver whose ``id`` is ``peer``
-(waiting, up to a hang guard, until its DEALER has connected), ``reports()`` reads what receivers sent back.
+(waiting, up to a hang guard, until its DEALER has connected), ``report()`` reads what receivers sent back.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import zmq
 
+from orchestrator.transport.reports import TrainerReport, decode_report
 from orchestrator.transport.zmq_link import ckpt_address
 
 CONNECT_TIMEOUT_S = 30.0  # a hang guard: a local receiver connects in milliseconds
@@ -41,11 +41,11 @@ class RawLink:
                 assert time.monotonic() < deadline, f"receiver {peer} did not connect to {self.address}"
                 time.sleep(0.005)
 
-    def report(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        """The next message a receiver sent back (AssertionError after ``timeout_s``)."""
+    def report(self, timeout_s: float = 5.0) -> TrainerReport:
+        """The next message a receiver sent back, decoded as the orchestrator does (AssertionError after
+        ``timeout_s``; WireError for one the orchestrator would ignore)."""
         assert self.pull.poll(int(timeout_s * 1000)), f"no message from a receiver within {timeout_s} s"
-        msg: dict[str, Any] = msgpack.unpackb(self.pull.recv())
-        return msg
+        return decode_report(self.pull.recv())
 
 
 @contextlib.contextmanager

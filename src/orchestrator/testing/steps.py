@@ -4,15 +4,20 @@
 ``tokens`` tokens over ``turns`` turns (half prompt, half sampled per turn), routed experts ``layers`` x
 ``top_k`` (none when either is 0), binary rewards, and the same header fields and column frames as
 ``worker.process.episode_record``. Seeded: the same arguments give the same bytes. Used by tests and by
-``scripts/perf`` (synthetic dumps, replay, bench_step).
+``scripts/perf`` (synthetic dumps, replay, bench_step). ``rollout_row`` makes a rollout's row with only the
+fields a test of a row's reader cares about.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
 import numpy as np
 
 from orchestrator.config import EnvConfig, InferenceConfig, JobConfig, RunConfig, SchedulerConfig
 from orchestrator.pipeline.dump import ReplayGroup
+from orchestrator.pipeline.rows import RolloutRow
 from orchestrator.worker.protocol import RolloutHeader, RolloutRecord
 
 ENVS = ("synth-a", "synth-b")
@@ -60,3 +65,11 @@ def synthetic_groups(rollouts: int, turns: int, tokens: int, layers: int, top_k:
                          for i in range(size)]
         groups.append(group)
     return groups
+
+
+def rollout_row(**fields: Any) -> RolloutRow:
+    """A successful rollout's row of step 0, with ``fields`` (any of ``RolloutRow``'s) instead of the defaults."""
+    row = RolloutRow(step=0, env=ENVS[0], task=0, group="g0", rollout="g0-0", reward=0.0, advantage=0.0, ok=True,
+                     filters=[], filtered=False, dropped=False, failure=None, error=None, tokens=0, policy=0,
+                     off_policy=0, stop=None, wall_s=0.0, worker="synthetic")
+    return msgspec.structs.replace(row, **fields)

@@ -40,7 +40,7 @@ step <= N; -1 for none), with ``"hello": true`` when a receiver starts, and ``"c
 (the newest weights it announced or resumed from) when it has one. Orchestrator -> trainer: batches
 (``wire.encode``), and control messages ``[b"ctl", msgpack map]``: ``{"ctl": "refused", "why": ...}``,
 ``{"ctl": "checkpoint", "min": N}``, ``{"ctl": "ping"}``, ``{"ctl": "pool", "worker", "id", "size", "host",
-"path"}``. See docs/wire-format.md.
+"path"}``. See docs/wire-format.md; transport/reports.py decodes the trainer's messages.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ import errno
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +60,10 @@ import zmq.asyncio
 
 from orchestrator import ipc
 from orchestrator.dataplane.manifest import StepManifest, encode_manifest
-from orchestrator.errors import TransportError
+from orchestrator.errors import TransportError, WireError
 from orchestrator.security import ServerKeys, curve_server
 from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, marker_announcements
+from orchestrator.transport.reports import LostStep, TrainerReport, decode_report
 from orchestrator.transport.seat import Peer, TrainerSeat, Verdict
 from orchestrator.transport.sender import Sender, stop_tasks
 from orchestrator.transport.shm import ShmPool, pool_socket_path, serve_pool
@@ -121,49 +121,6 @@ async def push_polling(sock: zmq.asyncio.Socket, frames: Sequence[Any], what: st
             if time.monotonic() - last >= warn_s:
                 last = time.monotonic()
                 log.warning("no trainer takes %s at %s (%.0f s so far); waiting", what, address, last - t0)
-
-
-@dataclass(frozen=True)
-class LostStep:
-    """A trainer could not map some pools of ``step`` as sent in ``attempt`` (direct mode): their ids."""
-
-    step: int
-    attempt: int
-    pools: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Report:
-    """One message from a trainer, decoded."""
-
-    have: int | None
-    checkpoint: Checkpoint | None
-    peer: bytes | None  # its id (None: a sender that does not name itself, e.g. an announcer of checkpoints)
-    name: str
-    hello: bool
-    lost: LostStep | None = None
-
-    @classmethod
-    def parse(cls, raw: bytes) -> Report:
-        """ValueError, KeyError, TypeError, ... (the caller logs and ignores) for anything malformed."""
-        msg = msgpack.unpackb(raw, raw=False)
-        ckpt = msg.get("checkpoint")
-        checkpoint = None if ckpt is None else Checkpoint(int(ckpt), _path(msg.get("path")))
-        have = None if msg.get("have") is None else int(msg["have"])
-        if checkpoint is None and have is None:
-            raise KeyError("neither 'have' nor 'checkpoint'")
-        peer = msg.get("id")
-        if peer is not None and (not isinstance(peer, str) or not 0 < len(peer) <= 64 or not peer.isascii()):
-            raise TypeError(f"id must be a short ASCII string, got {peer!r}")
-        name = msg.get("name", peer)
-        lost = None
-        if msg.get("lost") is not None:
-            pools = msg.get("pools")
-            if not isinstance(pools, list) or len(pools) > 4096 or not all(isinstance(p, str) for p in pools):
-                raise TypeError(f"pools of a lost step must be a list of pool ids, got {pools!r}")
-            lost = LostStep(int(msg["lost"]), int(msg.get("attempt", 0)), tuple(pools))
-        return cls(have, checkpoint, None if peer is None else peer.encode(), str(name)[:200], bool(msg.get("hello")),
-                   lost)
 
 
 class BatchSender(Sender[list[Any]]):
@@ -421,40 +378,41 @@ class BatchSender(Sender[list[Any]]):
         while True:
             raw = await self.pull.recv()
             try:
-                report = Report.parse(raw)
-            except (ValueError, KeyError, TypeError, AttributeError, OverflowError, msgpack.UnpackException) as e:
+                report = decode_report(raw)
+            except WireError as e:
                 log.warning("ignored a malformed message from the trainer (%d bytes): %s", len(raw), e)
                 continue
             self._heard(report)
 
-    def _heard(self, r: Report) -> None:
+    def _heard(self, r: TrainerReport) -> None:
         if r.peer is None:  # no id: it cannot receive batches (an older receiver, or an announcer only)
-            if r.checkpoint is not None:
-                self._checkpoints.offer(r.checkpoint)
+            if r.announced is not None:
+                self._checkpoints.offer(r.announced)
             if r.have is not None and not self._told_anonymous:
                 self._told_anonymous = True
                 log.warning("a trainer that does not send an id reports step %d at %s; it cannot receive batches "
                             "from this orchestrator: update its orchestrator.transport", r.have, self.address)
             return
-        verdict = self.seat.hear(r.peer, r.name, time.monotonic(), lambda: self._holder_connected())
+        verdict = self.seat.hear(r.peer, r.who, time.monotonic(), lambda: self._holder_connected())
         if verdict in (Verdict.REFUSED, Verdict.IGNORED):
             why = self.seat.refused[r.peer]
             if verdict is Verdict.REFUSED:
-                log.warning("refused trainer %s at %s: %s", r.name, self.address, why)
+                log.warning("refused trainer %s at %s: %s", r.who, self.address, why)
             self._tell(r.peer, {"ctl": "refused", "why": why})  # again to an ignored one: it may have missed it
             return
         if verdict is Verdict.WAIT:
             return
         if verdict is Verdict.ADMITTED and not self._admit(r):
             return
-        if r.checkpoint is not None:  # repeats are harmless: the feed keeps only newer ones
-            self._checkpoints.offer(r.checkpoint)
+        if r.announced is not None:  # repeats are harmless: the feed keeps only newer ones
+            self._checkpoints.offer(r.announced)
         if r.have is not None:
             done = self.window.acknowledge(r.have)
             if done:
                 self.on_ack(done[-1])
-        if r.lost is not None and r.lost.step in self.window.unacked:
-            self._lost = r.lost
+        lost = r.lost_step
+        if lost is not None and lost.step in self.window.unacked:
+            self._lost = lost
             self._lost_news.set()
         self._notify()
 
@@ -462,7 +420,7 @@ class BatchSender(Sender[list[Any]]):
         holder = self.seat.holder
         return holder is not None and self._tell(holder.id, {"ctl": "ping"})
 
-    def _admit(self, r: Report) -> bool:
+    def _admit(self, r: TrainerReport) -> bool:
         """``r``'s trainer took the seat: it gets every kept step after what it holds, or is refused when it
         lacks steps that are gone. Whether it stays."""
         have = -1 if r.have is None else r.have
@@ -471,7 +429,7 @@ class BatchSender(Sender[list[Any]]):
             why = (f"it holds steps up to {have}, but steps {_span(gone)} were acknowledged before (by this "
                    f"trainer or the one before it) and are no longer kept (transport.keep_acked = {self.window.keep}); "
                    f"restart it from a checkpoint of step {gone[-1]} or later")
-            log.error("refused trainer %s at %s: %s", r.name, self.address, why)
+            log.error("refused trainer %s at %s: %s", r.who, self.address, why)
             self.seat.refuse(r.peer or b"", why)
             self._tell(r.peer or b"", {"ctl": "refused", "why": why})
             self._notify()
@@ -480,7 +438,7 @@ class BatchSender(Sender[list[Any]]):
         for msg in self.pools.values():  # before any step: it maps the pools they will name
             self._tell(r.peer or b"", msg)
         resend = [s for s in self.window.unacked if s > have]
-        log.info("trainer %s at %s holds steps up to %d%s", r.name, self.address, have,
+        log.info("trainer %s at %s holds steps up to %d%s", r.who, self.address, have,
                  f"; sending it steps {_span(resend)}" if resend else "")
         return True
 
@@ -488,10 +446,3 @@ class BatchSender(Sender[list[Any]]):
 def _span(steps: Sequence[int]) -> str:
     return str(steps[0]) if len(steps) == 1 else f"{steps[0]}..{steps[-1]}"
 
-
-def _path(value: object) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise TypeError(f"path must be a non-empty string, got {value!r}")
-    return value
