@@ -1,17 +1,18 @@
-"""Shared by replay_step.py, bench_step.py and synth_step.py: one step through the real step-boundary
-pipeline, phase by phase, on a loop whose lag is sampled every millisecond, with synthetic background traffic.
+"""Shared by replay_step.py, bench_step.py and synth_step.py: one step through the orchestrator's own step
+pipeline (``orchestrator.pipeline.phases.StepPipeline``, the object ``app.Orchestrator`` runs every step), phase
+by phase, on a loop whose lag is sampled every millisecond, with synthetic background traffic. ``StepRunner``
+is the pipeline's host here, as the orchestrator is in a run:
 
-Phases, in the order ``app.Orchestrator._step`` runs them:
-
-- ``advantage``, ``filter``, ``assemble``: StepBuilder's phases (one worker thread in the orchestrator)
-- ``send``: ``BatchSender.send`` (encode + ZMQ PUSH over ipc://, on the loop as in the orchestrator), until a
-  real ``BatchReceiver`` in a child process (the trainer's side) has decoded the batch
+- ``advantage``, ``filter``, ``assemble``: StepBuilder's phases (a worker thread each)
+- ``send``: ``BatchSender.send`` (encode + ZMQ over ipc://, on the loop as in the orchestrator), until a real
+  ``BatchReceiver`` in a child process (the trainer's side) has decoded the batch
 - ``dump``: ``write_dump`` (a worker thread), only when asked
 - ``gc``, ``metrics``, ``write``: gc.collect + malloc_trim, ``step_metrics`` (pandas), the two JSONL files
-  (the orchestrator's ``_finish_step``, a worker thread)
+  (a worker thread each)
 
-Off the loop (the default) each worker-thread phase runs in ``asyncio.to_thread`` as in the orchestrator;
-``inline`` runs them on the loop (the baseline). A phase's lag samples are those whose sleep overlapped it.
+Off the loop (the default) each blocking phase runs in ``asyncio.to_thread`` as in the orchestrator (its step
+thread); ``inline`` runs them on the loop (the baseline). A phase's lag samples are those whose sleep overlapped
+it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import cProfile
-import functools
-import gc
 import io
 import pstats
 import random
@@ -37,10 +36,11 @@ import numpy as np
 
 from orchestrator.config import JobConfig, load_config, to_toml
 from orchestrator.lagmon import LagMonitor, LagStats
-from orchestrator.memory import malloc_trim, rss_mb
-from orchestrator.pipeline.dump import ReplayGroup, StepDump, load_dump, write_dump
-from orchestrator.pipeline.outputs import StepOutputs, step_metrics
-from orchestrator.pipeline.step import StepBuilder
+from orchestrator.pipeline.dump import DumpInfo, ReplayGroup, StepDump, load_dump, write_dump
+from orchestrator.pipeline.outputs import StepOutputs
+from orchestrator.pipeline.phases import StepPipeline
+from orchestrator.pipeline.rows import RolloutRow
+from orchestrator.pipeline.step import StepBuilder, StepResult
 from orchestrator.procs import terminate
 from orchestrator.testing.steps import synthetic_config, synthetic_groups
 from orchestrator.transport import BatchSender, encode
@@ -264,7 +264,7 @@ class StepRunner:
 
     inp: StepInput
     workdir: Path
-    lag: TimelineLag
+    timeline: TimelineLag
     sender: BatchSender
     received: asyncio.Queue[int]
     profile: str | None = None
@@ -274,66 +274,72 @@ class StepRunner:
     dump_mb: float = 0.0
     runs: int = 0
 
+    _run: int = 0
+    _inline: bool = False
+    _t0: float = 0.0
+
     async def step(self, step: int, *, inline: bool = False, dump: bool = False) -> list[PhaseSpan]:
-        """One step through every phase; returns its spans (also kept in ``spans``)."""
-        run = self.runs
+        """One step through every phase (the orchestrator's ``StepPipeline``, with this runner as its host);
+        returns its spans (also kept in ``spans``)."""
+        self._run, self._inline = self.runs, inline
         self.runs += 1
         first = len(self.spans)
-        b = StepBuilder(self.inp.cfg, self.inp.vocab_size)
-        groups = self.inp.groups
-        t0 = time.perf_counter()
-        advs = await self._phase("advantage", run, inline, lambda: b.advantages(groups))
-        rows, trained = await self._phase("filter", run, inline, lambda: b.filter(step, groups, advs))
-        batch = await self._phase("assemble", run, inline, functools.partial(b.assemble, step, trained))
-        await self._send_phase(run, batch)
-        if self.inp.dump is not None and step == self.inp.step and self.batch_matches_dump is None:
-            frames = encode(batch)
-            self.batch_matches_dump = await asyncio.to_thread(_frames_equal, frames, self.inp.dump.batch_frames)
-        if dump:
-            target = self.workdir / "dumps" / f"step_{step:06d}"
-            write = functools.partial(write_dump, target, step, groups, batch, rows, run=self.inp.cfg.run.name,
-                                      vocab_size=self.inp.vocab_size)
-            info = await self._phase("dump", run, inline, write)
-            del write
-            self.dump_mb = info.nbytes / 2**20
-        samples = batch.num_samples
-        del batch, trained  # the batch's memory goes before the gc phase, as in the orchestrator
-        await self._phase("gc", run, inline, _collect)
-        spans = self.spans[first:]
-        phase_s = {s.name: s.wall_s for s in spans}
-        stats = _lag_stats(self.lag.window([(t0, time.perf_counter())]))
-        outputs = StepOutputs(self.workdir)
-        extra = {"samples": samples, "filters": b.filters.take_counts()}
-        metrics = await self._phase("metrics", run, inline, lambda: step_metrics(
-            step, rows, phase_s=phase_s, lag=stats, rss_mb=rss_mb(), wall_s=time.perf_counter() - t0, extra=extra))
-        await self._phase("write", run, inline, lambda: outputs.write(rows, metrics))
+        pipeline = StepPipeline(StepBuilder(self.inp.cfg, self.inp.vocab_size), self)
+        await pipeline.run(step, self._take, dump_to=self.workdir / "dumps" / f"step_{step:06d}" if dump else None)
         if dump:
             await asyncio.to_thread(_remove_tree, self.workdir / "dumps")
         return self.spans[first:]
 
-    async def _phase(self, name: str, run: int, inline: bool, fn: Callable[[], T]) -> T:
+    # ------------------------------------------------------------- the step pipeline's host (pipeline/phases.py)
+
+    async def _take(self, step: int) -> tuple[Sequence[Any], Sequence[Any]]:
+        self._t0 = time.perf_counter()
+        return self.inp.groups, ()
+
+    async def phase(self, name: str, fn: Callable[[], T]) -> T:
+        """A blocking phase in a worker thread (``inline``: on the loop), profiled when asked, then SETTLE_S."""
         work = self._profiled(name, fn)
         start = time.perf_counter()
-        result = work() if inline else await asyncio.to_thread(work)
-        self.spans.append(PhaseSpan(name, start, time.perf_counter(), run))
+        result = work() if self._inline else await asyncio.to_thread(work)
+        self.spans.append(PhaseSpan(name, start, time.perf_counter(), self._run))
+        if isinstance(result, DumpInfo):
+            self.dump_mb = result.nbytes / 2**20
         await asyncio.sleep(SETTLE_S)
         return result
 
-    async def _send_phase(self, run: int, batch: Batch) -> None:
+    async def send(self, batch: Batch) -> bool:
+        """``BatchSender.send``, until the receiver process has decoded the batch."""
         prof = self._profiler("send")
         start = time.perf_counter()
         if prof is not None:
             prof.enable()
         try:
-            await self.sender.send(batch)
+            sent = await self.sender.send(batch)
             got = await asyncio.wait_for(self.received.get(), 120)
         finally:
             if prof is not None:
                 prof.disable()
         if got != batch.step:
             raise RuntimeError(f"the receiver got step {got}, sent {batch.step}")
-        self.spans.append(PhaseSpan("send", start, time.perf_counter(), run))
+        self.spans.append(PhaseSpan("send", start, time.perf_counter(), self._run))
         await asyncio.sleep(SETTLE_S)
+        if self.inp.dump is not None and batch.step == self.inp.step and self.batch_matches_dump is None:
+            frames = encode(batch)  # outside every phase: not what the orchestrator runs
+            self.batch_matches_dump = await asyncio.to_thread(_frames_equal, frames, self.inp.dump.batch_frames)
+        return sent
+
+    def sent(self, step: int, result: StepResult[Any], sent: bool) -> dict[str, Any]:
+        return {"samples": result.num_samples, "filters": result.filter_counts}
+
+    def lag(self) -> LagStats:
+        return _lag_stats(self.timeline.window([(self._t0, time.perf_counter())]))
+
+    async def samples(self, step: int, rows: list[RolloutRow], shown: Sequence[Any]) -> list[dict[str, Any]]:
+        return []
+
+    def write(self, step: int, rows: list[RolloutRow], metrics: dict[str, Any],
+              samples: list[dict[str, Any]]) -> None:
+        StepOutputs(self.workdir).write(rows, metrics)
 
     def _profiler(self, name: str) -> cProfile.Profile | None:
         if self.profile != name:
@@ -360,11 +366,6 @@ class StepRunner:
             out.write(f"== cProfile of phase {name!r}, top {top} by cumulative time\n")
             pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
         return out.getvalue()
-
-
-def _collect() -> None:
-    gc.collect()
-    malloc_trim()
 
 
 def _remove_tree(path: Path) -> None:

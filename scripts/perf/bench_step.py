@@ -47,7 +47,7 @@ async def bench(args: argparse.Namespace, inp: lib.StepInput) -> dict[str, Any]:
             await runner.step(0)  # warm-up: thread pool, first-touch allocations; not measured
             start = time.perf_counter()
             await asyncio.sleep(args.baseline_s)
-            background = runner.lag.summary([(start, time.perf_counter())])
+            background = runner.timeline.summary([(start, time.perf_counter())])
             step = 1
             off: list[lib.PhaseSpan] = []
             for _ in range(args.repeat):
@@ -55,7 +55,7 @@ async def bench(args: argparse.Namespace, inp: lib.StepInput) -> dict[str, Any]:
                 step += 1
             inline = await runner.step(step, inline=True)
             dumped = await runner.step(step + 1, dump=True)
-        lag = runner.lag
+        lag = runner.timeline
     ours, base, dump = lib.summarize(off, lag), lib.summarize(inline, lag), lib.summarize(dumped, lag)
     dump_phase = dump["phases"]["dump"]
     bg_max, bg_p99 = background["max_lag_ms"], background["p99_lag_ms"]

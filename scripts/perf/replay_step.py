@@ -50,7 +50,7 @@ async def replay(inp: lib.StepInput, args: argparse.Namespace) -> dict[str, Any]
         async with lib.session(inp, Path(tmp), traffic=traffic, profile=args.profile) as runner:
             for k in range(args.repeat):
                 await runner.step(inp.step + k, inline=args.inline, dump=args.dump)
-        spans, lag = runner.spans, runner.lag
+        spans, lag = runner.spans, runner.timeline
     result: dict[str, Any] = lib.summarize(spans, lag)
     result.update({"source": inp.label, "rollouts": inp.rollouts, "tokens": inp.tokens,
                    "mode": "inline" if args.inline else "off_loop", "synthetic_traffic": args.synthetic_traffic,

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,17 +35,16 @@ from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
-from orchestrator.memory import malloc_trim, rss_mb
 from orchestrator.outdir import OutputDir
-from orchestrator.pipeline.dump import dump_due, dump_path, write_dump
+from orchestrator.pipeline.dump import dump_due, dump_path
 from orchestrator.pipeline.filters import TOKEN_FILTERS, token_filter_args
 from orchestrator.pipeline.outputs import (
     StepOutputs,
     eval_rollout_rows,
     format_eval_line,
     format_step_line,
-    step_metrics,
 )
+from orchestrator.pipeline.phases import Built, StepPipeline
 from orchestrator.pipeline.readback import Readback
 from orchestrator.pipeline.rows import RolloutRow
 from orchestrator.pipeline.step import StepBuilder, StepResult
@@ -186,8 +185,9 @@ class Orchestrator:
             # first: it held the loop for ~30 ms in bench_scheduler and found no garbage to free.
             gc.freeze()
             self.lag.reset()
+            steps = OrchestratorSteps(self, sched)
             for step in range(self.state.acked_step + 1, cfg.run.max_steps):
-                await self._step(step, sched)
+                await self._step(step, steps)
             await self._last_evaluation(sched, cfg.run.max_steps - 1)
             await self._flush()
             for task in background:
@@ -260,52 +260,9 @@ class Orchestrator:
                 return
             sched.start_evaluation(due)
 
-    async def _step(self, step: int, sched: Scheduler) -> None:
-        t0 = time.perf_counter()
-        cpu0 = time.process_time()
-        groups = await sched.next_step(step)
-        wait_s = time.perf_counter() - t0
-        result: StepResult[Batch] | StepResult[StepManifest]
-        dump, due = dump_due(self.cfg.pipeline.dump_steps, step), self.sinks.samples_due(step)
-        shown, dumped = groups, None  # the groups the samples table and the dump read columns from; the batch
-        if self.unacked is not None:  # the pools as of now: a rollout in a pool gone since it was taken does not
-            # train
-            pools = self.unacked.pools()
-            result = await self._off_loop(self.builder.build_manifest, step, groups, sched.take_dropped(), pools)
-            self.unacked.sent(step, groups, result.trained)  # before any acknowledgement
-            if dump or due:  # read back now: no span of the step is released before its acknowledgement
-                shown, dumped = await self._off_loop(self._read_back, groups, result.batch, pools, dump)
-        else:
-            result = await self._off_loop(self.builder.build, step, groups, sched.take_dropped())
-            dumped = result.batch
-        self.hub.release(result.untrained)  # direct mode: filtered rollouts' columns are never read
-        t = time.perf_counter()
-        sent = await self.sender.send(result.batch)  # False: a restarted trainer already had this step
-        send_s = time.perf_counter() - t
-        if not sent and self.unacked is not None:  # the trainer had it: nobody reads these columns
-            self.unacked.skipped(step)
-        counts = sched.take_counts()
-        self.state.next_step = step + 1
-        self.state.acked_step = self.sender.acked
-        self.state.policy_step = sched.policy
-        self.state.scheduler = sched.state()
-        phase = {"wait": wait_s, **result.phase_s, "send": send_s}
-        if dump and dumped is not None:  # a worker thread writes it; its size is logged
-            t = time.perf_counter()
-            await self._off_loop(write_dump, dump_path(self.out, step), step, shown, dumped, result.rows,
-                                 run=self.cfg.run.name, vocab_size=self.builder.vocab_size,
-                                 config_toml=to_toml(self.cfg))
-            phase["dump"] = time.perf_counter() - t
-        lag = self.lag.reset()
-        extra = {"samples": result.num_samples, "policy": sched.policy, "sent": sent,
-                 "orch_cpu_ms_per_rollout": round((time.process_time() - cpu0) * 1e3 / max(len(result.rows), 1), 3),
-                 "filters": result.filter_counts, "scheduler": counts, "pool": dict(self.pool.metrics),
-                 "hub": dict(self.hub.metrics)}
-        extra.update(self.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
-        rows = result.rows
-        samples = await self._off_loop(self.samples.rows, rows, shown, self.sinks.samples) if due else []
-        del groups, result, shown, dumped  # the batch's column memory goes now, before the collection below
-        metrics = await self._off_loop(self._finish_step, step, rows, phase, lag, t0, extra, samples)
+    async def _step(self, step: int, steps: OrchestratorSteps) -> None:
+        """One step: its phases are the step pipeline's (pipeline/phases.py); its line in the log."""
+        metrics = await steps.run(step)
         log.info("%s", format_step_line(metrics))
         self.summary.steps += 1
         self.summary.metrics.append(metrics)
@@ -325,24 +282,6 @@ class Orchestrator:
             log.warning("step %d: not dumped: its columns cannot be read back: %s", manifest.step, e)
             return shown, None
 
-    def _finish_step(self, step: int, rows: list[RolloutRow], phase: dict[str, float], lag: LagStats,
-                     t0: float, extra: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
-        """Blocking (a worker thread): collect garbage, return memory to the OS, then the step's metrics
-        (pandas), rollouts.jsonl, the metrics sinks (metrics.jsonl, W&B) and the state file."""
-        t = time.perf_counter()
-        gc.collect()
-        malloc_trim()
-        phase["gc"] = time.perf_counter() - t
-        metrics = step_metrics(step, rows, phase_s=phase, lag=lag, rss_mb=rss_mb(),
-                               wall_s=time.perf_counter() - t0, extra=extra)
-        t = time.perf_counter()
-        self._write_rows(step, rows, metrics)
-        if samples:
-            self.sinks.log_samples(samples, step=step)
-        save_state(self.out, self.state)
-        metrics["phase_s"]["write"] = round(time.perf_counter() - t, 6)  # in the log line; the file has the rest
-        return metrics
-
     def _write_rows(self, step: int, rows: list[RolloutRow], metrics: dict[str, Any]) -> None:
         """A step regenerated after a resume that the trainer already had (not sent) keeps the rows written
         when it was trained; one sent again gets the new rows (outdir.py)."""
@@ -359,6 +298,90 @@ class Orchestrator:
         else:
             self.outputs.write_rows([msgspec.structs.replace(r, regenerated=True) for r in rows])
             self.sinks.log({**metrics, "regenerated": True}, step=step)
+
+
+class OrchestratorSteps:
+    """The orchestrator's side of the step pipeline (``StepHost``, pipeline/phases.py): blocking phases in the
+    step thread, the sender's send, the run's state and metrics after it, its outputs; direct mode's build."""
+
+    def __init__(self, orch: Orchestrator, sched: Scheduler) -> None:
+        self.orch, self.sched = orch, sched
+        dumps = orch.cfg.pipeline.dump_steps  # each dump carries the job's config
+        self.pipeline = StepPipeline(orch.builder, self, config_toml=to_toml(orch.cfg) if dumps else None)
+        self._cpu0 = time.process_time()
+
+    async def run(self, step: int) -> dict[str, Any]:
+        """Every phase of ``step``; its metrics row."""
+        dump = dump_due(self.orch.cfg.pipeline.dump_steps, step)
+        return await self.pipeline.run(step, self.take, dump_to=dump_path(self.orch.out, step) if dump else None,
+                                       build=self.build)
+
+    async def take(self, step: int) -> tuple[list[Group], list[Group]]:
+        """Phase ``wait``: the step's groups, and the dropped groups whose rows it writes."""
+        self._cpu0 = time.process_time()
+        groups = await self.sched.next_step(step)
+        return groups, self.sched.take_dropped()
+
+    async def build(self, step: int, groups: Sequence[Group], dropped: Sequence[Group], phase_s: dict[str, float]
+                    ) -> Built:
+        """The step pipeline's build, or direct mode's manifest of the pools as of now (a rollout in a pool gone
+        since it was taken does not train); the survivors the step leaves out are released."""
+        orch = self.orch
+        if orch.unacked is None:
+            built = await self.pipeline.build(step, groups, dropped, phase_s)
+        else:
+            pools = orch.unacked.pools()
+            result = await orch._off_loop(orch.builder.build_manifest, step, groups, dropped, pools)
+            orch.unacked.sent(step, list(groups), result.trained)  # before any acknowledgement
+            dump = dump_due(orch.cfg.pipeline.dump_steps, step)
+            shown, dumped = list(groups), None  # the groups the samples table and the dump read columns from
+            if dump or orch.sinks.samples_due(step):  # read now: no span of the step is released before its ack
+                shown, dumped = await orch._off_loop(orch._read_back, list(groups), result.batch, pools, dump)
+            built = Built(result, shown, dumped)
+        orch.hub.release(built.result.untrained)  # direct mode: filtered rollouts' columns are never read
+        return built
+
+    async def phase(self, name: str, fn: Callable[[], T]) -> T:
+        return await self.orch._off_loop(fn)
+
+    async def send(self, batch: Any) -> bool:
+        return await self.orch.sender.send(batch)  # False: a restarted trainer already had this step
+
+    def sent(self, step: int, result: StepResult[Any], sent: bool) -> dict[str, Any]:
+        orch, sched = self.orch, self.sched
+        if not sent and orch.unacked is not None:  # the trainer had it: nobody reads these columns
+            orch.unacked.skipped(step)
+        counts = sched.take_counts()
+        orch.state.next_step = step + 1
+        orch.state.acked_step = orch.sender.acked
+        orch.state.policy_step = sched.policy
+        orch.state.scheduler = sched.state()
+        extra = {"samples": result.num_samples, "policy": sched.policy, "sent": sent,
+                 "orch_cpu_ms_per_rollout": round((time.process_time() - self._cpu0) * 1e3 / max(len(result.rows), 1),
+                                                  3),
+                 "filters": result.filter_counts, "scheduler": counts, "pool": dict(orch.pool.metrics),
+                 "hub": dict(orch.hub.metrics)}
+        extra.update(orch.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
+        return extra
+
+    def lag(self) -> LagStats:
+        return self.orch.lag.reset()
+
+    async def samples(self, step: int, rows: list[RolloutRow], shown: Sequence[Any]) -> list[dict[str, Any]]:
+        orch = self.orch
+        if not orch.sinks.samples_due(step):
+            return []
+        return await orch._off_loop(orch.samples.rows, rows, shown, orch.sinks.samples)
+
+    def write(self, step: int, rows: list[RolloutRow], metrics: dict[str, Any],
+              samples: list[dict[str, Any]]) -> None:
+        """Blocking (the step thread): rollouts.jsonl, the metrics sinks (metrics.jsonl, W&B), the samples table
+        and the state file."""
+        orch = self.orch
+        orch._write_rows(step, rows, metrics)
+        if samples:
+            orch.sinks.log_samples(samples, step=step)
+        save_state(orch.out, orch.state)
 
 
 def open_sender(cfg: JobConfig, address: str, resume: bool, acked_before: int = -1

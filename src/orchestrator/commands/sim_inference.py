@@ -123,11 +123,10 @@ async def _serve(args: argparse.Namespace, faults: object, kv: object) -> int:
 
 
 async def _first_set(*events: asyncio.Event) -> asyncio.Event:
-    """The first of ``events`` to be set (both waits are cancelled before returning)."""
-    waits = {asyncio.ensure_future(e.wait()): e for e in events}
-    try:
+    """The first of ``events`` to be set (every wait has ended before this returns)."""
+    async with asyncio.TaskGroup() as tg:
+        waits = {tg.create_task(e.wait()): e for e in events}
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
         for w in waits:
             w.cancel()
     return waits[next(iter(done))]

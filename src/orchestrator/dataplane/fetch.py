@@ -23,7 +23,6 @@ is dropped and counted (``dropped``), and that trainer's fetch times out; a fetc
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import logging
@@ -36,6 +35,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from orchestrator.background import background
 from orchestrator.errors import WireError
 from orchestrator.security import ClientKeys, ServerKeys, curve_server, secure_client
 
@@ -82,13 +82,10 @@ class SpanServer:
                 sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
                 sock.bind(address)
                 server = cls(sock, pool)
-                task = asyncio.create_task(server.run(), name="span-server")
                 try:
-                    yield server
+                    async with background(("span-server", server.run())):
+                        yield server
                 finally:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
                     sock.close()
         finally:
             sock.close()

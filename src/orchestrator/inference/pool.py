@@ -296,25 +296,26 @@ class InferencePool:
             timeout_s = self.cfg.weight_sync_timeout_s
             if after_failure:
                 timeout_s = min(timeout_s, RESUME_AFTER_FAILURE_S)
-        task = asyncio.ensure_future(call)
-        # a call that fails just as this wait is cancelled (a weight sync cut short at shutdown) has its error
-        # read here, not reported by the loop as "Task exception was never retrieved"
-        task.add_done_callback(_retrieved)
-        t0 = time.monotonic()
+        # the call runs in this task (no task of its own to outlive the wait); a timer only logs while it waits
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        warning: asyncio.TimerHandle
+
+        def still_waiting() -> None:
+            nonlocal warning
+            log.warning("%s: no answer after %.0f s (gives up after %.0f s)", what, loop.time() - t0, timeout_s)
+            warning = loop.call_later(SLOW_CALL_WARN_S, still_waiting)
+
+        warning = loop.call_later(SLOW_CALL_WARN_S, still_waiting)
         try:
-            while True:
-                left = timeout_s - (time.monotonic() - t0)
-                if left <= 0:
-                    raise InferenceError(f"{what} took more than {timeout_s:g} s", Failure.TIMEOUT)
-                done, _ = await asyncio.wait({task}, timeout=min(SLOW_CALL_WARN_S, left))
-                if done:
-                    return task.result()
-                if time.monotonic() - t0 < timeout_s:
-                    log.warning("%s: no answer after %.0f s (gives up after %.0f s)", what, time.monotonic() - t0,
-                                timeout_s)
+            async with asyncio.timeout(timeout_s) as limit:
+                return await call
+        except TimeoutError:
+            if limit.expired():  # ours, not a TimeoutError the call raised itself
+                raise InferenceError(f"{what} took more than {timeout_s:g} s", Failure.TIMEOUT) from None
+            raise
         finally:
-            if not task.done():
-                task.cancel()
+            warning.cancel()
 
     # ------------------------------------------------------------------------------------- weight sync
 
@@ -370,8 +371,3 @@ class InferencePool:
                     server.waiting_since = min(time.monotonic(), server.waiting_since + time.monotonic() - t0)
             server.version = ckpt.step
             log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, time.monotonic() - t0)
-
-
-def _retrieved(task: asyncio.Future[bytes]) -> None:
-    if not task.cancelled():
-        task.exception()

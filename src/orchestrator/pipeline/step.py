@@ -72,7 +72,7 @@ class StepBuilder:
         t = time.perf_counter()
         batch = self.assemble(step, trained)
         phase["assemble"] = time.perf_counter() - t
-        return self._result(batch, rows, phase, groups, trained)
+        return self.result(batch, rows, phase, groups, trained)
 
     def build_manifest(self, step: int, groups: Sequence[Any], dropped: Sequence[Any],
                        pools: Mapping[str, PoolInfo], attempt: int = 0) -> StepResult[StepManifest]:
@@ -92,7 +92,7 @@ class StepBuilder:
         manifest = build_manifest(self.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools,
                                   attempt, self.logprobs_mode, self.temperatures)
         phase["assemble"] = time.perf_counter() - t
-        return self._result(manifest, rows, phase, groups, trained)
+        return self.result(manifest, rows, phase, groups, trained)
 
     def _rows(self, step: int, groups: Sequence[Any], dropped: Sequence[Any], filters: FilterSet | None = None
               ) -> tuple[list[RolloutRow], list[tuple[RolloutRecord, float]], dict[str, float]]:
@@ -107,7 +107,7 @@ class StepBuilder:
         phase["filter"] = time.perf_counter() - t
         return rows, trained, phase
 
-    def _result(self, batch: B, rows: list[RolloutRow], phase: dict[str, float], groups: Sequence[Any],
+    def result(self, batch: B, rows: list[RolloutRow], phase: dict[str, float], groups: Sequence[Any],
                 trained: list[tuple[RolloutRecord, float]]) -> StepResult[B]:
         kept = {id(rec) for rec, _ in trained}
         untrained = [r for g in groups for r in g.survivors if id(r) not in kept]

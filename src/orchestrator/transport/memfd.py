@@ -31,6 +31,7 @@ from typing import Protocol
 
 import msgpack
 
+from orchestrator.background import background
 from orchestrator.errors import TransportError, WireError
 
 log = logging.getLogger(__name__)
@@ -89,13 +90,10 @@ async def serve_pool(pool: ServedPool, path: str) -> AsyncIterator[str]:
     """Hand ``pool``'s fd (read-only) to every process that connects to the Unix socket ``path`` (replacing a
     stale socket file), from a task this context owns; the socket file is removed on exit."""
     listener = _listen(path)
-    server = asyncio.create_task(_serve(pool, listener, path), name="memfd-pool-server")
     try:
-        yield path
+        async with background(("memfd-pool-server", _serve(pool, listener, path))):
+            yield path
     finally:
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
         listener.close()
         _unlink(path)
 

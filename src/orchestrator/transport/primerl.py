@@ -54,11 +54,12 @@ from typing import Any, Literal
 import zmq
 import zmq.asyncio
 
+from orchestrator.background import background
 from orchestrator.errors import TransportError
 from orchestrator.transport.balance import BinCost, token_count
 from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, broadcast_steps, latest_broadcast
 from orchestrator.transport.primerl_wire import EncodedStep, encode_step
-from orchestrator.transport.sender import Sender, stop_tasks
+from orchestrator.transport.sender import Sender
 from orchestrator.transport.wire import Batch
 from orchestrator.transport.zmq_link import push_polling
 
@@ -194,14 +195,14 @@ class PrimeRLSender(Sender[list[memoryview]]):
             sender = cls(trainer_dir, bound, layout, data_ranks, window, encode, resume, warn_s)
             sender.xpub = xpub
             await sender._scan_broadcasts()
-            tasks = [asyncio.create_task(sender._watch_broadcasts(poll_s), name="prime-rl-broadcasts")]
+            loops = [("prime-rl-broadcasts", sender._watch_broadcasts(poll_s))]
             if xpub is not None and pull is not None:
-                tasks.append(asyncio.create_task(sender._watch_ranks(xpub, pull), name="prime-rl-ranks"))
+                loops.append(("prime-rl-ranks", sender._watch_ranks(xpub, pull)))
             sender._log_start()
             try:
-                yield sender
+                async with background(*loops):
+                    yield sender
             finally:
-                await stop_tasks(tasks)
                 if sender.unacked:
                     log.warning("closing with steps %s not trained by the prime-rl trainer (no broadcast yet)",
                                 sorted(sender.unacked))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -176,11 +175,3 @@ class Sender(abc.ABC, Generic[P]):
                 log.warning("step %d waits: the trainer at %s %s (%.0f s so far)", step, self.address,
                             why() if callable(why) else why, warned - t0)
 
-
-async def stop_tasks(tasks: list[asyncio.Task[Any]]) -> None:
-    """Cancel a sender's background tasks and wait until each has ended."""
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

@@ -28,6 +28,7 @@ sender dies, until the receiver drops it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import os
@@ -163,9 +164,12 @@ class ShmPool:
         at = {name: (start + off, n) for name, (off, n) in layout.items()}
         copy = asyncio.ensure_future(asyncio.to_thread(self._write, columns, at))
         try:
-            await asyncio.shield(copy)  # a cancelled send frees the span only once the thread stops writing
+            await asyncio.shield(copy)
         except BaseException:
-            copy.add_done_callback(lambda _f: self.drop(batch.step))
+            # a thread cannot be stopped: a cancelled send waits for its copy (one memcpy of the batch) and frees
+            # the span only once the thread stops writing; no task outlives this call
+            await _finished(copy)
+            self.drop(batch.step)
             raise
         return [encode_shm_header(batch, columns, at, self.id, self.capacity)]
 
@@ -253,3 +257,15 @@ class ShmAttachment:
 
     def close(self) -> None:
         self._drop()
+
+
+async def _finished(fut: asyncio.Future[None]) -> None:
+    """Wait until ``fut`` is done, through further cancellations (the caller re-raises its own exception); an
+    error ``fut`` ends with meanwhile is logged (one it had already is what the caller raises)."""
+    if fut.done():
+        return
+    while not fut.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({fut})
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("copying a batch into the shared-memory pool failed: %s", fut.exception())

@@ -59,13 +59,14 @@ import zmq
 import zmq.asyncio
 
 from orchestrator import ipc
+from orchestrator.background import background
 from orchestrator.dataplane.manifest import StepManifest, encode_manifest
 from orchestrator.errors import TransportError, WireError
 from orchestrator.security import ServerKeys, curve_server
 from orchestrator.transport.checkpoints import Checkpoint, CheckpointFeed, marker_announcements
 from orchestrator.transport.reports import LostStep, TrainerReport, decode_report
 from orchestrator.transport.seat import Peer, TrainerSeat, Verdict
-from orchestrator.transport.sender import Sender, stop_tasks
+from orchestrator.transport.sender import Sender
 from orchestrator.transport.shm import ShmPool, pool_socket_path, serve_pool
 from orchestrator.transport.wire import Batch, encode
 
@@ -198,12 +199,11 @@ class BatchSender(Sender[list[Any]]):
             except zmq.ZMQError as e:
                 raise TransportError(f"cannot bind the trainer's address {address}: {e}") from None
             sender = cls(router, pull, bound, hwm, warn_s, require_report, keep, acked_before)
-            tasks = [asyncio.create_task(sender._read_trainer(), name="trainer-channel"),
-                     asyncio.create_task(sender._send_to_holder(), name="trainer-sends")]
-            try:
-                yield sender
+            try:  # a failed loop (a socket error) ends the block with its error, not a silent stall
+                async with background(("trainer-channel", sender._read_trainer()),
+                                      ("trainer-sends", sender._send_to_holder())):
+                    yield sender
             finally:
-                await stop_tasks(tasks)
                 if sender.unacked:
                     log.warning("closing with steps %s not acknowledged by the trainer", sorted(sender.unacked))
         finally:

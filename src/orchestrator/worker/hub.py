@@ -40,8 +40,14 @@ what to keep (``Release(keep=...)``); a pool that is replaced, or whose worker p
 ``PoolGone`` (its buffered rollouts cannot train). A worker whose heartbeat says its pool has no room for its
 largest rollout gets no new group until it has.
 
-``events`` is bounded by construction: a record is admitted only for a rollout in flight on its worker (at
-most ``scheduler.max_inflight`` at once), and a worker is lost (and its pool gone) once per admission.
+``events`` has no maxsize (the reader callback cannot wait, and dropping an event would lose rollouts); what
+bounds it: ``RecordsIn`` and ``WorkerLost`` carry only rollouts in flight (a record is admitted only for a
+rollout in flight on its worker and leaves it; a lost worker's rollouts are reported once), and the scheduler
+keeps at most ``scheduler.max_inflight`` rollouts in flight, counting those whose events are still queued
+here, so at most that many of these events are ever queued, whatever the consumer does. ``PoolGone`` (direct
+mode) comes once per pool a worker announced (in its ``ready``) or held when its process went; it is bounded by
+its consumer, the scheduler's intake, which waits on nothing but this queue and empties it each time it runs
+(meanwhile at most the events of one DRAIN_MAX slice of messages, or of one supervision round, queue up).
 
 Per-rollout cost on the loop is what limits how many workers one orchestrator feeds, so the socket is a
 plain (sync) ZMQ socket read from a loop reader callback that drains up to DRAIN_MAX messages per
@@ -128,7 +134,7 @@ class WorkerHub:
         self.procs = LocalWorkers(address, dict(env_vars or {}), nice, span_address)
         self.workers: dict[bytes, WorkerState] = {}
         self.tasks_per_env: dict[str, int] = {}
-        self.events: asyncio.Queue[HubEvent] = asyncio.Queue()  # bounded by construction (module docstring)
+        self.events: asyncio.Queue[HubEvent] = asyncio.Queue()  # no maxsize: what bounds it, module docstring
         # rejected:<why>, late, dropped, lost, fatal, restarts; direct: released, pools_gone, pool_full
         self.metrics: Counter[str] = Counter()
         self._lost: dict[bytes, deque[str]] = {}  # lost workers -> their rollout ids that will come back late
@@ -239,6 +245,7 @@ class WorkerHub:
                 await self._failed
         finally:
             loop.remove_reader(fd)
+            self._failed = None  # the reader's callbacks are this run's: a _drain still scheduled does nothing
 
     def _drain(self) -> None:
         """Handle queued messages. ZMQ's fd is edge-triggered: read until EVENTS has no POLLIN, in slices of

@@ -38,7 +38,9 @@ class PoolKeeper:
                  metrics: Counter[str]) -> None:
         """``send``: a message to a worker by its ident, without waiting (False: not sent)."""
         self.ledger = SpanLedger()
-        self.news: asyncio.Queue[tuple[str, PoolInfo]] = asyncio.Queue()  # (worker, pool) from each ready
+        # (worker, pool) from each ready: no maxsize; one small entry per ready, taken at once by the orchestrator's
+        # pool announcer in direct mode (a command without one, e.g. ``orchestrator eval``, keeps them all)
+        self.news: asyncio.Queue[tuple[str, PoolInfo]] = asyncio.Queue()
         self._send = send
         self._events = events
         self.metrics = metrics
