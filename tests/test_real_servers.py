@@ -187,7 +187,7 @@ async def test_512_experts_arrive_as_uint16_byte_identical_to_what_the_server_se
         cfg = load_config(write_job(tmp_path, [sim.url], "prime-rl", steps=2))
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=2, on_batch=keep, checkpoint_dir=tmp_path / "c")
-            async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
+            async with asyncio.timeout(300), asyncio.TaskGroup() as tg:  # a hang guard, workers' start-up included
                 tg.create_task(trainer.run())
                 await orch.run()
         sent: dict[tuple[int, ...], list[dict[str, Any]]] = {}

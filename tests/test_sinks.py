@@ -112,7 +112,9 @@ async def test_a_run_logs_to_wandb_offline_and_reads_back(tmp_path: Path, data_p
         cfg = job(tmp_path, servers[0].url, wandb=wandb("run", 1), steps=2, data_plane=data_plane)
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=2, checkpoint_dir=tmp_path / "ckpt")
-            async with asyncio.timeout(100), asyncio.TaskGroup() as tg:
+            # a hang guard, env workers' start-up included: importing verifiers took over 90 s with the machine
+            # at a load of ~9 (a flake of this guard at 100 s)
+            async with asyncio.timeout(300), asyncio.TaskGroup() as tg:
                 tg.create_task(trainer.run())
                 await orch.run()
     out = tmp_path / "out"
