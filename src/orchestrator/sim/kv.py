@@ -26,7 +26,7 @@ import asyncio
 import collections
 import math
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -68,24 +68,19 @@ class _Request:
     target: int  # tokens to generate
     generated: int = 0
     blocks: int = 0
-    preempted: int = 0
 
     @property
     def context(self) -> int:
         return self.prompt + self.generated
 
 
-@dataclass
 class KVEngine:
-    model: KVModel
-    running: list[_Request] = field(default_factory=list)  # in admission order: the last is the youngest
-    waiting: collections.deque[_Request] = field(default_factory=collections.deque)
-    free: int = -1
-    preemptions: int = 0
-
-    def __post_init__(self) -> None:
-        if self.free < 0:
-            self.free = self.model.blocks
+    def __init__(self, model: KVModel) -> None:
+        self.model = model
+        self.running: list[_Request] = []  # in admission order: the last is the youngest
+        self.waiting: collections.deque[_Request] = collections.deque()
+        self.free = model.blocks
+        self.preemptions = 0
 
     def fits(self, prompt: int, target: int) -> bool:
         """Whether a request can ever finish: alone, its whole context fits (vLLM refuses to start when
@@ -144,7 +139,7 @@ class KVEngine:
             while need > self.free:
                 victim = self.running.pop()
                 self.free += victim.blocks
-                victim.blocks, victim.preempted = 0, victim.preempted + 1
+                victim.blocks = 0
                 self.waiting.appendleft(victim)
                 self.preemptions += 1
                 preempted = True
