@@ -17,11 +17,11 @@ import sys
 
 import numpy as np
 
-from orchestrator.dataplane.manifest import build_manifest, encode_manifest
-from orchestrator.dataplane.store import ColumnStore, rollout_layout
-from orchestrator.samples import Sample
-from orchestrator.transport.memfd import serve_pool
-from orchestrator.worker.protocol import PoolInfo, RolloutHeader, RolloutRecord
+from orchestrator.columns.manifest import build_manifest, encode_manifest
+from orchestrator.columns.memfd import serve_pool
+from orchestrator.columns.samples import Sample
+from orchestrator.columns.store import ColumnStore, rollout_layout
+from orchestrator.workers.protocol import PoolInfo, RolloutHeader, RolloutRecord
 
 WORKER = "peer-worker"
 

@@ -38,6 +38,7 @@ import numpy.typing as npt
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from orchestrator.delivery.zmq_link import ckpt_address
 from orchestrator.security import (
     HANDSHAKE_FAILED,
     ClientKeys,
@@ -48,7 +49,6 @@ from orchestrator.security import (
 )
 from orchestrator.testing.handshakes import FailedHandshakes, failed_handshakes
 from orchestrator.transport import Batch, BatchSender
-from orchestrator.transport.zmq_link import ckpt_address
 
 FORGED_HAVE = 50
 FORGED_REWARD = 7.75
@@ -109,7 +109,7 @@ def raw_connection(address: str) -> socket.socket:
 
 
 def intrude_workers(address: str, keys: ClientKeys | None) -> None:
-    from orchestrator.worker.protocol import Fatal, Hello, Ready, Records, RolloutHeader, pack
+    from orchestrator.workers.protocol import Fatal, Hello, Ready, Records, RolloutHeader, pack
 
     with raw_connection(address) as raw:
         raw.sendall(b"\xff" * 64 + bytes(range(256)))

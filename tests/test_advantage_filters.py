@@ -10,8 +10,8 @@ import pytest
 
 from orchestrator.config import DEFAULT_FILTERS, FilterConfig, PipelineConfig
 from orchestrator.errors import ConfigError
-from orchestrator.pipeline.advantage import AdvantageFn, group_mean_advantage
-from orchestrator.pipeline.filters import FilterSet, is_gibberish, is_repetition, longest_run
+from orchestrator.scoring.advantage import AdvantageFn, group_mean_advantage
+from orchestrator.scoring.filters import FilterSet, is_gibberish, is_repetition, longest_run
 
 
 @dataclass

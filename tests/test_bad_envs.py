@@ -25,10 +25,10 @@ import pytest
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import load_config
+from orchestrator.delivery.wire import Batch
 from orchestrator.testing.procs import processes_mentioning
 from orchestrator.testing.sim import sim_servers
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.wire import Batch
+from orchestrator.trainer.reference import ReferenceTrainer
 
 pytestmark = pytest.mark.slow
 

@@ -26,13 +26,13 @@ import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.delivery.zmq_link import ckpt_address
 from orchestrator.errors import WireError
 from orchestrator.testing.links import RawLink, raw_link
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver, decode, encode, encode_step
-from orchestrator.transport.zmq_link import ckpt_address
 
-LINK_LOGGER = "orchestrator.transport.zmq_link"
-RECEIVER_LOGGER = "orchestrator.transport.receiver"
+LINK_LOGGER = "orchestrator.delivery.zmq_link"
+RECEIVER_LOGGER = "orchestrator.trainer.receiver"
 Frames = list[bytes]
 
 

@@ -17,12 +17,12 @@ import pytest
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig
+from orchestrator.delivery.wire import Batch
 from orchestrator.sim.server import Faults
 from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.wire import Batch
+from orchestrator.trainer.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
 JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many times that with every core busy

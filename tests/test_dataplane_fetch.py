@@ -1,5 +1,5 @@
 """Across nodes, the building block: an env worker's span server and the trainer library's fetch, over loopback
-TCP, with and without CURVE keys (dataplane/fetch.py)."""
+TCP, with and without CURVE keys (columns/fetch.py)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import zmq
 
-from orchestrator.dataplane.fetch import SpanClient, SpanServer, _request, fetch_spans
-from orchestrator.dataplane.layout import span_layout
-from orchestrator.dataplane.manifest import StepManifest, build_manifest
-from orchestrator.dataplane.reader import PoolMaps, PoolsLost, StepView
-from orchestrator.dataplane.store import ColumnStore
+from orchestrator.columns.fetch import SpanClient, SpanServer, _request, fetch_spans
+from orchestrator.columns.layout import span_layout
+from orchestrator.columns.manifest import StepManifest, build_manifest
+from orchestrator.columns.reader import PoolMaps, PoolsLost, StepView
+from orchestrator.columns.store import ColumnStore
 from orchestrator.errors import WireError
 from orchestrator.security import ServerKeys
 from orchestrator.testing.keys import make_key_set
-from orchestrator.worker.protocol import PoolInfo
+from orchestrator.workers.protocol import PoolInfo
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dataplane_peer import WORKER, peer_samples, record

@@ -13,12 +13,12 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from orchestrator.dataplane.layout import SpanLoc, span_layout
+from orchestrator.columns.layout import SpanLoc, span_layout
 from orchestrator.errors import Failure
 from orchestrator.testing.procs import wait_until
-from orchestrator.worker.events import PoolGone, RecordsIn
-from orchestrator.worker.hub import WorkerHub
-from orchestrator.worker.protocol import (
+from orchestrator.workers.events import PoolGone, RecordsIn
+from orchestrator.workers.hub import WorkerHub
+from orchestrator.workers.protocol import (
     Assign,
     Cancel,
     EnvSpec,

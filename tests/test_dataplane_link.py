@@ -14,15 +14,15 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from orchestrator.dataplane.manifest import StepManifest, build_manifest
-from orchestrator.dataplane.reader import StepView
-from orchestrator.dataplane.store import ColumnStore
+from orchestrator.columns.manifest import StepManifest, build_manifest
+from orchestrator.columns.memfd import serve_pool
+from orchestrator.columns.reader import StepView
+from orchestrator.columns.store import ColumnStore
+from orchestrator.delivery.reports import LostStep
+from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.testing.procs import wait_until
-from orchestrator.transport.memfd import serve_pool
-from orchestrator.transport.receiver import BatchReceiver, Received, SyncBatchReceiver
-from orchestrator.transport.reports import LostStep
-from orchestrator.transport.zmq_link import BatchSender
-from orchestrator.worker.protocol import PoolInfo, RolloutRecord
+from orchestrator.trainer.receiver import BatchReceiver, Received, SyncBatchReceiver
+from orchestrator.workers.protocol import PoolInfo, RolloutRecord
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dataplane_peer import WORKER, peer_samples, record

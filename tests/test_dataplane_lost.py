@@ -16,12 +16,12 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.dataplane.reader import StepView
+from orchestrator.columns.reader import StepView
 from orchestrator.sim.server import Faults
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
-from orchestrator.transport.receiver import BatchReceiver
-from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
+from orchestrator.trainer.receiver import BatchReceiver
+from orchestrator.trainer.reference import ReferenceTrainer, save_initial_checkpoint
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
@@ -95,7 +95,7 @@ async def test_a_worker_killed_before_the_trainer_maps_its_pool_makes_the_step_r
 
 KILLABLE_TRAINER = """
 import asyncio, sys
-from orchestrator.transport.receiver import BatchReceiver
+from orchestrator.trainer.receiver import BatchReceiver
 
 async def main():
     receiver = BatchReceiver(sys.argv[1], auto_ack=False)

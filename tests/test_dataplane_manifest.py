@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from orchestrator.dataplane.layout import ALIGN, RoutedDtype, SpanLoc, span_layout
-from orchestrator.dataplane.manifest import (
+from orchestrator.columns.layout import ALIGN, RoutedDtype, SpanLoc, span_layout
+from orchestrator.columns.manifest import (
     MAX_MANIFEST_BYTES,
     StepManifest,
     build_manifest,
@@ -18,7 +18,7 @@ from orchestrator.dataplane.manifest import (
     encode_manifest,
 )
 from orchestrator.errors import WireError
-from orchestrator.worker.protocol import PoolInfo, RolloutHeader, RolloutRecord
+from orchestrator.workers.protocol import PoolInfo, RolloutHeader, RolloutRecord
 
 POOLS = {"w0": PoolInfo(id="p0", size=1 << 20, host="node-a", path="/run/job/pools/w0.pool"),
          "w1": PoolInfo(id="p1", size=1 << 20, host="node-a", path="/run/job/pools/w1.pool")}

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.dataplane.reader import StepView
+from orchestrator.columns.reader import StepView
 from orchestrator.testing.procs import Process, orchestrator_process
 from orchestrator.testing.sim import sim_servers
-from orchestrator.transport.receiver import BatchReceiver
-from orchestrator.transport.trainer import save_initial_checkpoint
+from orchestrator.trainer.receiver import BatchReceiver
+from orchestrator.trainer.reference import save_initial_checkpoint
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
@@ -102,7 +102,7 @@ async def test_a_trainer_on_another_host_fetches_every_step_from_the_workers_spa
 
 KILLED_MID_FETCH = """
 import asyncio, sys
-from orchestrator.transport.receiver import BatchReceiver
+from orchestrator.trainer.receiver import BatchReceiver
 
 async def main():
     receiver = BatchReceiver(sys.argv[1], auto_ack=False)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from orchestrator.config import JobConfig, load_config
 from orchestrator.inference.pool import InferencePool
-from orchestrator.scheduling.groups import Group
-from orchestrator.scheduling.scheduler import Scheduler
+from orchestrator.rollouts.groups import Group
+from orchestrator.rollouts.scheduler import Scheduler
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub, Outcome
 

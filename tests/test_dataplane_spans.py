@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from orchestrator.dataplane.layout import SpanLoc
-from orchestrator.worker.events import HubEvent, PoolGone
-from orchestrator.worker.pools import PoolKeeper
-from orchestrator.worker.protocol import PoolInfo, Release, RolloutHeader, RolloutRecord
-from orchestrator.worker.spans import SpanLedger
+from orchestrator.columns.layout import SpanLoc
+from orchestrator.columns.pools import PoolKeeper
+from orchestrator.columns.spans import SpanLedger
+from orchestrator.workers.events import HubEvent, PoolGone
+from orchestrator.workers.protocol import PoolInfo, Release, RolloutHeader, RolloutRecord
 
 P1 = PoolInfo(id="p1", size=1 << 20, host="h")
 P2 = PoolInfo(id="p2", size=1 << 20, host="h")

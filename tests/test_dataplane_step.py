@@ -9,14 +9,14 @@ import logging
 import numpy as np
 import pytest
 
+from orchestrator.columns.layout import SpanLoc, shapes_layout
+from orchestrator.columns.manifest import decode_manifest, encode_manifest
 from orchestrator.config import FilterConfig
-from orchestrator.dataplane.layout import SpanLoc, shapes_layout
-from orchestrator.dataplane.manifest import decode_manifest, encode_manifest
-from orchestrator.pipeline.dump import ReplayGroup
-from orchestrator.pipeline.step import StepBuilder
-from orchestrator.scheduling.groups import lose_columns
+from orchestrator.rollouts.groups import lose_columns
+from orchestrator.steps.boundary import StepBuilder
+from orchestrator.steps.dump import ReplayGroup
 from orchestrator.testing.steps import synthetic_config, synthetic_groups
-from orchestrator.worker.protocol import PoolInfo
+from orchestrator.workers.protocol import PoolInfo
 
 POOLS = {"w1": PoolInfo(id="p1", size=1 << 24, host="h"), "w2": PoolInfo(id="p2", size=1 << 24, host="h")}
 

@@ -15,17 +15,17 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.dataplane.fetch import fetch_spans
-from orchestrator.dataplane.layout import ALIGN
-from orchestrator.dataplane.manifest import build_manifest
-from orchestrator.dataplane.reader import PoolMaps, PoolsLost
+from orchestrator.columns.fetch import fetch_spans
+from orchestrator.columns.layout import ALIGN
+from orchestrator.columns.manifest import build_manifest
+from orchestrator.columns.memfd import map_served_pool
+from orchestrator.columns.reader import PoolMaps, PoolsLost
+from orchestrator.columns.samples import PlainNode, build_sample
 from orchestrator.errors import Failure, TransportError
-from orchestrator.pipeline.filters import is_gibberish, is_repetition
-from orchestrator.samples import PlainNode, build_sample
+from orchestrator.scoring.filters import is_gibberish, is_repetition
 from orchestrator.testing.keys import make_key_set
-from orchestrator.transport.memfd import map_served_pool
-from orchestrator.worker.process import LoadedEnv, Worker
-from orchestrator.worker.protocol import (
+from orchestrator.workers.process import LoadedEnv, Worker
+from orchestrator.workers.protocol import (
     Assign,
     Cancel,
     Heartbeat,

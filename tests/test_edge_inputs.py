@@ -13,9 +13,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from orchestrator.pipeline.outputs import StepOutputs
 from orchestrator.sinks.jsonl import OutputError
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
+from orchestrator.steps.outputs import StepOutputs
 from orchestrator.testing.steps import rollout_row
 
 JOB = """[run]

@@ -12,8 +12,8 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import load_config
-from orchestrator.envconfig import resolve_env
 from orchestrator.errors import ConfigError
+from orchestrator.workers.envconfig import resolve_env
 
 JOB = """
 [inference]

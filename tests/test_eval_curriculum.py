@@ -20,7 +20,7 @@ from orchestrator.state import load_state
 from orchestrator.testing.jobs import ARITHMETIC, Section, write_job_toml
 from orchestrator.testing.procs import orchestrator_process, processes_mentioning, wait_until
 from orchestrator.testing.sim import sim_process
-from orchestrator.transport.trainer import read_journal
+from orchestrator.trainer.reference import read_journal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 

@@ -37,13 +37,13 @@ import pytest
 
 from orchestrator.app import Orchestrator, load_metrics
 from orchestrator.config import JobConfig
+from orchestrator.delivery.wire import Batch
 from orchestrator.inference.pool import PROBE_CACHE_SALT
 from orchestrator.memory import rss_mb
 from orchestrator.testing.jobs import ARITHMETIC, Section, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import Faults, SimCluster, sim_cluster
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.wire import Batch
+from orchestrator.trainer.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(500), pytest.mark.usefixtures("verifiers_home")]
 

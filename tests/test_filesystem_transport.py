@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from orchestrator.delivery.filesystem import MAGIC, batch_path, read_batch_file, write_batch_file
 from orchestrator.errors import DuplicateStep
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport import Batch, CorruptBatchFile, FileBatchReceiver, FileBatchSender, encode
-from orchestrator.transport.filesystem import MAGIC, batch_path, read_batch_file, write_batch_file
 
 
 def make_batch(step: int = 0, lengths: tuple[int, ...] = (3, 5, 2)) -> Batch:

@@ -29,14 +29,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.app import Orchestrator
+from orchestrator.delivery.wire import Batch
 from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.wire import Batch
-from orchestrator.worker.events import RecordsIn
-from orchestrator.worker.hub import WorkerHub
-from orchestrator.worker.protocol import (
+from orchestrator.trainer.reference import ReferenceTrainer
+from orchestrator.workers.events import RecordsIn
+from orchestrator.workers.hub import WorkerHub
+from orchestrator.workers.protocol import (
     Assign,
     EnvSpec,
     Fatal,

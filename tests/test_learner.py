@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.delivery.wire import Batch
 from orchestrator.policy import Cursor, Policy, Sequences
-from orchestrator.transport.learner import LearnConfig, PolicyLearner
-from orchestrator.transport.wire import Batch
+from orchestrator.trainer.learner import LearnConfig, PolicyLearner
 
 PROMPT = [2, 5, 14, 11, 113, 85, 131, 83, 3, 2, 6]  # <|im_start|> user what is 12 + 30 ? <|im_end|> ... assistant
 

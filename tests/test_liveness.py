@@ -28,7 +28,7 @@ from orchestrator.testing.procs import (
     write_job,
 )
 from orchestrator.testing.sim import sim_process
-from orchestrator.transport.trainer import read_journal
+from orchestrator.trainer.reference import read_journal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from orchestrator.pipeline.dump import load_dump
+from orchestrator.steps.dump import load_dump
 from orchestrator.testing.keys import KeySet, make_key_set
 from orchestrator.testing.netns import Network, namespaces, prefix, unavailable
 from orchestrator.testing.procs import processes_mentioning, wait_until
-from orchestrator.transport.trainer import read_journal
+from orchestrator.trainer.reference import read_journal
 
 PEER = str(Path(__file__).parent / "netns_peer.py")
 STEPS = 5

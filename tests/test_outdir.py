@@ -17,7 +17,7 @@ from orchestrator.outdir import LOCK_FILE, OutputDir, OutputDirInUse, identity_c
 from orchestrator.state import StateError, load_state, save_state
 from orchestrator.testing.procs import orchestrator_process, write_job
 from orchestrator.testing.sim import sim_process
-from orchestrator.transport.trainer import read_journal
+from orchestrator.trainer.reference import read_journal
 
 BOUND_S = 240  # hang guard only
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from orchestrator.errors import Failure
 from orchestrator.lagmon import LagStats
-from orchestrator.pipeline.outputs import StepOutputs, drop_steps_from, format_step_line, step_metrics
+from orchestrator.steps.outputs import StepOutputs, drop_steps_from, format_step_line, step_metrics
 from orchestrator.testing.steps import rollout_row
 
 ROWS = [

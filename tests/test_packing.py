@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator.trainer.packing import Overlong
 from orchestrator.transport import Batch, Packing, pack
-from orchestrator.transport.packing import Overlong
 
 
 def make_batch(lengths: Sequence[int], routed: bool = True, seed: int = 0) -> Batch:

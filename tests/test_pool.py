@@ -27,7 +27,7 @@ from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.policy import Policy
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
-from orchestrator.transport.checkpoints import Checkpoint
+from orchestrator.weights.checkpoints import Checkpoint
 
 
 def config(n: int, **kw: Any) -> InferenceConfig:

@@ -13,11 +13,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from orchestrator.delivery.primerl import rank_file
 from orchestrator.errors import TransportError
 from orchestrator.testing.primerl import DECODER, FakePrimeRLTrainer, ZmqRank, check_step, free_port_pair, publish
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport import Batch, Checkpoint, PrimeRLSender, latest_broadcast
-from orchestrator.transport.primerl import rank_file
 
 TIMEOUT_S = 60.0  # hang guard only
 
@@ -45,7 +45,7 @@ async def test_nothing_is_sent_until_every_rank_is_ready(tmp_path: Path, caplog:
     try:
         async with sender(tmp_path, 3) as s, asyncio.timeout(TIMEOUT_S):
             ranks.append(ZmqRank(s.address, 0, ctx))
-            with caplog.at_level(logging.INFO, "orchestrator.transport.primerl"):
+            with caplog.at_level(logging.INFO, "orchestrator.delivery.primerl"):
                 sending = asyncio.ensure_future(s.send(batch(0)))
                 await wait_until(lambda: "waits for the prime-rl trainer" in caplog.text, TIMEOUT_S, "the log line")
                 await wait_until(lambda: s.presence.subscribed == s.presence.ready == {0}, TIMEOUT_S, "rank 0")

@@ -18,8 +18,8 @@ import pytest
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig, load_config
 from orchestrator.testing.sim import sim_servers
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.workerhost import PrepareError, worker_env
+from orchestrator.trainer.reference import ReferenceTrainer
+from orchestrator.workers.host import PrepareError, worker_env
 
 pytestmark = pytest.mark.slow
 

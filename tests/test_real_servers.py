@@ -23,14 +23,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from orchestrator.app import Orchestrator
 from orchestrator.assets import tokenizer_dir
 from orchestrator.config import load_config
+from orchestrator.delivery.wire import Batch
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.preflight import Preflight, PreflightError, preflight
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer
 from orchestrator.testing.jobs import ARITHMETIC, write_job_toml
 from orchestrator.testing.procs import orchestrator_process
 from orchestrator.testing.sim import Faults, ProfileName, SimServer, sim_process, sim_servers
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.wire import Batch
+from orchestrator.trainer.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.timeout(400),  # a hang guard: two server processes and a job, on a busy host
               pytest.mark.usefixtures("verifiers_home")]

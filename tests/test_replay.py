@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.pipeline.dump import load_dump
+from orchestrator.steps.dump import load_dump
 
 PERF = Path(__file__).resolve().parent.parent / "scripts" / "perf"
 PHASES = ["advantage", "filter", "assemble", "send", "dump", "gc", "metrics", "write"]

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.lagmon import LagStats
-from orchestrator.pipeline.outputs import StepOutputs, step_metrics
+from orchestrator.steps.outputs import StepOutputs, step_metrics
 from orchestrator.testing.steps import rollout_row
 
 PNG = b"\x89PNG\r\n\x1a\n"

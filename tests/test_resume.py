@@ -14,6 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from orchestrator.delivery.zmq_link import ckpt_address
 from orchestrator.state import load_state
 from orchestrator.testing.procs import (
     orchestrator_process,
@@ -23,8 +24,7 @@ from orchestrator.testing.procs import (
     write_job,
 )
 from orchestrator.testing.sim import sim_process
-from orchestrator.transport.trainer import read_journal
-from orchestrator.transport.zmq_link import ckpt_address
+from orchestrator.trainer.reference import read_journal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("verifiers_home")]
 HANG_GUARD_S = 240.0  # every wait ends on an event; this only stops one that never comes (a test took 146 s under load)

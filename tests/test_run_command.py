@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 from orchestrator import ipc
+from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.progress import StepProgress, describe
 from orchestrator.testing.procs import logged, orchestrator_process, wait_until, write_job
 from orchestrator.testing.sim import sim_cluster, sim_servers
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.zmq_link import BatchSender
-from orchestrator.worker.quiet import (
+from orchestrator.trainer.reference import ReferenceTrainer
+from orchestrator.workers.quiet import (
     ENDED_ROLLOUT_REQUEST,
     FAILED_MODEL_CALL,
     INTERCEPTION_LOGGER,

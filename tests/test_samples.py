@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.samples import PlainNode as Node
-from orchestrator.samples import SampleError, build_sample
+from orchestrator.columns.samples import PlainNode as Node
+from orchestrator.columns.samples import SampleError, build_sample
 
 
 def routed(n: int, layers: int = 2, k: int = 3, fill: int = 0) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.config import JobConfig, load_config
 from orchestrator.inference.pool import InferencePool
-from orchestrator.scheduling.scheduler import EVAL_PREFIX, CheckpointSource, Scheduler, SchedulingError
+from orchestrator.rollouts.scheduler import EVAL_PREFIX, CheckpointSource, Scheduler, SchedulingError
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub, Outcome
 

@@ -11,11 +11,11 @@ import pytest
 
 from orchestrator.config import PipelineConfig
 from orchestrator.errors import ConfigError
-from orchestrator.pipeline.advantage import AdvantageFn
-from orchestrator.scheduling.curriculum import IN_FLIGHT, UNSEEN, Curriculum, CurriculumConfig, PoolConfig
-from orchestrator.scheduling.evaluation import metrics, pass_at_k, pass_hat_k
-from orchestrator.scheduling.gates import GateConfig, Gates, GroupView, build_gate
-from orchestrator.scheduling.sampler import EnvDraws, TaskOrder, TaskSampler
+from orchestrator.eval.online import metrics, pass_at_k, pass_hat_k
+from orchestrator.rollouts.curriculum import IN_FLIGHT, UNSEEN, Curriculum, CurriculumConfig, PoolConfig
+from orchestrator.rollouts.sampler import EnvDraws, TaskOrder, TaskSampler
+from orchestrator.scoring.advantage import AdvantageFn
+from orchestrator.scoring.gates import GateConfig, Gates, GroupView, build_gate
 
 # ------------------------------------------------------------------------------------------------ sampling
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.transport.seat import TrainerSeat, Verdict
+from orchestrator.delivery.seat import TrainerSeat, Verdict
 
 
 def connected() -> bool:

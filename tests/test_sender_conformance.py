@@ -28,9 +28,11 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from orchestrator.dataplane.manifest import build_manifest
-from orchestrator.dataplane.store import ColumnStore, rollout_layout
-from orchestrator.samples import Sample
+from orchestrator.columns.manifest import build_manifest
+from orchestrator.columns.memfd import serve_pool
+from orchestrator.columns.samples import Sample
+from orchestrator.columns.store import ColumnStore, rollout_layout
+from orchestrator.delivery.primerl import Layout
 from orchestrator.testing.primerl import FakePrimeRLTrainer
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport import (
@@ -42,9 +44,7 @@ from orchestrator.transport import (
     PrimeRLSender,
     Sender,
 )
-from orchestrator.transport.memfd import serve_pool
-from orchestrator.transport.primerl import Layout
-from orchestrator.worker.protocol import PoolInfo, RolloutHeader, RolloutRecord
+from orchestrator.workers.protocol import PoolInfo, RolloutHeader, RolloutRecord
 
 TIMEOUT_S = 60.0  # a hang guard only: every wait below ends on an event
 BOUND = 2

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from orchestrator.config import load_config
+from orchestrator.delivery.shm import SpanRing
+from orchestrator.delivery.wire import shm_layout
 from orchestrator.errors import ConfigError, TransportError
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver
-from orchestrator.transport.shm import SpanRing
-from orchestrator.transport.wire import shm_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shm_peer import memfd_maps, open_fds, peer_batch
@@ -196,7 +196,7 @@ async def test_a_full_pool_back_pressures_until_the_trainer_releases(tmp_path: P
             for step in range(3):
                 await asyncio.wait_for(sender.send(peer_batch(step)), HANG_GUARD_S)
             assert (sender.pool.live_bytes, sender.pool.spans) == (3 * SPAN, 3)
-            with caplog.at_level(logging.WARNING, "orchestrator.transport.shm"):
+            with caplog.at_level(logging.WARNING, "orchestrator.delivery.shm"):
                 fourth = asyncio.ensure_future(sender.send(peer_batch(3)))
                 await wait_until(lambda: "of the shared-memory pool" in caplog.text, HANG_GUARD_S,
                                  "the warning after warn_s of waiting", poll_s=0.005)
@@ -221,7 +221,7 @@ async def test_a_batch_larger_than_the_pool_goes_as_frames_with_a_warning(tmp_pa
         receiver = BatchReceiver(sender.address)
         try:
             assert sender.pool is not None
-            with caplog.at_level(logging.WARNING, "orchestrator.transport.shm"):
+            with caplog.at_level(logging.WARNING, "orchestrator.delivery.shm"):
                 await sender.send(peer_batch(0))
             assert "exceed" in caplog.text
             assert "sent as ZMQ frames" in caplog.text

@@ -18,7 +18,7 @@ import pytest
 from orchestrator.policy import FILE, Cursor
 from orchestrator.sim.profiles import DEFAULT_PROFILE, ProfileName, get_profile
 from orchestrator.testing.sim import sim_process, sim_servers, weights_dir
-from orchestrator.transport.trainer import link_initial_policy
+from orchestrator.trainer.reference import link_initial_policy
 
 PROMPT = [2, 5, 14, 11, 113]
 SCALE_OUT_403 = {"error": {"message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out "

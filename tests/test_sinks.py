@@ -18,7 +18,7 @@ from orchestrator.sinks import JsonlSink, flatten, open_sinks
 from orchestrator.testing.jobs import ARITHMETIC, Section, job_config
 from orchestrator.testing.sim import sim_servers
 from orchestrator.testing.wandb_offline import offline_runs, read_offline_run
-from orchestrator.transport.trainer import ReferenceTrainer
+from orchestrator.trainer.reference import ReferenceTrainer
 
 
 def wandb(tag: str, every: int) -> Section:

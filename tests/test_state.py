@@ -5,7 +5,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from orchestrator.scheduling.sampler import EnvDraws, TaskSampler
+from orchestrator.rollouts.sampler import EnvDraws, TaskSampler
 from orchestrator.state import STATE_FILE, STATE_VERSION, OrchestratorState, StateError, load_state, save_state
 
 

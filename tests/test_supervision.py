@@ -35,8 +35,8 @@ from orchestrator.sim.server import SimServer
 from orchestrator.testing.jobs import ARITHMETIC, Section, job_config
 from orchestrator.testing.procs import orchestrator_process, wait_until
 from orchestrator.testing.sim import Faults, sim_cluster, sim_process
-from orchestrator.transport.checkpoints import Checkpoint
-from orchestrator.transport.trainer import ReferenceTrainer, save_initial_checkpoint
+from orchestrator.trainer.reference import ReferenceTrainer, save_initial_checkpoint
+from orchestrator.weights.checkpoints import Checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 

@@ -17,13 +17,13 @@ from orchestrator.config import load_config
 from orchestrator.errors import CheckpointError, UnloadableCheckpoint
 from orchestrator.inference.pool import InferencePool
 from orchestrator.policy import Policy
-from orchestrator.scheduling.scheduler import Scheduler
+from orchestrator.rollouts.scheduler import Scheduler
 from orchestrator.state import OrchestratorState
-from orchestrator.sync_loop import WeightSyncLoop
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub
-from orchestrator.transport.checkpoints import Checkpoint
+from orchestrator.weights.checkpoints import Checkpoint
+from orchestrator.weights.sync_loop import WeightSyncLoop
 
 BOUND_S = 30.0
 WAIT_S = 20.0  # a hang guard for waits on the loop's own events

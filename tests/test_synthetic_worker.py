@@ -12,11 +12,11 @@ import pytest
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import load_config
+from orchestrator.delivery.wire import Batch
 from orchestrator.procs import terminate
 from orchestrator.testing.sim import sim_servers
 from orchestrator.testing.synthetic_worker import job_toml, worker_command
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.wire import Batch
+from orchestrator.trainer.reference import ReferenceTrainer
 
 pytestmark = pytest.mark.slow
 JOB_GUARD_S = 240.0  # a hang guard: the job takes seconds on a quiet host

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 
+from orchestrator.delivery.wire import Batch, LogprobsMode
 from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
-from orchestrator.transport.wire import Batch, LogprobsMode
 
 VOCAB = 64
 

@@ -27,8 +27,8 @@ from orchestrator.testing.handshakes import failed_handshakes
 from orchestrator.testing.keys import KeySet, make_key_set
 from orchestrator.testing.procs import orchestrator_process, wait_until
 from orchestrator.testing.steps import synthetic_config
+from orchestrator.trainer.reference import read_journal
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver
-from orchestrator.transport.trainer import read_journal
 
 TIMEOUT_S = 60.0  # a hang guard: every wait ends on an event (a message, a failed handshake)
 

@@ -22,11 +22,11 @@ import pytest
 
 from orchestrator.commands.check import check_servers
 from orchestrator.config import load_config
+from orchestrator.delivery.wire import Batch
 from orchestrator.inference.preflight import PreflightError
 from orchestrator.testing.procs import logged, orchestrator_process, wait_until, write_job
 from orchestrator.testing.sim import sim_process
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.wire import Batch
+from orchestrator.trainer.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 

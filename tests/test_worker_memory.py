@@ -22,7 +22,7 @@ from orchestrator.app import Orchestrator
 from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.sim import sim_servers
 from orchestrator.testing.worker_memory import rss_growth, worker_rss_series
-from orchestrator.transport.trainer import ReferenceTrainer
+from orchestrator.trainer.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

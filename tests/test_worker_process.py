@@ -10,8 +10,8 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.errors import Failure, WireError
-from orchestrator.worker.process import LoadedEnv, Worker, classify
-from orchestrator.worker.protocol import (
+from orchestrator.workers.process import LoadedEnv, Worker, classify
+from orchestrator.workers.protocol import (
     Assign,
     Records,
     decode_orchestrator_message,

@@ -1,5 +1,5 @@
 """Shared by replay_step.py, bench_step.py and synth_step.py: one step through the orchestrator's own step
-pipeline (``orchestrator.pipeline.phases.StepPipeline``, the object ``app.Orchestrator`` runs every step), phase
+pipeline (``orchestrator.steps.phases.StepPipeline``, the object ``app.Orchestrator`` runs every step), phase
 by phase, on a loop whose lag is sampled every millisecond, with synthetic background traffic. ``StepRunner``
 is the pipeline's host here, as the orchestrator is in a run:
 
@@ -35,16 +35,16 @@ from typing import Any, TypeVar
 import numpy as np
 
 from orchestrator.config import JobConfig, load_config, to_toml
+from orchestrator.delivery.wire import Batch
 from orchestrator.lagmon import LagMonitor, LagStats
-from orchestrator.pipeline.dump import DumpInfo, ReplayGroup, StepDump, load_dump, write_dump
-from orchestrator.pipeline.outputs import StepOutputs
-from orchestrator.pipeline.phases import StepPipeline
-from orchestrator.pipeline.rows import RolloutRow
-from orchestrator.pipeline.step import StepBuilder, StepResult
 from orchestrator.procs import terminate
+from orchestrator.steps.boundary import StepBuilder, StepResult
+from orchestrator.steps.dump import DumpInfo, ReplayGroup, StepDump, load_dump, write_dump
+from orchestrator.steps.outputs import StepOutputs
+from orchestrator.steps.phases import StepPipeline
+from orchestrator.steps.rows import RolloutRow
 from orchestrator.testing.steps import synthetic_config, synthetic_groups
 from orchestrator.transport import BatchSender, encode
-from orchestrator.transport.wire import Batch
 
 T = TypeVar("T")
 SETTLE_S = 0.003  # after each phase: lets the lag sampler record a stall the phase caused
@@ -290,7 +290,7 @@ class StepRunner:
             await asyncio.to_thread(_remove_tree, self.workdir / "dumps")
         return self.spans[first:]
 
-    # ------------------------------------------------------------- the step pipeline's host (pipeline/phases.py)
+    # ------------------------------------------------------------- the step pipeline's host (steps/phases.py)
 
     async def _take(self, step: int) -> tuple[Sequence[Any], Sequence[Any]]:
         self._t0 = time.perf_counter()

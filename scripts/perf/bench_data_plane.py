@@ -74,7 +74,7 @@ LENGTHS = (1024, 8192, 65536)
 TRAINER = """
 import sys
 import uvloop
-from orchestrator.transport.receiver import BatchReceiver
+from orchestrator.trainer.receiver import BatchReceiver
 
 async def main():
     receiver = BatchReceiver(sys.argv[1])  # each step acknowledged by the next call
@@ -206,7 +206,7 @@ def step_samples(tokens: int, rollouts: int, seed: int = 0) -> list[Any]:
     """``rollouts`` distinct one-sample rollouts of ``tokens // rollouts`` tokens with routed experts 48 x 8."""
     import numpy as np
 
-    from orchestrator.samples import Sample
+    from orchestrator.columns.samples import Sample
 
     rng = np.random.default_rng(seed)
     n = tokens // rollouts
@@ -219,12 +219,12 @@ async def same_node_bytes(tmp: Path, tokens: int, rollouts: int, repeats: int) -
     """Section 3, same node: see the module docstring. Medians over ``repeats`` interleaved passes."""
     import numpy as np
 
-    from orchestrator.dataplane.layout import span_layout
-    from orchestrator.dataplane.manifest import build_manifest, decode_manifest, encode_manifest
-    from orchestrator.dataplane.reader import PoolMaps
-    from orchestrator.dataplane.store import ColumnStore
-    from orchestrator.transport.memfd import serve_pool
-    from orchestrator.worker.protocol import PoolInfo, RolloutHeader, RolloutRecord
+    from orchestrator.columns.layout import span_layout
+    from orchestrator.columns.manifest import build_manifest, decode_manifest, encode_manifest
+    from orchestrator.columns.memfd import serve_pool
+    from orchestrator.columns.reader import PoolMaps
+    from orchestrator.columns.store import ColumnStore
+    from orchestrator.workers.protocol import PoolInfo, RolloutHeader, RolloutRecord
 
     samples = step_samples(tokens, rollouts)
     span = span_layout(samples[0].num_tokens, LAYERS, TOP_K, "uint8").nbytes
@@ -284,9 +284,9 @@ import asyncio, json, sys
 import uvloop, zmq
 sys.path.insert(0, sys.argv[4])
 from bench_data_plane import step_samples
-from orchestrator.dataplane.fetch import SpanServer
-from orchestrator.dataplane.layout import span_layout
-from orchestrator.dataplane.store import ColumnStore
+from orchestrator.columns.fetch import SpanServer
+from orchestrator.columns.layout import span_layout
+from orchestrator.columns.store import ColumnStore
 
 kind, tokens, rollouts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 samples = step_samples(tokens, rollouts)
@@ -315,7 +315,7 @@ async def tcp_bytes(tokens: int, rollouts: int, repeats: int) -> dict[str, Any]:
     """Section 3, across loopback TCP: ``SpanClient.fetch`` from a span server process against raw pyzmq."""
     import zmq
 
-    from orchestrator.dataplane.fetch import SpanClient
+    from orchestrator.columns.fetch import SpanClient
 
     here = str(Path(__file__).resolve().parent)  # noqa: ASYNC240 - before anything is measured
     cmds = [[sys.executable, "-c", SERVER, kind, str(tokens), str(rollouts), here] for kind in ("raw", "span")]

@@ -47,7 +47,7 @@ from orchestrator.realstack.install import StackPaths
 from orchestrator.realstack.server import ServeOptions, vllm_server
 from orchestrator.testing.procs import orchestrator_process
 from orchestrator.testing.real_job import RealJob
-from orchestrator.transport.checkpoints import Checkpoint
+from orchestrator.weights.checkpoints import Checkpoint
 
 SERVER_CPU, OWN_CPU = "1", 0
 

@@ -4,7 +4,7 @@ One rollout of ``--turns`` turns and ``--tokens`` tokens with routed experts ``-
 (default: 64 turns, 64k tokens, 48 x 8, as in a long agentic MoE rollout). Nodes carry Python lists for
 token ids, masks and logprobs and a numpy array for routed experts, as verifiers' MessageNode does.
 
-Prints: ``build_s`` (orchestrator.samples.build_sample), ``memcpy_s`` (copying the output arrays: the
+Prints: ``build_s`` (orchestrator.columns.samples.build_sample), ``memcpy_s`` (copying the output arrays: the
 physical floor), ``ratio_to_memcpy`` (target <= 3), and ``quadratic_s``, a reference that re-packs the
 whole sample after every turn (what O(N^2) assembly costs). Last line with --json: one JSON object.
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.samples import PlainNode as Node
-from orchestrator.samples import build_sample
+from orchestrator.columns.samples import PlainNode as Node
+from orchestrator.columns.samples import build_sample
 
 
 def make_nodes(turns: int, tokens: int, layers: int, top_k: int, seed: int = 0) -> list[Node]:

@@ -30,8 +30,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from orchestrator.delivery.wire import shm_layout
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, decode, encode
-from orchestrator.transport.wire import shm_layout
 
 
 def make_batch(samples: int, tokens: int, layers: int, top_k: int) -> Batch:

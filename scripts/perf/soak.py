@@ -58,7 +58,7 @@ def slope(y: list[float]) -> float:
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     from orchestrator.app import Orchestrator
     from orchestrator.commands.demo import with_sim_servers
-    from orchestrator.transport.trainer import ReferenceTrainer
+    from orchestrator.trainer.reference import ReferenceTrainer
 
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         out = args.output_dir or tmp

@@ -38,7 +38,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     from orchestrator.app import Orchestrator
     from orchestrator.commands.demo import with_sim_servers
     from orchestrator.testing.worker_memory import rss_growth, worker_rss_series
-    from orchestrator.transport.trainer import ReferenceTrainer
+    from orchestrator.trainer.reference import ReferenceTrainer
 
     with tempfile.TemporaryDirectory(prefix="soak-workers-") as tmp:
         probe = load_config(args.config, args.set)

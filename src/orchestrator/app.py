@@ -28,43 +28,43 @@ import msgspec
 import orjson
 
 from orchestrator.assets import tokenizer_dir, vocab_size
+from orchestrator.columns.manifest import StepManifest
+from orchestrator.columns.readback import Readback
+from orchestrator.columns.unacked import UnackedSteps
 from orchestrator.config import JobConfig, to_toml
-from orchestrator.dataplane.manifest import StepManifest
+from orchestrator.delivery.filesystem import FileBatchSender
+from orchestrator.delivery.primerl import PrimeRLSender
+from orchestrator.delivery.sender import Sender
+from orchestrator.delivery.wire import Batch, LogprobsMode
+from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.errors import UnloadableCheckpoint, WireError
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.outdir import OutputDir
-from orchestrator.pipeline.dump import dump_due, dump_path
-from orchestrator.pipeline.filters import TOKEN_FILTERS, token_filter_args
-from orchestrator.pipeline.outputs import (
+from orchestrator.rollouts.groups import Group
+from orchestrator.rollouts.scheduler import EVAL_PREFIX, Scheduler
+from orchestrator.scoring.filters import TOKEN_FILTERS, token_filter_args
+from orchestrator.security import KeyPair, load_authorized_keys, load_key_pair
+from orchestrator.sinks import Sinks, open_sinks
+from orchestrator.sinks.samples import SampleTable
+from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
+from orchestrator.steps.boundary import StepBuilder, StepResult
+from orchestrator.steps.dump import dump_due, dump_path
+from orchestrator.steps.outputs import (
     StepOutputs,
     eval_rollout_rows,
     format_eval_line,
     format_step_line,
 )
-from orchestrator.pipeline.phases import Built, StepPipeline
-from orchestrator.pipeline.readback import Readback
-from orchestrator.pipeline.rows import RolloutRow
-from orchestrator.pipeline.step import StepBuilder, StepResult
-from orchestrator.pipeline.unacked import UnackedSteps
-from orchestrator.scheduling.groups import Group
-from orchestrator.scheduling.scheduler import EVAL_PREFIX, Scheduler
-from orchestrator.security import KeyPair, load_authorized_keys, load_key_pair
-from orchestrator.sinks import Sinks, open_sinks
-from orchestrator.sinks.samples import SampleTable
-from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
-from orchestrator.sync_loop import WeightSyncLoop
-from orchestrator.transport.checkpoints import Checkpoint
-from orchestrator.transport.filesystem import FileBatchSender
-from orchestrator.transport.primerl import PrimeRLSender
-from orchestrator.transport.sender import Sender
-from orchestrator.transport.wire import Batch, LogprobsMode
-from orchestrator.transport.zmq_link import BatchSender
-from orchestrator.worker.hub import WorkerHub
-from orchestrator.worker.process import Worker
-from orchestrator.worker.protocol import EnvSpec, PoolInfo, Setup, TokenFilter, TokenFilterName
+from orchestrator.steps.phases import Built, StepPipeline
+from orchestrator.steps.rows import RolloutRow
+from orchestrator.weights.checkpoints import Checkpoint
+from orchestrator.weights.sync_loop import WeightSyncLoop
+from orchestrator.workers.hub import WorkerHub
+from orchestrator.workers.process import Worker
+from orchestrator.workers.protocol import EnvSpec, PoolInfo, Setup, TokenFilter, TokenFilterName
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -261,7 +261,7 @@ class Orchestrator:
             sched.start_evaluation(due)
 
     async def _step(self, step: int, steps: OrchestratorSteps) -> None:
-        """One step: its phases are the step pipeline's (pipeline/phases.py); its line in the log."""
+        """One step: its phases are the step pipeline's (steps/phases.py); its line in the log."""
         metrics = await steps.run(step)
         log.info("%s", format_step_line(metrics))
         self.summary.steps += 1
@@ -270,7 +270,7 @@ class Orchestrator:
 
     def _read_back(self, groups: list[Group], manifest: StepManifest, pools: dict[str, PoolInfo], dump: bool
                    ) -> tuple[list[Group], Batch | None]:
-        """Blocking (the step thread): direct mode's opt-in column reads (pipeline/readback.py). For a dump, every
+        """Blocking (the step thread): direct mode's opt-in column reads (columns/readback.py). For a dump, every
         record's columns and the step's batch; for the samples table only, its few rollouts'."""
         assert self.readback is not None
         if not dump:
@@ -301,7 +301,7 @@ class Orchestrator:
 
 
 class OrchestratorSteps:
-    """The orchestrator's side of the step pipeline (``StepHost``, pipeline/phases.py): blocking phases in the
+    """The orchestrator's side of the step pipeline (``StepHost``, steps/phases.py): blocking phases in the
     step thread, the sender's send, the run's state and metrics after it, its outputs; direct mode's build."""
 
     def __init__(self, orch: Orchestrator, sched: Scheduler) -> None:

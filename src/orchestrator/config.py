@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 from orchestrator.configbase import opt
 from orchestrator.errors import ConfigError, KeyFileError
-from orchestrator.scheduling.curriculum import CurriculumConfig
-from orchestrator.scheduling.gates import DEFAULT_GATES, GateConfig
+from orchestrator.rollouts.curriculum import CurriculumConfig
+from orchestrator.scoring.gates import DEFAULT_GATES, GateConfig
 
 if typing.TYPE_CHECKING:
     from orchestrator.security import ServerKeys
@@ -371,8 +371,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
 def _hook_problems(cfg: JobConfig, source: Any) -> list[str]:
     """Build the advantage function and the filters once, so a hook that cannot be imported or arguments a
     filter does not take are config errors here, before anything starts (not a failure minutes later)."""
-    from orchestrator.pipeline.advantage import AdvantageFn  # the pipeline imports this module
-    from orchestrator.pipeline.filters import FilterSet
+    from orchestrator.scoring.advantage import AdvantageFn  # the pipeline imports this module
+    from orchestrator.scoring.filters import FilterSet
 
     problems: list[str] = []
     for build in (lambda: AdvantageFn(cfg.pipeline), lambda: FilterSet(cfg.pipeline.filters, vocab_size=2**17)):

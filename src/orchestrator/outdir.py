@@ -25,8 +25,8 @@ from typing import IO, Any
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import OrchestratorError
-from orchestrator.pipeline.outputs import drop_steps_from, lines_by_step
 from orchestrator.state import OrchestratorState, StateError, load_state
+from orchestrator.steps.outputs import drop_steps_from, lines_by_step
 
 LOCK_FILE = ".orchestrator.lock"
 OUTPUT_FILES = ("rollouts.jsonl", "metrics.jsonl", "eval_rollouts.jsonl")

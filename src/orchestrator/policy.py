@@ -2,7 +2,7 @@
 
 Numpy only (no verifiers, no torch), so both sides import it: ``orchestrator.sim.policy`` samples every token
 of a simulated reply from it and loads its parameters when a weight update names a directory;
-``orchestrator.transport.learner`` (``orchestrator receive --learn``) trains it from the batches we ship and
+``orchestrator.trainer.learner`` (``orchestrator receive --learn``) trains it from the batches we ship and
 saves it into the checkpoint directory it announces.
 
 The model is log-linear: the logit of the next token ``y`` is a sum over features of the context of

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.app import Orchestrator
+from orchestrator.delivery.wire import Batch
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.real_job import RealJob, Servers, get_json, reload_base, run_real_job
+from orchestrator.trainer.reference import ReferenceTrainer
 from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
-from orchestrator.transport.trainer import ReferenceTrainer
-from orchestrator.transport.wire import Batch
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("verifiers_home")]
 STEPS = 6

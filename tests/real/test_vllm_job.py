@@ -16,9 +16,9 @@ import numpy as np
 import orjson
 import pytest
 
+from orchestrator.delivery.wire import Batch
 from orchestrator.testing.real_job import RealJob, Servers, get_json, reload_base, run_real_job
 from orchestrator.trainer.torch_learner import Sample, TorchLearnConfig, TorchLearner, TorchLearnStats
-from orchestrator.transport.wire import Batch
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("verifiers_home")]
 STEPS = 4

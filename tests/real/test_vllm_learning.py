@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.delivery.wire import Batch
 from orchestrator.testing.real_job import RealJob, Servers, reload_base, run_real_job
 from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner, TorchLearnStats
-from orchestrator.transport.wire import Batch
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("verifiers_home")]
 STEPS = 12

@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
 def check_environments(cfg: JobConfig, source: str) -> list[str]:
     """Resolve each ``[[env]]``'s verifiers configuration with verifiers; a line per environment saying what
     runs (seats, harnesses, runtimes, tasks). ConfigError listing every problem, each with its key path."""
-    from orchestrator.envconfig import resolve_env
+    from orchestrator.workers.envconfig import resolve_env
 
     problems: list[str] = []
     lines: list[str] = []
@@ -90,7 +90,7 @@ async def check_servers(cfg: JobConfig) -> None:
 
 def check_weights_path(inference: InferenceConfig) -> tuple[str | None, str]:
     """(a problem or None, what was checked) of ``inference.weights_path`` on this host; blocking."""
-    from orchestrator.inference.checkpoint_files import weights_path_report
+    from orchestrator.weights.checkpoint_files import weights_path_report
 
     if inference.weights_path is None:
         return None, ""  # checkpoints come with their paths; each is checked when announced

@@ -56,8 +56,8 @@ async def demo(cfg: JobConfig, *, learn: bool = True, real_stack: Path | None = 
     from orchestrator.commands.report import render_report
     from orchestrator.errors import OrchestratorError
     from orchestrator.progress import StepProgress
-    from orchestrator.transport.learner import PolicyLearner
-    from orchestrator.transport.trainer import ReferenceTrainer
+    from orchestrator.trainer.learner import PolicyLearner
+    from orchestrator.trainer.reference import ReferenceTrainer
 
     progress = StepProgress(cfg.run.max_steps)  # the same bar (or plain lines) as `orchestrator run`
     console = progress.console

@@ -43,10 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from orchestrator.worker.quiet import quiet_libraries
+    from orchestrator.workers.quiet import quiet_libraries
 
     quiet_libraries()  # before verifiers (and transformers) are imported, below
-    from orchestrator.worker.process import Worker
+    from orchestrator.workers.process import Worker
 
     keys = client_keys(args, args.connect, "env worker")
     if args.nice:

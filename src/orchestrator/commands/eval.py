@@ -33,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
 
     async def job() -> None:
-        from orchestrator.evaluate import evaluate
+        from orchestrator.eval.once import evaluate
 
         rows.append(await evaluate(cfg, out, step=args.step, policy=args.policy))
 

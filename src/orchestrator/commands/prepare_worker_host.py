@@ -3,7 +3,7 @@
 Run it once per worker host (and again after upgrading verifiers) while PyPI can be reached; with
 ``--no-download`` it only re-indexes wheels already in ``DIR/wheels`` (copied from another host). Then
 ``source DIR/env.sh`` before ``orchestrator run`` (local env workers inherit it) or ``orchestrator env-worker``.
-What it downloads and writes: ``orchestrator.workerhost``.
+What it downloads and writes: ``orchestrator.workers.host``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from orchestrator.workerhost import prepare
+    from orchestrator.workers.host import prepare
 
     env = prepare(args.directory, download=args.download, extra=args.packages)
     directory = args.directory.resolve()

@@ -13,7 +13,7 @@ from orchestrator.cli import run_async
 from orchestrator.commands.client_keys import add_key_arguments, client_keys, file_path, zmq_address
 
 if TYPE_CHECKING:
-    from orchestrator.transport.trainer import Learner
+    from orchestrator.trainer.reference import Learner
 
 HELP = "run the reference trainer: receive batches, print a line per step, announce checkpoints"
 
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import zmq.asyncio
 
-    from orchestrator.transport.trainer import ReferenceTrainer
+    from orchestrator.trainer.reference import ReferenceTrainer
 
     learns = args.learn or args.torch_model is not None
     if args.learn and args.torch_model is not None:
@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
 def _learner(args: argparse.Namespace, given: dict[str, Any]) -> Learner:
     """The learner the flags name: the tiny policy's (--learn) or a real model's (--torch-model)."""
     if args.torch_model is None:
-        from orchestrator.transport.learner import LearnConfig, PolicyLearner
+        from orchestrator.trainer.learner import LearnConfig, PolicyLearner
 
         return PolicyLearner(LearnConfig(**given))
     try:

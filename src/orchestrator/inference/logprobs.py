@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Literal
 
 import orjson
 
+from orchestrator.delivery.wire import LogprobsMode
 from orchestrator.errors import InferenceError
 from orchestrator.inference.server import HttpStatusError, InferenceServer
-from orchestrator.transport.wire import LogprobsMode
 
 if TYPE_CHECKING:
     from orchestrator.config import JobConfig

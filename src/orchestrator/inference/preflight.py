@@ -30,12 +30,12 @@ from typing import Any
 
 import orjson
 
+from orchestrator.delivery.wire import LogprobsMode
 from orchestrator.errors import InferenceError, MalformedReply, OrchestratorError
 from orchestrator.inference.logprobs import LogprobsCheck, Settled, resolve, server_mode
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpStatusError, InferenceServer
-from orchestrator.inference.weights import PrimeRLWeights, VLLMWeights, weight_sync
-from orchestrator.transport.wire import LogprobsMode
+from orchestrator.weights.backends import PrimeRLWeights, VLLMWeights, weight_sync
 
 log = logging.getLogger(__name__)
 

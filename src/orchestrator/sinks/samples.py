@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.pipeline.rows import RolloutRow
+from orchestrator.steps.rows import RolloutRow
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.transport.learner import LearnStats, PolicyLearner
-from orchestrator.transport.wire import Batch
+from orchestrator.delivery.wire import Batch
+from orchestrator.trainer.learner import LearnStats, PolicyLearner
 
 CORRUPTIONS = ("shuffle", "shift", "zeros")
 # arithmetic: 12 tasks, so the first steps and the last hold the same tasks (with 8 a step, 3 steps hold each
@@ -168,7 +168,7 @@ def main() -> int:
     import zmq.asyncio
 
     from orchestrator.procs import die_with_parent
-    from orchestrator.transport.trainer import ReferenceTrainer
+    from orchestrator.trainer.reference import ReferenceTrainer
 
     die_with_parent()
     trainer = ReferenceTrainer(args.address, max_steps=args.steps, checkpoint_dir=args.checkpoint_dir,

@@ -23,7 +23,7 @@ from orchestrator.app import Orchestrator, RunSummary
 from orchestrator.config import load_config
 from orchestrator.realstack.install import StackPaths
 from orchestrator.realstack.server import VLLMServer
-from orchestrator.transport.trainer import Learner, ReferenceTrainer, read_journal
+from orchestrator.trainer.reference import Learner, ReferenceTrainer, read_journal
 
 ENVS = {
     "arith": "orchestrator-arithmetic",  # single turn

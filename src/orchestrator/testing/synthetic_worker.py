@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.dataplane.layout import SpanLayout
-from orchestrator.dataplane.store import ColumnStore
-from orchestrator.samples import Sample
-from orchestrator.worker.process import LoadedEnv, Worker
-from orchestrator.worker.protocol import AssignedRollout, RolloutHeader, Setup
+from orchestrator.columns.layout import SpanLayout
+from orchestrator.columns.samples import Sample
+from orchestrator.columns.store import ColumnStore
+from orchestrator.workers.process import LoadedEnv, Worker
+from orchestrator.workers.protocol import AssignedRollout, RolloutHeader, Setup
 
 
 class _Slots:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.dataplane.layout import SpanLoc, span_layout
+from orchestrator.columns.layout import SpanLoc, span_layout
 from orchestrator.errors import Failure
-from orchestrator.worker.events import HubEvent, PoolGone, RecordsIn, WorkerLost
-from orchestrator.worker.protocol import Assign, AssignedRollout, RolloutHeader, RolloutRecord
+from orchestrator.workers.events import HubEvent, PoolGone, RecordsIn, WorkerLost
+from orchestrator.workers.protocol import Assign, AssignedRollout, RolloutHeader, RolloutRecord
 
 Outcome = float | str | Failure | None
 

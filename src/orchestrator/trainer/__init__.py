@@ -1,2 +1,3 @@
-"""Trainers that consume the orchestrator's batches with the public trainer library (``orchestrator.transport``):
-``torch_learner`` trains a real Hugging Face model with PyTorch (the ``[torch]`` extra)."""
+"""The trainer's side: the public library (``receiver``, ``packing``; re-exported as ``orchestrator.transport``)
+and the trainers built on it: the reference trainer (``reference``, with ``learner``) and the PyTorch learner for
+real models (``torch_learner``, the ``[torch]`` extra)."""

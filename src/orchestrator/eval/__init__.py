@@ -1,0 +1,1 @@
+"""Evaluation: online rounds during training (``online``) and one round without a trainer (``once``)."""

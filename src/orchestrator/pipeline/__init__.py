@@ -1,1 +1,0 @@
-"""The step boundary: advantages, filters, batch assembly and step outputs, all run off the event loop."""

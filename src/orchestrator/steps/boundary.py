@@ -1,0 +1,172 @@
+"""One step boundary: advantages, filters, rollout rows and the batch, from the step's finished groups.
+
+``StepBuilder.build`` is blocking numpy work: the orchestrator calls it in a worker thread, never on the
+event loop. Column bytes are copied exactly once, when each column is concatenated into the batch.
+Rollout records come from env workers (see workers/protocol.py); a rollout's frames hold all its samples.
+
+Data plane (``data_plane = "direct"``): ``build(..., pools=...)`` makes a step manifest instead of a batch
+(``columns.manifest.build_manifest``: headers only, no column byte read). ``pools`` is every worker's current
+column pool; a taken rollout whose pool is no longer its worker's (the worker died or renewed its pool after
+the step took it) fails with ``worker_died`` and does not train. Token filters use the verdicts the env workers
+reported (``FilterSet(in_worker=True)``). ``trained`` lists the rollouts the step names (released when the
+trainer acknowledges it); ``untrained`` the survivors it leaves out (released now).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from orchestrator.columns.manifest import StepManifest, build_manifest
+from orchestrator.config import JobConfig
+from orchestrator.delivery.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
+from orchestrator.rollouts.groups import lose_columns
+from orchestrator.scoring.advantage import AdvantageFn
+from orchestrator.scoring.filters import FilterSet
+from orchestrator.steps.rows import RolloutRow, dropped_rows
+from orchestrator.workers.protocol import PoolInfo, RolloutRecord
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B", Batch, StepManifest)
+
+
+@dataclass
+class StepResult(Generic[B]):
+    batch: B  # what the sender sends: a Batch, or (direct) a StepManifest
+    rows: list[RolloutRow]
+    phase_s: dict[str, float]
+    filter_counts: dict[str, dict[str, int]]
+    untrained: list[RolloutRecord] = field(default_factory=list)  # survivors left out: never read
+    trained: list[RolloutRecord] = field(default_factory=list)  # the rollouts the step carries
+
+    @property
+    def num_samples(self) -> int:
+        return self.batch.num_samples if isinstance(self.batch, Batch) else len(self.batch.samples)
+
+
+class StepBuilder:
+    def __init__(self, cfg: JobConfig, vocab_size: int, logprobs_mode: LogprobsMode | None = None) -> None:
+        self.run = cfg.run.name
+        # what every batch tells the trainer: which logprobs it holds (settled by preflight), and each sample's
+        # sampling temperature (its env's), which a trainer recomputing processed logprobs needs
+        self.logprobs_mode = logprobs_mode
+        self.temperatures = {e.label: e.sampling.temperature for e in cfg.env}
+        self.advantage = AdvantageFn(cfg.pipeline)
+        self.vocab_size = vocab_size
+        self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
+        # direct mode: the token filters' verdicts come from the env workers (RolloutHeader.filters); custom
+        # filters may read tokens and cannot run here (not built): named once when the first step is built
+        self.worker_filters = FilterSet(cfg.pipeline.filters, vocab_size, in_worker=True)
+        self.skipped_filters = sorted(set(self.worker_filters.skipped))
+
+    def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult[Batch]:
+        """All three phases in order, each timed in ``phase_s``; the rows of ``dropped`` groups (none of whose
+        rollouts train) come after the step's own."""
+        rows, trained, phase = self._rows(step, groups, dropped)
+        t = time.perf_counter()
+        batch = self.assemble(step, trained)
+        phase["assemble"] = time.perf_counter() - t
+        return self.result(batch, rows, phase, groups, trained)
+
+    def build_manifest(self, step: int, groups: Sequence[Any], dropped: Sequence[Any],
+                       pools: Mapping[str, PoolInfo], attempt: int = 0) -> StepResult[StepManifest]:
+        """``build`` for direct mode: a step manifest naming ``pools`` (see the module docstring); ``attempt``
+        > 0 for a step rebuilt after the trainer lost some of its pools (columns/unacked.py)."""
+        for g in groups:
+            for worker, pool in sorted({(r.header.worker, r.header.span.pool) for r in g.records
+                                        if r.header.span is not None}):
+                if pools.get(worker) is None or pools[worker].id != pool:
+                    lose_columns(g, worker, pool, "its column pool is gone")
+        if self.skipped_filters:
+            log.warning("data_plane = direct: custom filters %s may read column bytes and are not applied (not "
+                        "built yet)", self.skipped_filters)
+            self.skipped_filters = []
+        rows, trained, phase = self._rows(step, groups, dropped, self.worker_filters)
+        t = time.perf_counter()
+        manifest = build_manifest(self.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools,
+                                  attempt, self.logprobs_mode, self.temperatures)
+        phase["assemble"] = time.perf_counter() - t
+        return self.result(manifest, rows, phase, groups, trained)
+
+    def _rows(self, step: int, groups: Sequence[Any], dropped: Sequence[Any], filters: FilterSet | None = None
+              ) -> tuple[list[RolloutRow], list[tuple[RolloutRecord, float]], dict[str, float]]:
+        phase: dict[str, float] = {}
+        t = time.perf_counter()
+        advantages = self.advantages(groups)
+        phase["advantage"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        rows, trained = self.filter(step, groups, advantages, filters)
+        rows += dropped_rows(step, dropped)
+        phase["filter"] = time.perf_counter() - t
+        return rows, trained, phase
+
+    def result(self, batch: B, rows: list[RolloutRow], phase: dict[str, float], groups: Sequence[Any],
+                trained: list[tuple[RolloutRecord, float]]) -> StepResult[B]:
+        kept = {id(rec) for rec, _ in trained}
+        untrained = [r for g in groups for r in g.survivors if id(r) not in kept]
+        counts = self.filters.take_counts() | self.worker_filters.take_counts()
+        return StepResult(batch, rows, phase, counts, untrained, [rec for rec, _ in trained])
+
+    # The phases of ``build``, public so replay (scripts/perf) can run and time them one at a time.
+
+    def advantages(self, groups: Sequence[Any]) -> list[np.ndarray]:
+        """Phase ``advantage``: one array per group, over its survivors (the scheduler's, computed when the
+        group completed for its gates, when it has them)."""
+        out = []
+        for g in groups:
+            adv = getattr(g, "advantages", None)
+            out.append(adv if adv is not None else self.advantage(g.survivors))
+        return out
+
+    def filter(self, step: int, groups: Sequence[Any], advantages: Sequence[np.ndarray],
+               filters: FilterSet | None = None) -> tuple[list[RolloutRow], list[tuple[RolloutRecord, float]]]:
+        """Phase ``filter``: every rollout's row (failed ones included) and the (record, advantage) pairs
+        to train on. Filter counts accumulate until ``filters.take_counts()``."""
+        rows: list[RolloutRow] = []
+        trained: list[tuple[RolloutRecord, float]] = []
+        for g, adv in zip(groups, advantages, strict=True):
+            rows += [RolloutRow.failed(step, g, r) for r in g.records if not r.ok]
+            for rec, a in zip(g.survivors, adv.tolist(), strict=True):
+                verdict = (filters or self.filters)(rec, a)
+                if not verdict.filtered:
+                    trained.append((rec, a))
+                rows.append(RolloutRow.survivor(step, g, rec, a, list(verdict.matched), verdict.filtered))
+        return rows, trained
+
+    def assemble(self, step: int, trained: Sequence[tuple[RolloutRecord, float]]) -> Batch:
+        """Phase ``assemble``: concatenate every trained rollout's column frames once; scalars per sample."""
+        lengths: list[int] = []
+        scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": [], "temperature": [],
+                                         "policy": []}
+        tails = {s[1:] for rec, _ in trained for s in rec.header.samples}
+        with_routed = len(tails) == 1 and (0, 0) not in tails
+        if len(tails) > 1:
+            log.warning("step %d: routed-expert shapes differ across rollouts %s; the batch carries none",
+                        step, sorted(tails))
+        chunks: dict[str, list[np.ndarray]] = {name: [] for name in TOKEN_COLUMNS}
+        if with_routed:
+            chunks[ROUTED] = []
+        for rec, adv in trained:
+            shapes = rec.header.samples
+            if not shapes:
+                continue
+            for name in TOKEN_COLUMNS:
+                chunks[name].append(rec.column(name))
+            if with_routed:
+                chunks[ROUTED].append(rec.column(ROUTED).reshape(rec.tokens, *shapes[0][1:]))
+            for s in shapes:
+                lengths.append(s[0])
+                scalars["advantage"].append(adv)
+                scalars["reward"].append(rec.reward)
+                scalars["env"].append(rec.env)
+                scalars["rollout"].append(rec.rid)
+                scalars["temperature"].append(self.temperatures.get(rec.env, 1.0))
+                scalars["policy"].append(rec.header.policy_step)
+        return Batch.from_columns(self.run, step, chunks, lengths, scalars, self.logprobs_mode)
