@@ -11,8 +11,8 @@ import pytest
 
 from orchestrator.config import PipelineConfig
 from orchestrator.errors import ConfigError
-from orchestrator.eval.online import metrics, pass_at_k, pass_hat_k
 from orchestrator.rollouts.curriculum import IN_FLIGHT, UNSEEN, Curriculum, CurriculumConfig, PoolConfig
+from orchestrator.rollouts.evaluation import metrics, pass_at_k, pass_hat_k
 from orchestrator.rollouts.sampler import EnvDraws, TaskOrder, TaskSampler
 from orchestrator.scoring.advantage import AdvantageFn
 from orchestrator.scoring.gates import GateConfig, Gates, GroupView, build_gate

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -13,6 +17,12 @@ from orchestrator.cli import run_async
 from orchestrator.commands.check import add_set_argument
 from orchestrator.commands.run import interruptible
 from orchestrator.config import load_config
+from orchestrator.errors import ConfigError
+
+if TYPE_CHECKING:
+    from orchestrator.config import JobConfig
+
+log = logging.getLogger(__name__)
 
 HELP = "evaluate the servers' current model once with the config's [eval] environments (no trainer)"
 
@@ -33,8 +43,6 @@ def main(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
 
     async def job() -> None:
-        from orchestrator.eval.once import evaluate
-
         rows.append(await evaluate(cfg, out, step=args.step, policy=args.policy))
 
     code = run_async(interruptible(job()))
@@ -58,3 +66,34 @@ def table(row: dict[str, Any]) -> str:
     for env, m in envs.items():
         lines.append(env.ljust(width) + "".join(f"{m.get(k, 0.0):12.3f}" for k in keys) + f"{m['errors']:8d}")
     return "\n".join(lines)
+
+async def evaluate(cfg: JobConfig, out: Path, *, step: int = 0, policy: int = 0) -> dict[str, Any]:
+    """Run one evaluation round labelled ``step`` and ``policy`` against ``cfg``'s servers; append its row
+    to ``out/metrics.jsonl`` and its rollouts to ``out/eval_rollouts.jsonl``; return the row.
+
+    The same code as a training run's online evaluation: the ``[eval]`` section and its environments, env
+    workers, the scheduler's evaluation rounds (evaluation only: no training group opens), the same rows."""
+    from orchestrator.app import open_engines, start_workers
+    from orchestrator.rollouts.scheduler import Scheduler
+    from orchestrator.steps.outputs import StepOutputs, eval_rollout_rows, format_eval_line
+
+    if cfg.eval is None or not cfg.eval.env:
+        raise ConfigError(["eval: `orchestrator eval` needs an [eval] section with [[eval.env]] tables"])
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, at_start=True, interval=1))
+    outputs = await asyncio.to_thread(StepOutputs, out)
+    async with contextlib.AsyncExitStack() as stack:
+        pool, hub, _ = await open_engines(cfg, stack, out, evaluation_only=True)
+        async with asyncio.TaskGroup() as tg:
+            background = [tg.create_task(pool.run()), tg.create_task(hub.run())]
+            await start_workers(tg, hub, background, cfg.monitor.stall_warn_s)
+            sched = Scheduler(cfg, pool, hub, policy, train=False)
+            background.append(tg.create_task(sched.run()))
+            sched.start_evaluation(step)
+            row, groups = await sched.eval_rows.get()
+            row["at_step"] = step
+            await asyncio.to_thread(outputs.write_eval_rollouts, eval_rollout_rows(row, groups))
+            await asyncio.to_thread(outputs.metrics.log, row, step=step, prefix="eval")
+            log.info("%s", format_eval_line(row))
+            for task in background:
+                task.cancel()
+    return row

@@ -58,8 +58,8 @@ import numpy as np
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import Failure, OrchestratorError
-from orchestrator.eval.online import Evaluator
 from orchestrator.inference.pool import InferencePool, Server
+from orchestrator.rollouts.evaluation import Evaluator
 from orchestrator.rollouts.faultlog import ServerFaultLines
 from orchestrator.rollouts.groups import Group, GroupTracker, failure_summary, lose_columns
 from orchestrator.rollouts.sampler import EnvDraws, TaskSampler
