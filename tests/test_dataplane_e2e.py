@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
+from orchestrator.columns.direct import DirectPlane
 from orchestrator.config import JobConfig
 from orchestrator.delivery.wire import Batch
 from orchestrator.sim.server import Faults
@@ -40,8 +41,8 @@ def direct_job(tmp_path: Path, urls: list[str], steps: int = 3, overrides: tuple
 
 def unacked_steps(orch: Orchestrator) -> dict[int, object]:
     """The steps ``orch`` sent in direct mode that the trainer has not acknowledged."""
-    assert orch.unacked is not None
-    return dict(orch.unacked.steps)
+    assert isinstance(orch.plane, DirectPlane)
+    return dict(orch.plane.unacked.steps)
 
 
 async def test_steps_reach_the_trainer_from_the_workers_pools_and_acknowledgements_free_them(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
+from orchestrator.columns.direct import DirectPlane
 from orchestrator.columns.reader import StepView
 from orchestrator.sim.server import Faults
 from orchestrator.testing.procs import wait_until
@@ -45,8 +46,8 @@ async def test_a_worker_killed_before_the_trainer_maps_its_pool_makes_the_step_r
 
             async def trainer() -> None:
                 await first_sent.wait()
-                assert orch.unacked is not None
-                trained = orch.unacked.steps[0].trained
+                assert isinstance(orch.plane, DirectPlane)
+                trained = orch.plane.unacked.steps[0].trained
                 assert trained, "step 0 names no rollout (every one filtered): nothing to lose"
                 victim = trained[0].header.worker
                 pool = orch.hub.pools.pool(victim)
@@ -74,7 +75,7 @@ async def test_a_worker_killed_before_the_trainer_maps_its_pool_makes_the_step_r
             finally:
                 receiver.close()
             assert unacked_steps(orch) == {}  # every step's rollouts released on acknowledgement
-            rebuilt = orch.unacked.rebuilt if orch.unacked is not None else 0
+            rebuilt = orch.plane.unacked.rebuilt if isinstance(orch.plane, DirectPlane) else 0
     assert [g[0] for g in got] == list(range(STEPS))  # every step once, in order
     assert got[0][1] >= 1  # step 0 came as a rebuilt attempt
     assert rebuilt >= 1

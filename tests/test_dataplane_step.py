@@ -9,6 +9,7 @@ import logging
 import numpy as np
 import pytest
 
+from orchestrator.columns.direct import ManifestBuilder
 from orchestrator.columns.layout import SpanLoc, shapes_layout
 from orchestrator.columns.manifest import decode_manifest, encode_manifest
 from orchestrator.config import FilterConfig
@@ -42,7 +43,7 @@ def test_a_manifest_names_only_rollouts_in_current_pools_and_returns_the_rest(
     groups = direct_groups()
     builder = StepBuilder(synthetic_config(32), vocab_size=1 << 17)
     with caplog.at_level(logging.WARNING):
-        result = builder.build_manifest(3, groups, (), POOLS)
+        result = ManifestBuilder(builder)(3, groups, (), POOLS)
     manifest = decode_manifest(encode_manifest(result.batch))  # a manifest the trainer's edge accepts
     assert manifest.step == 3
     assert [p.worker for p in manifest.pools] == ["w1"]
@@ -84,7 +85,7 @@ def test_token_filters_use_the_workers_verdicts_and_custom_filters_are_named_not
         for r in g.records:
             r.header.filters = flagged.get(r.rid) or looping.get(r.rid) or []
     with caplog.at_level(logging.WARNING):
-        result = StepBuilder(cfg, vocab_size=1 << 17).build_manifest(0, groups, (), POOLS)
+        result = ManifestBuilder(StepBuilder(cfg, vocab_size=1 << 17))(0, groups, (), POOLS)
     named = {s.rollout for s in result.batch.spans}
     rows = {row.rollout: row for row in result.rows}
     for rid in flagged:

@@ -14,39 +14,30 @@ import contextlib
 import functools
 import gc
 import logging
-import os
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import msgspec
 import orjson
 
 from orchestrator.assets import tokenizer_dir, vocab_size
-from orchestrator.columns.manifest import StepManifest
-from orchestrator.columns.readback import Readback
-from orchestrator.columns.unacked import UnackedSteps
+from orchestrator.columns.plane import open_plane
 from orchestrator.config import JobConfig, to_toml
-from orchestrator.delivery.filesystem import FileBatchSender
-from orchestrator.delivery.primerl import PrimeRLSender
+from orchestrator.delivery.open import open_sender
 from orchestrator.delivery.sender import Sender
-from orchestrator.delivery.wire import Batch, LogprobsMode
-from orchestrator.delivery.zmq_link import BatchSender
-from orchestrator.errors import UnloadableCheckpoint, WireError
-from orchestrator.inference.logprobs import LogprobsCheck
+from orchestrator.delivery.wire import LogprobsMode
+from orchestrator.engines import open_engines, start_workers
+from orchestrator.errors import UnloadableCheckpoint
 from orchestrator.inference.pool import InferencePool
-from orchestrator.inference.preflight import preflight
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.outdir import OutputDir
 from orchestrator.rollouts.groups import Group
-from orchestrator.rollouts.scheduler import EVAL_PREFIX, Scheduler
-from orchestrator.scoring.filters import TOKEN_FILTERS, token_filter_args
-from orchestrator.security import KeyPair, load_authorized_keys, load_key_pair
+from orchestrator.rollouts.scheduler import Scheduler
 from orchestrator.sinks import Sinks, open_sinks
 from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
@@ -63,13 +54,10 @@ from orchestrator.steps.rows import RolloutRow
 from orchestrator.weights.checkpoints import Checkpoint
 from orchestrator.weights.sync_loop import WeightSyncLoop
 from orchestrator.workers.hub import WorkerHub
-from orchestrator.workers.process import Worker
-from orchestrator.workers.protocol import EnvSpec, PoolInfo, Setup, TokenFilter, TokenFilterName
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-WORKER_READY_TIMEOUT_S = 300.0
 FLUSH_TIMEOUT_S = 10.0
 
 
@@ -106,17 +94,7 @@ class Orchestrator:
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
         self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
         self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
-        self.direct = cfg.transport.data_plane == "direct"
-        # direct: the steps sent and not yet acknowledged (bounded by send_hwm), released on acknowledgement,
-        # rebuilt when the trainer reports one lost
-        self.unacked: UnackedSteps | None = None
-        if self.direct:  # config.py allows direct mode only with kind = "zmq"
-            assert isinstance(sender, BatchSender)
-            assert sender.pool is None
-            self.unacked = UnackedSteps(self.builder, hub, sender, self._off_loop, self.outputs.write_rows)
-            sender.on_ack = self.unacked.acked
-        # direct: reads the columns a due step dump or samples table needs (with our key pair for CURVE servers)
-        self.readback = Readback(own_keys(cfg)) if self.direct else None
+        self.plane = open_plane(cfg, self.builder, hub, sender, sinks, self._off_loop, self.outputs.write_rows)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -179,8 +157,7 @@ class Orchestrator:
             marker = Path(t.marker_dir) if t.checkpoint_source == "marker" and t.marker_dir else None
             background += [tg.create_task(sched.run()), tg.create_task(syncs.run(self.sender.announcements(marker))),
                            tg.create_task(self._evaluations(sched))]
-            if self.unacked is not None:
-                background += [tg.create_task(self._announce_pools()), tg.create_task(self.unacked.run(sched))]
+            background.append(tg.create_task(self.plane.run(sched)))
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
             # first: it held the loop for ~30 ms in bench_scheduler and found no garbage to free.
             gc.freeze()
@@ -207,14 +184,6 @@ class Orchestrator:
                         sorted(self.sender.unacked), FLUSH_TIMEOUT_S)
         self.state.acked_step = self.sender.acked
         await self._off_loop(save_state, self.out, self.state)
-
-    async def _announce_pools(self) -> None:
-        """Consumes the pools env workers announce (direct mode); produces announcements to the trainer, so it
-        maps each pool before a step names it. Wakes on each worker's ``ready``."""
-        assert isinstance(self.sender, BatchSender)
-        while True:
-            worker, pool = await self.hub.pools.news.get()
-            self.sender.announce_pool(worker, msgspec.structs.asdict(pool))
 
     async def _reload_policy(self) -> tuple[Checkpoint, UnloadableCheckpoint] | None:
         """Resumed: the servers may have restarted since; load the saved policy again. A refused one (its
@@ -268,20 +237,6 @@ class Orchestrator:
         self.summary.metrics.append(metrics)
         self.on_step(metrics)
 
-    def _read_back(self, groups: list[Group], manifest: StepManifest, pools: dict[str, PoolInfo], dump: bool
-                   ) -> tuple[list[Group], Batch | None]:
-        """Blocking (the step thread): direct mode's opt-in column reads (columns/readback.py). For a dump, every
-        record's columns and the step's batch; for the samples table only, its few rollouts'."""
-        assert self.readback is not None
-        if not dump:
-            return self.readback.groups(groups, pools, limit=self.sinks.samples), None
-        shown = self.readback.groups(groups, pools)
-        try:
-            return shown, self.readback.batch(manifest)
-        except WireError as e:  # a pool gone since the build: the trainer will report the step lost; no dump
-            log.warning("step %d: not dumped: its columns cannot be read back: %s", manifest.step, e)
-            return shown, None
-
     def _write_rows(self, step: int, rows: list[RolloutRow], metrics: dict[str, Any]) -> None:
         """A step regenerated after a resume that the trainer already had (not sent) keeps the rows written
         when it was trained; one sent again gets the new rows (outdir.py)."""
@@ -302,7 +257,7 @@ class Orchestrator:
 
 class OrchestratorSteps:
     """The orchestrator's side of the step pipeline (``StepHost``, steps/phases.py): blocking phases in the
-    step thread, the sender's send, the run's state and metrics after it, its outputs; direct mode's build."""
+    step thread, the data plane's build, the sender's send, the run's state and metrics after it, its outputs."""
 
     def __init__(self, orch: Orchestrator, sched: Scheduler) -> None:
         self.orch, self.sched = orch, sched
@@ -324,22 +279,8 @@ class OrchestratorSteps:
 
     async def build(self, step: int, groups: Sequence[Group], dropped: Sequence[Group], phase_s: dict[str, float]
                     ) -> Built:
-        """The step pipeline's build, or direct mode's manifest of the pools as of now (a rollout in a pool gone
-        since it was taken does not train); the survivors the step leaves out are released."""
-        orch = self.orch
-        if orch.unacked is None:
-            built = await self.pipeline.build(step, groups, dropped, phase_s)
-        else:
-            pools = orch.unacked.pools()
-            result = await orch._off_loop(orch.builder.build_manifest, step, groups, dropped, pools)
-            orch.unacked.sent(step, list(groups), result.trained)  # before any acknowledgement
-            dump = dump_due(orch.cfg.pipeline.dump_steps, step)
-            shown, dumped = list(groups), None  # the groups the samples table and the dump read columns from
-            if dump or orch.sinks.samples_due(step):  # read now: no span of the step is released before its ack
-                shown, dumped = await orch._off_loop(orch._read_back, list(groups), result.batch, pools, dump)
-            built = Built(result, shown, dumped)
-        orch.hub.release(built.result.untrained)  # direct mode: filtered rollouts' columns are never read
-        return built
+        """The data plane's build of the step."""
+        return await self.orch.plane.build(self.pipeline, step, groups, dropped, phase_s)
 
     async def phase(self, name: str, fn: Callable[[], T]) -> T:
         return await self.orch._off_loop(fn)
@@ -349,8 +290,7 @@ class OrchestratorSteps:
 
     def sent(self, step: int, result: StepResult[Any], sent: bool) -> dict[str, Any]:
         orch, sched = self.orch, self.sched
-        if not sent and orch.unacked is not None:  # the trainer had it: nobody reads these columns
-            orch.unacked.skipped(step)
+        orch.plane.after_send(step, sent)
         counts = sched.take_counts()
         orch.state.next_step = step + 1
         orch.state.acked_step = orch.sender.acked
@@ -382,118 +322,6 @@ class OrchestratorSteps:
         if samples:
             orch.sinks.log_samples(samples, step=step)
         save_state(orch.out, orch.state)
-
-
-def open_sender(cfg: JobConfig, address: str, resume: bool, acked_before: int = -1
-                ) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
-    """The batch sender ``[transport] kind`` names: ZMQ (default; shm: columns through shared memory), files in
-    a shared directory, or prime-rl's own trainer. A ZMQ sender on tcp:// with ``[security]`` keys accepts only
-    the authorized trainers; prime-rl's link cannot authenticate (config.py refuses a non-loopback address
-    unless ``security.allow_unauthenticated_trainer``). ``acked_before``: the step the state says the trainer
-    acknowledged (a resumed run; a ZMQ trainer reporting less is behind). Every wait warns every
-    ``monitor.stall_warn_s``."""
-    t = cfg.transport
-    warn_s = cfg.monitor.stall_warn_s
-    if t.kind == "prime-rl":
-        assert t.trainer_dir is not None  # config cross-check
-        if cfg.security.allow_unauthenticated_trainer and t.prime_rl_layout == "zmq":
-            log.warning("batches go to the prime-rl trainer at %s unauthenticated and unencrypted "
-                        "(security.allow_unauthenticated_trainer)", t.address)
-        return PrimeRLSender.open(
-            t.trainer_dir, data_ranks=t.data_ranks, seq_len=t.seq_len, pad_to_multiple_of=t.pad_to_multiple_of,
-            layout=t.prime_rl_layout, address=t.address, window=t.send_hwm, resume=resume,
-            temperature={e.label: e.sampling.temperature for e in cfg.env}, warn_s=warn_s)
-    if t.kind == "filesystem":
-        assert t.directory is not None  # config cross-check
-        return FileBatchSender.open(t.directory, t.send_hwm, resume=resume, warn_s=warn_s)
-    shm_bytes = t.shm_pool_mb << 20 if t.kind == "shm" else None  # shm: columns through a same-node pool
-    return BatchSender.open(address, t.send_hwm, warn_s, require_report=resume, shm_bytes=shm_bytes,
-                            server_keys=cfg.security.server_keys(address),  # tcp:// with keys: CURVE
-                            keep=t.keep_acked, acked_before=acked_before if resume else -1)
-
-
-async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *, evaluation_only: bool = False
-                       ) -> tuple[InferencePool, WorkerHub, LogprobsMode | None]:
-    """The inference pool (checked by preflight unless turned off) and the env-worker hub, entered on
-    ``stack``; the hub's workers load the training environments and the ``[[eval.env]]`` ones (under
-    EVAL_PREFIX), or only the latter with ``evaluation_only``. Also the logprobs mode batches carry: the one
-    preflight settled, or without preflight the one ``inference.logprobs_mode`` states (None for "auto": not
-    known, and batches say nothing)."""
-    tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
-    train = () if evaluation_only else cfg.env
-    evals = cfg.eval.env if cfg.eval is not None else ()
-    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args, e.verifiers, e.select, f"env[{i}]")
-                     for i, e in enumerate(train)),
-                   *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args, e.verifiers, e.select, f"eval.env[{i}]")
-                     for i, e in enumerate(evals))],
-                  cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env,
-                  data_plane=cfg.transport.data_plane, worker_pool_bytes=cfg.transport.worker_pool_mb << 20,
-                  pool_dir=str(out / "pools"), session=uuid.uuid4().hex,  # session: this process
-                  token_filters=worker_token_filters(cfg, tokenizer), span_clients=span_clients(cfg))
-    worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
-    env_vars = {"HOME": os.environ.get("HOME", str(out))}
-    pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
-    stated = cfg.inference.logprobs_mode
-    logprobs_mode: LogprobsMode | None = None if stated == "auto" else stated
-    if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
-        checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
-                                  model=cfg.model.name, tokenizer=tokenizer, resume=True,
-                                  logprobs=LogprobsCheck.of(cfg, training=not evaluation_only))
-        log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(checked.servers),
-                 sorted({r.max_model_len or 0 for r in checked.servers}))
-        logprobs_mode = checked.logprobs_mode
-    workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
-    hub = await stack.enter_async_context(WorkerHub.open(
-        worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
-        cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s, cfg.transport.span_address))
-    return pool, hub, logprobs_mode
-
-
-def span_clients(cfg: JobConfig) -> list[str]:
-    """Direct mode with ``[security]`` keys: the public keys the env workers' span servers accept (those of
-    ``security.authorized_keys``: the job's trainers and workers; and ours, for step dumps and the samples
-    table), so those servers are CURVE."""
-    sec = cfg.security
-    if cfg.transport.data_plane != "direct" or sec.authorized_keys is None:
-        return []
-    ours = own_keys(cfg)
-    return sorted({k.decode() for k in load_authorized_keys(sec.authorized_keys)}
-                  | ({ours.public.decode()} if ours else set()))
-
-
-def own_keys(cfg: JobConfig) -> KeyPair | None:
-    """This orchestrator's key pair (a client of span servers for dumps and the samples table), or None without
-    ``[security]`` keys."""
-    return None if cfg.security.server_key is None else load_key_pair(cfg.security.server_key)
-
-
-def worker_token_filters(cfg: JobConfig, tokenizer: Path) -> list[TokenFilter]:
-    """The token filters env workers run in direct mode (they have the tokens; the orchestrator does not), with
-    the arguments the orchestrator would use (gibberish: the model's vocabulary size)."""
-    if cfg.transport.data_plane != "direct":
-        return []
-    vocab = vocab_size(tokenizer) or 2**17  # as the step builder assumes when it cannot read it
-    return [TokenFilter(i, cast(TokenFilterName, f.name), token_filter_args(f, vocab))
-            for i, f in enumerate(cfg.pipeline.filters) if f.name in TOKEN_FILTERS]
-
-
-async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[asyncio.Task[Any]],
-                        warn_s: float) -> None:
-    """Wait until the hub's env workers are ready, naming those it waits for every ``warn_s`` (with none local
-    and none remote, one runs on this loop, for debugging: its task joins ``background``)."""
-    local, remote = hub.local, hub.remote
-    if local + remote == 0:  # debugging mode: environments run on this loop
-        log.warning("workers = 0: environments run inside the orchestrator process (debugging only)")
-        background.append(tg.create_task(_in_process_worker(hub.address)))
-    elif remote:
-        log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote, hub.address)
-    await hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S, warn_s)
-
-
-async def _in_process_worker(address: str) -> None:
-    code = await Worker(address, "in-process").run()
-    if code:
-        raise RuntimeError(f"in-process env worker exited with {code}")
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:

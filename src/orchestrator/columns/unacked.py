@@ -38,11 +38,11 @@ from orchestrator.steps.rows import RolloutRow
 from orchestrator.workers.protocol import PoolInfo, RolloutRecord
 
 if TYPE_CHECKING:
+    from orchestrator.columns.direct import ManifestBuilder
     from orchestrator.delivery.reports import LostStep
     from orchestrator.delivery.zmq_link import BatchSender
     from orchestrator.rollouts.groups import Group
     from orchestrator.rollouts.scheduler import Scheduler
-    from orchestrator.steps.boundary import StepBuilder
     from orchestrator.workers.hub import WorkerHub
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class UnackedSteps:
     """See the module docstring. ``off_loop(fn, *args)`` runs blocking work in the step thread;
     ``write_rows(rows)`` appends to rollouts.jsonl (blocking: called through ``off_loop``)."""
 
-    def __init__(self, builder: StepBuilder, hub: WorkerHub, sender: BatchSender,
+    def __init__(self, builder: ManifestBuilder, hub: WorkerHub, sender: BatchSender,
                  off_loop: Callable[..., Awaitable[Any]], write_rows: Callable[[list[RolloutRow]], None]) -> None:
         self.builder, self.hub, self.sender = builder, hub, sender
         self.off_loop, self.write_rows = off_loop, write_rows
@@ -133,7 +133,7 @@ class UnackedSteps:
             gone += more_gone
             if not more_gone:  # else the step is short again
                 break
-        result = await self.off_loop(self.builder.build_manifest, step, groups, dropped, self.pools(lost.pools),
+        result = await self.off_loop(self.builder, step, groups, dropped, self.pools(lost.pools),
                                      attempt)
         assert isinstance(result.batch, StepManifest)
         self.hub.release(result.untrained)

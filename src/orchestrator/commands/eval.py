@@ -73,7 +73,7 @@ async def evaluate(cfg: JobConfig, out: Path, *, step: int = 0, policy: int = 0)
 
     The same code as a training run's online evaluation: the ``[eval]`` section and its environments, env
     workers, the scheduler's evaluation rounds (evaluation only: no training group opens), the same rows."""
-    from orchestrator.app import open_engines, start_workers
+    from orchestrator.engines import open_engines, start_workers
     from orchestrator.rollouts.scheduler import Scheduler
     from orchestrator.steps.outputs import StepOutputs, eval_rollout_rows, format_eval_line
 

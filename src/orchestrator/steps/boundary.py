@@ -4,32 +4,27 @@
 event loop. Column bytes are copied exactly once, when each column is concatenated into the batch.
 Rollout records come from env workers (see workers/protocol.py); a rollout's frames hold all its samples.
 
-Data plane (``data_plane = "direct"``): ``build(..., pools=...)`` makes a step manifest instead of a batch
-(``columns.manifest.build_manifest``: headers only, no column byte read). ``pools`` is every worker's current
-column pool; a taken rollout whose pool is no longer its worker's (the worker died or renewed its pool after
-the step took it) fails with ``worker_died`` and does not train. Token filters use the verdicts the env workers
-reported (``FilterSet(in_worker=True)``). ``trained`` lists the rollouts the step names (released when the
-trainer acknowledges it); ``untrained`` the survivors it leaves out (released now).
+The direct data plane builds a manifest instead of the batch, with the same ``rows`` and ``result``
+(columns/direct.py). ``trained`` lists the rollouts a step names; ``untrained`` the survivors it leaves out.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from orchestrator.columns.manifest import StepManifest, build_manifest
+from orchestrator.columns.manifest import StepManifest
 from orchestrator.config import JobConfig
 from orchestrator.delivery.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
-from orchestrator.rollouts.groups import lose_columns
 from orchestrator.scoring.advantage import AdvantageFn
 from orchestrator.scoring.filters import FilterSet
 from orchestrator.steps.rows import RolloutRow, dropped_rows
-from orchestrator.workers.protocol import PoolInfo, RolloutRecord
+from orchestrator.workers.protocol import RolloutRecord
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +33,7 @@ B = TypeVar("B", Batch, StepManifest)
 
 @dataclass
 class StepResult(Generic[B]):
-    batch: B  # what the sender sends: a Batch, or (direct) a StepManifest
+    batch: B  # what the sender sends: a Batch, or a StepManifest (columns/direct.py)
     rows: list[RolloutRow]
     phase_s: dict[str, float]
     filter_counts: dict[str, dict[str, int]]
@@ -59,43 +54,22 @@ class StepBuilder:
         self.temperatures = {e.label: e.sampling.temperature for e in cfg.env}
         self.advantage = AdvantageFn(cfg.pipeline)
         self.vocab_size = vocab_size
+        self.filter_configs = cfg.pipeline.filters
         self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
-        # direct mode: the token filters' verdicts come from the env workers (RolloutHeader.filters); custom
-        # filters may read tokens and cannot run here (not built): named once when the first step is built
-        self.worker_filters = FilterSet(cfg.pipeline.filters, vocab_size, in_worker=True)
-        self.skipped_filters = sorted(set(self.worker_filters.skipped))
 
     def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult[Batch]:
         """All three phases in order, each timed in ``phase_s``; the rows of ``dropped`` groups (none of whose
         rollouts train) come after the step's own."""
-        rows, trained, phase = self._rows(step, groups, dropped)
+        rows, trained, phase = self.rows(step, groups, dropped)
         t = time.perf_counter()
         batch = self.assemble(step, trained)
         phase["assemble"] = time.perf_counter() - t
         return self.result(batch, rows, phase, groups, trained)
 
-    def build_manifest(self, step: int, groups: Sequence[Any], dropped: Sequence[Any],
-                       pools: Mapping[str, PoolInfo], attempt: int = 0) -> StepResult[StepManifest]:
-        """``build`` for direct mode: a step manifest naming ``pools`` (see the module docstring); ``attempt``
-        > 0 for a step rebuilt after the trainer lost some of its pools (columns/unacked.py)."""
-        for g in groups:
-            for worker, pool in sorted({(r.header.worker, r.header.span.pool) for r in g.records
-                                        if r.header.span is not None}):
-                if pools.get(worker) is None or pools[worker].id != pool:
-                    lose_columns(g, worker, pool, "its column pool is gone")
-        if self.skipped_filters:
-            log.warning("data_plane = direct: custom filters %s may read column bytes and are not applied (not "
-                        "built yet)", self.skipped_filters)
-            self.skipped_filters = []
-        rows, trained, phase = self._rows(step, groups, dropped, self.worker_filters)
-        t = time.perf_counter()
-        manifest = build_manifest(self.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools,
-                                  attempt, self.logprobs_mode, self.temperatures)
-        phase["assemble"] = time.perf_counter() - t
-        return self.result(manifest, rows, phase, groups, trained)
-
-    def _rows(self, step: int, groups: Sequence[Any], dropped: Sequence[Any], filters: FilterSet | None = None
-              ) -> tuple[list[RolloutRow], list[tuple[RolloutRecord, float]], dict[str, float]]:
+    def rows(self, step: int, groups: Sequence[Any], dropped: Sequence[Any], filters: FilterSet | None = None
+             ) -> tuple[list[RolloutRow], list[tuple[RolloutRecord, float]], dict[str, float]]:
+        """Phases ``advantage`` and ``filter`` (``filters``, or the configured ones), timed: every rollout's row
+        (the ``dropped`` groups' after the step's own), the (record, advantage) pairs to train on."""
         phase: dict[str, float] = {}
         t = time.perf_counter()
         advantages = self.advantages(groups)
@@ -108,10 +82,11 @@ class StepBuilder:
         return rows, trained, phase
 
     def result(self, batch: B, rows: list[RolloutRow], phase: dict[str, float], groups: Sequence[Any],
-                trained: list[tuple[RolloutRecord, float]]) -> StepResult[B]:
+               trained: list[tuple[RolloutRecord, float]], filters: FilterSet | None = None) -> StepResult[B]:
+        """The built step; the counts of ``filters`` (or the configured ones) since the last step's."""
         kept = {id(rec) for rec, _ in trained}
         untrained = [r for g in groups for r in g.survivors if id(r) not in kept]
-        counts = self.filters.take_counts() | self.worker_filters.take_counts()
+        counts = (filters or self.filters).take_counts()
         return StepResult(batch, rows, phase, counts, untrained, [rec for rec, _ in trained])
 
     # The phases of ``build``, public so replay (scripts/perf) can run and time them one at a time.

@@ -1,0 +1,85 @@
+"""What a job runs on, opened before any loop starts: the inference pool (checked by preflight) and the env
+workers' hub, and the wait until the workers are ready. The orchestrator and ``orchestrator eval`` share them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from orchestrator.assets import tokenizer_dir
+from orchestrator.columns.plane import worker_setup
+from orchestrator.config import JobConfig
+from orchestrator.delivery.wire import LogprobsMode
+from orchestrator.inference.logprobs import LogprobsCheck
+from orchestrator.inference.pool import InferencePool
+from orchestrator.inference.preflight import preflight
+from orchestrator.rollouts.scheduler import EVAL_PREFIX
+from orchestrator.workers.hub import WorkerHub
+from orchestrator.workers.process import Worker
+from orchestrator.workers.protocol import EnvSpec, Setup
+
+log = logging.getLogger(__name__)
+
+WORKER_READY_TIMEOUT_S = 300.0
+
+
+async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *, evaluation_only: bool = False
+                       ) -> tuple[InferencePool, WorkerHub, LogprobsMode | None]:
+    """The inference pool (checked by preflight unless turned off) and the env-worker hub, entered on
+    ``stack``; the hub's workers load the training environments and the ``[[eval.env]]`` ones (under
+    EVAL_PREFIX), or only the latter with ``evaluation_only``. Also the logprobs mode batches carry: the one
+    preflight settled, or without preflight the one ``inference.logprobs_mode`` states (None for "auto": not
+    known, and batches say nothing)."""
+    tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
+    train = () if evaluation_only else cfg.env
+    evals = cfg.eval.env if cfg.eval is not None else ()
+    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args, e.verifiers, e.select, f"env[{i}]")
+                     for i, e in enumerate(train)),
+                   *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args, e.verifiers, e.select, f"eval.env[{i}]")
+                     for i, e in enumerate(evals))],
+                  cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env,
+                  session=uuid.uuid4().hex)  # session: this process
+    setup = worker_setup(setup, cfg, tokenizer, out)
+    worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
+    env_vars = {"HOME": os.environ.get("HOME", str(out))}
+    pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
+    stated = cfg.inference.logprobs_mode
+    logprobs_mode: LogprobsMode | None = None if stated == "auto" else stated
+    if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
+        checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+                                  model=cfg.model.name, tokenizer=tokenizer, resume=True,
+                                  logprobs=LogprobsCheck.of(cfg, training=not evaluation_only))
+        log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(checked.servers),
+                 sorted({r.max_model_len or 0 for r in checked.servers}))
+        logprobs_mode = checked.logprobs_mode
+    workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
+    hub = await stack.enter_async_context(WorkerHub.open(
+        worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
+        cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s, cfg.transport.span_address))
+    return pool, hub, logprobs_mode
+
+
+async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[asyncio.Task[Any]],
+                        warn_s: float) -> None:
+    """Wait until the hub's env workers are ready, naming those it waits for every ``warn_s`` (with none local
+    and none remote, one runs on this loop, for debugging: its task joins ``background``)."""
+    local, remote = hub.local, hub.remote
+    if local + remote == 0:  # debugging mode: environments run on this loop
+        log.warning("workers = 0: environments run inside the orchestrator process (debugging only)")
+        background.append(tg.create_task(_in_process_worker(hub.address)))
+    elif remote:
+        log.info("waiting for %d remote env worker(s): orchestrator env-worker --connect %s", remote, hub.address)
+    await hub.wait_ready(max(local + remote, 1), WORKER_READY_TIMEOUT_S, warn_s)
+
+
+async def _in_process_worker(address: str) -> None:
+    code = await Worker(address, "in-process").run()
+    if code:
+        raise RuntimeError(f"in-process env worker exited with {code}")
+
+
