@@ -2,9 +2,13 @@
 
 ``async with Orchestrator.open(cfg) as orch: await orch.run()``. ``open`` binds sockets, starts local env
 workers and opens the pool before any loop starts; ``run`` owns every background loop in one TaskGroup
-(lag monitor, pool prober, worker hub, scheduler, weight sync) and runs the steps. Leaving the block
-stops workers (by pid) and closes sockets. Heavy step work (advantages, filters, batch assembly, JSONL,
-state) runs in a worker thread; the loop only awaits it.
+(lag monitor, pool prober, worker hub, scheduler, weight sync, evaluation rows, the data plane) and runs the
+steps. Leaving the block stops workers (by pid) and closes sockets. Heavy step work (advantages, filters, batch
+assembly, JSONL, state) runs in one step thread; the loop only awaits it.
+
+Where the parts live: engines.py (the inference pool and env workers, opened), delivery/open.py (the sender
+``[transport] kind`` names), columns/plane.py (the data plane), stepping.py (each step's phases and each
+evaluation round's rows, as this class drives them); docs/architecture.md draws the whole.
 """
 
 from __future__ import annotations
@@ -15,42 +19,35 @@ import functools
 import gc
 import logging
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgspec
 import orjson
 
 from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.columns.plane import open_plane
-from orchestrator.config import JobConfig, to_toml
+from orchestrator.config import JobConfig
 from orchestrator.delivery.open import open_sender
 from orchestrator.delivery.sender import Sender
 from orchestrator.delivery.wire import LogprobsMode
 from orchestrator.engines import open_engines, start_workers
 from orchestrator.errors import UnloadableCheckpoint
 from orchestrator.inference.pool import InferencePool
-from orchestrator.lagmon import LagMonitor, LagStats
+from orchestrator.lagmon import LagMonitor
 from orchestrator.outdir import OutputDir
-from orchestrator.rollouts.groups import Group
 from orchestrator.rollouts.scheduler import Scheduler
 from orchestrator.sinks import Sinks, open_sinks
 from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
-from orchestrator.steps.boundary import StepBuilder, StepResult
-from orchestrator.steps.dump import dump_due, dump_path
+from orchestrator.stepping import OrchestratorSteps, evaluations, last_evaluation
+from orchestrator.steps.boundary import StepBuilder
 from orchestrator.steps.outputs import (
     StepOutputs,
-    eval_rollout_rows,
-    format_eval_line,
     format_step_line,
 )
-from orchestrator.steps.phases import Built, StepPipeline
-from orchestrator.steps.rows import RolloutRow
 from orchestrator.weights.checkpoints import Checkpoint
 from orchestrator.weights.sync_loop import WeightSyncLoop
 from orchestrator.workers.hub import WorkerHub
@@ -94,7 +91,7 @@ class Orchestrator:
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
         self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
         self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
-        self.plane = open_plane(cfg, self.builder, hub, sender, sinks, self._off_loop, self.outputs.write_rows)
+        self.plane = open_plane(cfg, self.builder, hub, sender, sinks, self.off_loop, self.outputs.write_rows)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -156,7 +153,7 @@ class Orchestrator:
             t = cfg.transport
             marker = Path(t.marker_dir) if t.checkpoint_source == "marker" and t.marker_dir else None
             background += [tg.create_task(sched.run()), tg.create_task(syncs.run(self.sender.announcements(marker))),
-                           tg.create_task(self._evaluations(sched))]
+                           tg.create_task(evaluations(self, sched))]
             background.append(tg.create_task(self.plane.run(sched)))
             # Start-up objects (modules, config, sockets) stay out of every later collection. No gc.collect()
             # first: it held the loop for ~30 ms in bench_scheduler and found no garbage to free.
@@ -165,13 +162,13 @@ class Orchestrator:
             steps = OrchestratorSteps(self, sched)
             for step in range(self.state.acked_step + 1, cfg.run.max_steps):
                 await self._step(step, steps)
-            await self._last_evaluation(sched, cfg.run.max_steps - 1)
+            await last_evaluation(sched, cfg.run.max_steps - 1)
             await self._flush()
             for task in background:
                 task.cancel()
         return self.summary
 
-    async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.step_thread, functools.partial(fn, *args,
                                                                                                    **kwargs))
 
@@ -183,7 +180,7 @@ class Orchestrator:
             log.warning("the trainer did not acknowledge steps %s within %.0f s; a --resume run sends them again",
                         sorted(self.sender.unacked), FLUSH_TIMEOUT_S)
         self.state.acked_step = self.sender.acked
-        await self._off_loop(save_state, self.out, self.state)
+        await self.off_loop(save_state, self.out, self.state)
 
     async def _reload_policy(self) -> tuple[Checkpoint, UnloadableCheckpoint] | None:
         """Resumed: the servers may have restarted since; load the saved policy again. A refused one (its
@@ -197,38 +194,6 @@ class Orchestrator:
             return ckpt, e
         return None
 
-    async def _evaluations(self, sched: Scheduler) -> None:
-        """Consumes finished evaluation rounds; produces their rows (metrics.jsonl, eval_rollouts.jsonl), a log
-        line and ``on_eval``. Runs until cancelled."""
-        while True:
-            row, groups = await sched.eval_rows.get()
-            row["at_step"] = self.state.next_step
-            await self._off_loop(self._write_eval, row, groups)
-            log.info("%s", format_eval_line(row))
-            self.summary.evals.append(row)
-            self.on_eval(row)
-            sched.eval_rows.task_done()
-
-    def _write_eval(self, row: dict[str, Any], groups: list[Any]) -> None:
-        """Blocking (the step thread): the round's rollouts to eval_rollouts.jsonl, its row to the sinks
-        (metrics.jsonl, marked ``"eval": true``; W&B's ``eval/...``)."""
-        self.outputs.write_eval_rollouts(eval_rollout_rows(row, groups))
-        self.sinks.log_eval(row, step=row["step"])
-
-    async def _last_evaluation(self, sched: Scheduler, last_step: int) -> None:
-        """The run's steps are done: the round in progress, and one still due by ``last_step``, finish (each
-        group bounded by group_timeout_s) and are written, so no evaluation a run owes is lost."""
-        ev = sched.evaluator
-        while ev is not None:
-            if not ev.idle.is_set():
-                log.info("steps done; waiting for the evaluation round in progress")
-                await ev.idle.wait()
-            await sched.eval_rows.join()
-            due = ev.due(last_step)
-            if due is None:
-                return
-            sched.start_evaluation(due)
-
     async def _step(self, step: int, steps: OrchestratorSteps) -> None:
         """One step: its phases are the step pipeline's (steps/phases.py); its line in the log."""
         metrics = await steps.run(step)
@@ -236,93 +201,6 @@ class Orchestrator:
         self.summary.steps += 1
         self.summary.metrics.append(metrics)
         self.on_step(metrics)
-
-    def _write_rows(self, step: int, rows: list[RolloutRow], metrics: dict[str, Any]) -> None:
-        """A step regenerated after a resume that the trainer already had (not sent) keeps the rows written
-        when it was trained; one sent again gets the new rows (outdir.py)."""
-        held = self.held.pop(step, None)
-        if metrics.get("sent", True):
-            self.outputs.write_rows(rows)
-            self.sinks.log(metrics, step=step)
-        elif held is not None:
-            log.info("step %d: the trainer already had it; its rows from before the resume stay", step)
-            rollouts, old_metrics = held
-            self.outputs.write_lines(rollouts)
-            for line in old_metrics:
-                self.sinks.log(orjson.loads(line), step=step)
-        else:
-            self.outputs.write_rows([msgspec.structs.replace(r, regenerated=True) for r in rows])
-            self.sinks.log({**metrics, "regenerated": True}, step=step)
-
-
-class OrchestratorSteps:
-    """The orchestrator's side of the step pipeline (``StepHost``, steps/phases.py): blocking phases in the
-    step thread, the data plane's build, the sender's send, the run's state and metrics after it, its outputs."""
-
-    def __init__(self, orch: Orchestrator, sched: Scheduler) -> None:
-        self.orch, self.sched = orch, sched
-        dumps = orch.cfg.pipeline.dump_steps  # each dump carries the job's config
-        self.pipeline = StepPipeline(orch.builder, self, config_toml=to_toml(orch.cfg) if dumps else None)
-        self._cpu0 = time.process_time()
-
-    async def run(self, step: int) -> dict[str, Any]:
-        """Every phase of ``step``; its metrics row."""
-        dump = dump_due(self.orch.cfg.pipeline.dump_steps, step)
-        return await self.pipeline.run(step, self.take, dump_to=dump_path(self.orch.out, step) if dump else None,
-                                       build=self.build)
-
-    async def take(self, step: int) -> tuple[list[Group], list[Group]]:
-        """Phase ``wait``: the step's groups, and the dropped groups whose rows it writes."""
-        self._cpu0 = time.process_time()
-        groups = await self.sched.next_step(step)
-        return groups, self.sched.take_dropped()
-
-    async def build(self, step: int, groups: Sequence[Group], dropped: Sequence[Group], phase_s: dict[str, float]
-                    ) -> Built:
-        """The data plane's build of the step."""
-        return await self.orch.plane.build(self.pipeline, step, groups, dropped, phase_s)
-
-    async def phase(self, name: str, fn: Callable[[], T]) -> T:
-        return await self.orch._off_loop(fn)
-
-    async def send(self, batch: Any) -> bool:
-        return await self.orch.sender.send(batch)  # False: a restarted trainer already had this step
-
-    def sent(self, step: int, result: StepResult[Any], sent: bool) -> dict[str, Any]:
-        orch, sched = self.orch, self.sched
-        orch.plane.after_send(step, sent)
-        counts = sched.take_counts()
-        orch.state.next_step = step + 1
-        orch.state.acked_step = orch.sender.acked
-        orch.state.policy_step = sched.policy
-        orch.state.scheduler = sched.state()
-        extra = {"samples": result.num_samples, "policy": sched.policy, "sent": sent,
-                 "orch_cpu_ms_per_rollout": round((time.process_time() - self._cpu0) * 1e3 / max(len(result.rows), 1),
-                                                  3),
-                 "filters": result.filter_counts, "scheduler": counts, "pool": dict(orch.pool.metrics),
-                 "hub": dict(orch.hub.metrics)}
-        extra.update(orch.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
-        return extra
-
-    def lag(self) -> LagStats:
-        return self.orch.lag.reset()
-
-    async def samples(self, step: int, rows: list[RolloutRow], shown: Sequence[Any]) -> list[dict[str, Any]]:
-        orch = self.orch
-        if not orch.sinks.samples_due(step):
-            return []
-        return await orch._off_loop(orch.samples.rows, rows, shown, orch.sinks.samples)
-
-    def write(self, step: int, rows: list[RolloutRow], metrics: dict[str, Any],
-              samples: list[dict[str, Any]]) -> None:
-        """Blocking (the step thread): rollouts.jsonl, the metrics sinks (metrics.jsonl, W&B), the samples table
-        and the state file."""
-        orch = self.orch
-        orch._write_rows(step, rows, metrics)
-        if samples:
-            orch.sinks.log_samples(samples, step=step)
-        save_state(orch.out, orch.state)
-
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]

@@ -40,7 +40,7 @@ class Failure(enum.StrEnum):
     INVALID_REWARD = "invalid_reward"  # a reward that is not a finite number
     BAD_SAMPLE = "inconsistent_sample"  # trace data that cannot make a training sample
     CORRUPT = "corrupt_record"  # a record whose frames do not match its header
-    POOL_TOO_SMALL = "pool_too_small"  # its columns exceed the env worker's whole column pool (data_plane = direct)
+    POOL_TOO_SMALL = "pool_too_small"  # its columns exceed the env worker's whole column pool (the direct data plane)
     WORKER_DIED = "worker_died"  # the env worker running it died, froze or was dropped
     STALE = "stale"  # cancelled: sampled too many policy versions ago
     GROUP_TIMEOUT = "group_timeout"  # its group ran longer than scheduler.group_timeout_s

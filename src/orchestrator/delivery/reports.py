@@ -3,7 +3,7 @@
 A receiver (``receiver.py``) reports on the trainer channel (zmq_link.py) as a msgpack map: ``{"have": N, "id":
 ID, "name": NAME}`` (it holds every step <= N; -1 for none), with ``"hello": true`` when it starts,
 ``"checkpoint": K, "path": P`` for the newest weights it announced or resumed from, and ``"lost": N, "attempt":
-A, "pools": [...]`` for a step whose column pools it could not map (data_plane = direct). A sender of
+A, "pools": [...]`` for a step whose column pools it could not map (the direct data plane). A sender of
 checkpoints alone may leave out ``id`` and ``have``. ``decode_report`` checks every field's type and bound
 (msgspec) and raises ``WireError`` naming what is wrong; unknown keys are ignored, so a newer trainer's extra
 fields do not break an older orchestrator.

@@ -39,7 +39,7 @@ P = TypeVar("P")
 
 
 class Step(Protocol):
-    """What a sender sends once per step: a ``Batch`` (columns), or a step manifest (data_plane = direct)."""
+    """What a sender sends once per step: a ``Batch`` (columns), or a step manifest (the direct data plane)."""
 
     @property
     def step(self) -> int: ...

@@ -25,7 +25,7 @@ alone; a step's span is freed when the trainer acknowledges (releases) it. With 
 are CURVE servers (``orchestrator.security``): only trainers whose public keys are authorized connect, and the
 traffic is encrypted; an unauthorized peer receives nothing and its messages never arrive.
 
-Data plane (``data_plane = "direct"``, docs/data-plane.md): ``send`` takes a step manifest
+The direct data plane (docs/data-plane.md): ``send`` takes a step manifest
 (``columns.manifest.StepManifest``) instead of a batch: one frame, the same window, order, resend and
 acknowledgement rules; the columns stay in the env workers' pools, which the trainer maps. ``announce_pool``
 tells the trainer about a worker's pool as soon as the worker announces it (``{"ctl": "pool", ...}``; again to

@@ -15,7 +15,7 @@ arguments. Built in:
 A custom filter is ``module:function`` called as ``fn(rollout, advantage, **args) -> bool``.
 All token work is numpy over whole arrays: no per-token Python loop.
 
-Data plane (``data_plane = "direct"``): the orchestrator has no column bytes, so the token filters
+The direct data plane: the orchestrator has no column bytes, so the token filters
 (``TOKEN_FILTERS``) run in the env worker that built the samples (``token_filter``, the same functions), which
 reports the indices of the ``[[pipeline.filters]]`` tables its rollout matched (``RolloutHeader.filters``);
 ``FilterSet(..., in_worker=True)`` reads those instead of the tokens, and enforce/monitor and the counts work

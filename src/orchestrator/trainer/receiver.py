@@ -18,7 +18,7 @@ trainer that wants to react); ``ping`` is ignored. Shared-memory batches are map
 receivers' docstrings for when they are released). ``keys`` (``ClientKeys``) makes both sockets CURVE clients,
 for an orchestrator that binds tcp:// with keys. Importable without verifiers.
 
-Step manifests (the orchestrator runs ``data_plane = "direct"``, docs/data-plane.md): the columns are in the
+Step manifests (the orchestrator runs the direct data plane, docs/data-plane.md): the columns are in the
 env workers' pools on this node, which the receiver maps (``columns.reader.PoolMaps``: when a ``pool``
 control message announces one, or when a manifest names one not mapped yet; blocking briefly, off the loop for
 the asyncio receiver). ``recv()`` returns the step as a ``Batch`` gathered from the pools (one copy per column,

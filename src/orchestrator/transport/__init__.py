@@ -7,7 +7,7 @@ trainer resuming from its checkpoint (it gets the steps after N; the orchestrato
 ``BatchReceiver(address, keys=load_client_keys(server_key, client_key))`` for an orchestrator that binds tcp://
 with CURVE keys; ``pack()`` (per-rank micro-batches of at most ``seq_len``) or
 ``pack_ranks()`` (prime-rl's packing: split, padded, balanced) to lay a batch out for data-parallel ranks.
-An orchestrator in ``data_plane = "direct"`` sends step manifests instead of batches: ``recv()`` still returns a
+An orchestrator on the direct data plane sends step manifests instead of batches: ``recv()`` still returns a
 ``Batch`` (gathered from the env workers' pools on this node), ``recv_view()`` a zero-copy ``StepView``.
 
 Orchestrator side, every sender (``BatchSender``: zmq and shm; ``FileBatchSender``; ``PrimeRLSender``) is a

@@ -1,7 +1,7 @@
 """What the worker hub tells the scheduler, on its ``events`` queue (hub.py; the fake: testing/workers.py).
 
 ``RecordsIn``: finished rollouts of one worker. ``WorkerLost``: rollouts in flight on a worker that will never
-come back. ``PoolGone`` (data_plane = direct): a worker's column pool is gone, with the columns of every
+come back. ``PoolGone`` (the direct data plane): a worker's column pool is gone, with the columns of every
 rollout it held there; those not yet trained cannot train.
 """
 

@@ -17,14 +17,14 @@ orchestrator -> worker (``OrchestratorMessage``)
   ``setup``      Setup       environments to load, model, tokenizer
   ``assign``     Assign      run len(rids) rollouts of one task on one inference server
   ``cancel``     Cancel      drop a group (stale or timed out)
-  ``release``    Release     data_plane = direct: these rollouts' spans of the worker's column pool are free
+  ``release``    Release     direct data plane: these rollouts' spans of the worker's column pool are free
                              (with ``keep``: every span but those is free)
   ``stop``       Stop        exit cleanly
 
 A rollout is a ``RolloutHeader`` (scalars, and per sample ``[tokens, layers, top_k]``), followed by exactly
 four frames when it has samples: token ids (int32), loss mask (uint8), logprobs (float32), routed experts
 (``routed_dtype``: uint8, or uint16 for models with more than 256 experts; possibly empty), each the
-concatenation of all its samples. Frames are sent and received without copies. With ``data_plane = "direct"``
+concatenation of all its samples. Frames are sent and received without copies. On the direct data plane
 (docs/data-plane.md) no frames follow: the header's ``span`` says where the worker wrote the same bytes in its
 own column pool (``Ready.pool``), in the layout of columns/layout.py.
 
@@ -77,8 +77,8 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     turns: Count = 0  # model turns (verifiers' trace.num_turns)
     wall_s: float = 0.0
     frames: Count = 0  # column frames that follow this header in its message: 0 or 4
-    span: SpanLoc | None = None  # data_plane = direct: where its columns are in the worker's pool (frames 0)
-    filters: list[Count] = []  # data_plane = direct: Setup.token_filters it matched (their indices)
+    span: SpanLoc | None = None  # direct data plane: where its columns are in the worker's pool (frames 0)
+    filters: list[Count] = []  # direct data plane: Setup.token_filters it matched (their indices)
 
     @classmethod
     def failed(cls, base: RolloutHeader | AssignedRollout, failure: Failure, error: str, *, wall_s: float = 0.0,
@@ -111,7 +111,7 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type"):
 
 
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's column pool (data_plane = direct): which one, how large, where a trainer on ``host`` gets its
+    """A worker's column pool (the direct data plane): which one, how large, where a trainer on ``host`` gets its
     fd (a Unix socket: memfd.serve_pool), and where a trainer on another host fetches its spans (``address``:
     a span server, columns/fetch.py; none unless the worker was given one)."""
 
@@ -126,7 +126,7 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
 class Ready(msgspec.Struct, tag="ready", tag_field="type"):
     worker: Name
     envs: dict[str, Count]  # env name -> tasks
-    pool: PoolInfo | None = None  # data_plane = direct: the pool its records' spans are in
+    pool: PoolInfo | None = None  # direct data plane: the pool its records' spans are in
 
 
 class Records(msgspec.Struct, tag="records", tag_field="type"):
@@ -138,7 +138,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
     worker: Name
     inflight: Count = 0
     rss_mb: float | None = None
-    pool_free: Count | None = None  # data_plane = direct: the largest free range of its column pool, in bytes
+    pool_free: Count | None = None  # direct data plane: the largest free range of its column pool, in bytes
 
 
 class Fatal(msgspec.Struct, tag="fatal", tag_field="type"):
@@ -166,7 +166,7 @@ TokenFilterName = Literal["gibberish", "repetition"]  # scoring/filters.py TOKEN
 
 
 class TokenFilter(msgspec.Struct, frozen=True):
-    """A token filter the worker runs on each rollout's sampled tokens (data_plane = direct): ``index`` in
+    """A token filter the worker runs on each rollout's sampled tokens (the direct data plane): ``index`` in
     ``[[pipeline.filters]]``, its built-in ``name`` and its arguments (scoring/filters.py)."""
 
     index: Count
@@ -181,10 +181,10 @@ class Setup(msgspec.Struct, tag="setup", tag_field="type"):
     request_timeout_s: float | None = None  # of each generate call (read timeout: a pause holds a call open)
     api_key_env: str | None = None  # environment variable holding the servers' API key
     data_plane: Literal["through", "direct"] = "through"  # direct: columns go to the worker's own pool
-    worker_pool_bytes: Count = 0  # data_plane = direct: the pool's size (transport.worker_pool_mb)
-    pool_dir: str | None = None  # data_plane = direct: where the pool's socket goes (<pool_dir>/<worker>.pool)
+    worker_pool_bytes: Count = 0  # direct data plane: the pool's size (transport.worker_pool_mb)
+    pool_dir: str | None = None  # direct data plane: where the pool's socket goes (<pool_dir>/<worker>.pool)
     session: str = ""  # the orchestrator process: a worker set up again by another one renews its pool
-    token_filters: list[TokenFilter] = []  # data_plane = direct: filters the worker runs (header.filters)
+    token_filters: list[TokenFilter] = []  # direct data plane: filters the worker runs (header.filters)
     span_clients: list[str] = []  # direct: the trainers' public keys (Z85) a worker's span server accepts (CURVE)
 
     def same_job(self, other: Setup) -> bool:
@@ -325,7 +325,7 @@ class RolloutRecord:
 
     @property
     def worker_filters(self) -> list[int]:
-        """Indices of the token filters its worker found it matched (data_plane = direct)."""
+        """Indices of the token filters its worker found it matched (the direct data plane)."""
         return self.header.filters
 
     def dtype(self, name: str) -> np.dtype[Any]:
@@ -333,10 +333,10 @@ class RolloutRecord:
 
     def column(self, name: str) -> np.ndarray:
         """A column of all this rollout's samples, concatenated (a view of the received frame). WireError for a
-        record whose columns stayed in its worker's pool (data_plane = direct): the orchestrator never reads them."""
+        record whose columns stayed in its worker's pool (the direct data plane): the orchestrator never reads them."""
         if self.header.span is not None:
             raise WireError(f"rollout {self.rid}: its columns are in env worker {self.header.worker}'s pool "
-                            "(data_plane = direct), not in this process")
+                            "(the direct data plane), not in this process")
         if not self.frames:
             return np.zeros(0, self.dtype(name))
         return np.frombuffer(self.frames[COLUMNS.index(name)], dtype=self.dtype(name))
