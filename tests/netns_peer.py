@@ -38,7 +38,7 @@ import numpy.typing as npt
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from orchestrator.delivery.zmq_link import ckpt_address
+from orchestrator.delivery.link import ckpt_address
 from orchestrator.security import (
     HANDSHAKE_FAILED,
     ClientKeys,

@@ -61,6 +61,7 @@ import zmq.asyncio
 from orchestrator import ipc
 from orchestrator.background import background
 from orchestrator.columns.manifest import StepManifest, encode_manifest
+from orchestrator.delivery.link import CONTROL, ckpt_address
 from orchestrator.delivery.reports import LostStep, TrainerReport, decode_report
 from orchestrator.delivery.seat import Peer, TrainerSeat, Verdict
 from orchestrator.delivery.sender import Sender
@@ -72,8 +73,6 @@ from orchestrator.weights.checkpoints import Checkpoint, CheckpointFeed, marker_
 
 log = logging.getLogger(__name__)
 
-STATUS_S = 1.0  # an idle receiver reports the step it holds this often
-CONTROL = b"ctl"  # frame 0 of a control message (a batch's frame 0 is a msgpack map, never these bytes)
 SEAT_GRACE_S = 2.0  # a second trainer is refused if the first is still connected this long after it appeared
 
 
@@ -93,14 +92,6 @@ def _bind_pair(out: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str) 
             if tries == 0:
                 raise
             out.unbind(bound)
-
-
-def ckpt_address(address: str) -> str:
-    """The trainer-to-orchestrator channel next to a batch address."""
-    if address.startswith("tcp://"):
-        host, _, port = address.removeprefix("tcp://").rpartition(":")
-        return f"tcp://{host}:{int(port) + 1}"
-    return address + ".ckpt"
 
 
 def control_frames(msg: dict[str, Any]) -> list[bytes]:

@@ -58,7 +58,7 @@ from orchestrator.config import InferenceConfig
 from orchestrator.errors import CheckpointError, Failure, InferenceError, UnloadableCheckpoint
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
-from orchestrator.weights.backends import weight_sync, weights_dir
+from orchestrator.inference.weights import weight_sync, weights_dir
 from orchestrator.weights.checkpoint_files import why_unloadable
 from orchestrator.weights.checkpoints import Checkpoint
 

@@ -35,7 +35,7 @@ from orchestrator.errors import InferenceError, MalformedReply, OrchestratorErro
 from orchestrator.inference.logprobs import LogprobsCheck, Settled, resolve, server_mode
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpStatusError, InferenceServer
-from orchestrator.weights.backends import PrimeRLWeights, VLLMWeights, weight_sync
+from orchestrator.inference.weights import PrimeRLWeights, VLLMWeights, weight_sync
 
 log = logging.getLogger(__name__)
 

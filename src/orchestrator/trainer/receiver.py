@@ -51,9 +51,9 @@ import zmq.asyncio
 
 from orchestrator.columns.manifest import PoolRef, StepManifest, decode_manifest, is_manifest
 from orchestrator.columns.reader import PoolMaps, PoolsLost, StepView
+from orchestrator.delivery.link import CONTROL, STATUS_S, ckpt_address
 from orchestrator.delivery.shm import PoolNotMapped, ShmAttachment
 from orchestrator.delivery.wire import Batch, decode
-from orchestrator.delivery.zmq_link import CONTROL, STATUS_S, ckpt_address
 from orchestrator.errors import DuplicateStep, TrainerRefused, WireError
 from orchestrator.security import ClientKeys, RefusalWatch, secure_client
 from orchestrator.weights.checkpoints import Checkpoint

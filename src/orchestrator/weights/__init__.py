@@ -1,2 +1,3 @@
-"""Weights: where the trainer says new weights are (``checkpoints``), whether they can load (``checkpoint_files``),
-and putting them on every inference server (``backends``: one per server protocol; ``sync_loop``)."""
+"""Weights: where the trainer says new weights are (``checkpoints``), whether they can load
+(``checkpoint_files``), and the loop that puts each new checkpoint on every inference server and makes it the
+policy (``sync_loop``; each server's own protocol for it is ``inference/weights.py``)."""
