@@ -9,9 +9,9 @@ env worker process know which runs:
   headers, its rollouts' spans are held until the trainer acknowledges it, and a step the trainer lost is built
   again.
 
-The orchestrator asks a plane four things: what the env workers are told (``worker_setup``, before they
-start), the step's build (``build``), what follows its send (``after_send``), and its background work for as
-long as the run lasts (``run``: none, or the pool announcements and the rebuilds of lost steps).
+The orchestrator asks a plane three things: the step's build (``build``), what follows its send (``after_send``),
+and its background work for as long as the run lasts (``run``: none, or the pool announcements and the rebuilds
+of lost steps). What the env workers are told of it comes from the config before they start (``worker_setup``).
 """
 
 from __future__ import annotations
