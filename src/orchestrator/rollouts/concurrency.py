@@ -1,0 +1,137 @@
+"""How many rollouts each inference server may run at once, following its KV cache (``[scheduler.concurrency]``).
+
+A static ``max_inflight`` is wrong in both directions on a real fleet: too low and the engines idle; too high and
+the KV cache fills, vLLM preempts and recomputes, and throughput collapses, worst for long multi-turn rollouts
+whose contexts grow in place. ``ServerCap`` is one server's cap, moved by what its ``/metrics`` say
+(inference/load.py) at each poll. Pure: no I/O, no clock; the poller feeds it and the admission stage obeys it.
+
+The rules, in order, each with its setting (defaults from prime-rl's controller at 559b447, whose values are
+module constants there):
+
+1. **Preemptions** since the last poll, or a **persistent queue** (requests waiting for KV capacity in
+   ``queue_polls`` polls in a row): cut the cap to ``cut_factor`` x what is in flight. Then no further cut until
+   the in-flight count has drained to the cap: the overload seen while draining is the old cap's.
+2. **Hard** (KV usage above ``cancel_above``): as soft, and the rollouts above the new cap are cancelled (the
+   admission stage picks whole groups not yet half done, youngest first).
+3. **Soft** (KV usage above ``trim_above``): the cap becomes what would hold the cache at ``trim_to``
+   (in flight x ``trim_to`` / usage); admission closes and completions drain it. Nothing is cancelled.
+4. **Growth**: while KV usage is below ``grow_below``, nothing waits, and the cap binds (as many in flight as it
+   allows), the cap grows by ``grow_factor`` once per turnover (as many completions on the server as the cap
+   since the last growth).
+
+The cap stays within [``min_per_server``, the ceiling] (the ceiling: ``scheduler.max_inflight``, which also
+bounds the whole job). A server whose load cannot be read keeps the ceiling: the static cap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from orchestrator.configbase import opt
+from orchestrator.inference.load import ServerLoad
+
+
+@dataclass(frozen=True)
+class ConcurrencyConfig:
+    adaptive: bool = opt(False, doc="follow each inference server's KV cache (its /metrics) with a cap per server; "
+                         "false: scheduler.max_inflight alone, as before")
+    poll_s: float = opt(2.0, gt=0, le=600, doc="how often each server's /metrics is read")
+    start_per_server: int | None = opt(None, ge=1, doc="each server's cap before its first poll (unset: "
+                                       "max_inflight split evenly over the servers)")
+    min_per_server: int = opt(1, ge=1, doc="no cut goes below this many rollouts per server")
+    grow_below: float = opt(0.6, gt=0, le=1, doc="KV usage under which a binding cap may grow")
+    grow_factor: float = opt(1.25, gt=1, le=4, doc="growth per turnover (as many completions as the cap)")
+    trim_above: float = opt(0.8, gt=0, le=1, doc="KV usage over which admission closes and the cap is trimmed")
+    trim_to: float = opt(0.7, gt=0, le=1, doc="the usage a trim aims at: cap = in flight x trim_to / usage")
+    cancel_above: float = opt(0.9, gt=0, le=1, doc="KV usage over which the rollouts above the trimmed cap are "
+                              "cancelled (whole groups not yet half done, youngest first)")
+    cut_factor: float = opt(0.75, gt=0, le=0.95, doc="on preemptions or a persistent queue: cap = in flight x this")
+    queue_polls: int = opt(2, ge=1, doc="polls in a row with requests waiting for KV capacity that make a "
+                           "persistent queue")
+
+    def problems(self, key: str) -> list[str]:
+        """What is wrong across fields (each field's own bounds are checked by the loader)."""
+        out = []
+        if not self.grow_below < self.trim_above:
+            out.append(f"{key}.grow_below: must be below {key}.trim_above ({self.grow_below} >= {self.trim_above})")
+        if not self.trim_to < self.trim_above <= self.cancel_above:
+            out.append(f"{key}.trim_to < {key}.trim_above <= {key}.cancel_above must hold (got {self.trim_to}, "
+                       f"{self.trim_above}, {self.cancel_above})")
+        return out
+
+
+class Rule(Enum):
+    HOLD = "hold"
+    GROW = "grow"
+    TRIM = "trim"  # soft
+    CANCEL = "cancel"  # hard
+    PREEMPTED = "preempted"
+    QUEUED = "queued"
+    UNREADABLE = "unreadable"  # the static cap
+
+
+@dataclass(frozen=True)
+class Decision:
+    rule: Rule
+    cap: int
+    cancel: int = 0  # rollouts to cancel now (whole groups: the admission stage rounds up)
+
+
+class ServerCap:
+    """One server's cap (see the module docstring). ``ceiling``: ``scheduler.max_inflight``."""
+
+    def __init__(self, cfg: ConcurrencyConfig, ceiling: int, start: int) -> None:
+        self.cfg = cfg
+        self.ceiling = ceiling
+        self.cap = self._clamp(start)
+        self.draining = False  # after a cut: no further cut until in flight <= cap
+        self.last = Decision(Rule.HOLD, self.cap)
+        self._preemptions: int | None = None  # the server's counter at the last poll
+        self._queued_polls = 0
+        self._completed_at_growth = 0
+
+    def observe(self, load: ServerLoad | None, inflight: int, completed: int) -> Decision:
+        """One poll: ``load`` (None: unreadable), this server's rollouts in flight, and its completions so far
+        (cumulative). The decision is kept in ``last``."""
+        self.last = self._decide(load, inflight, completed)
+        self.cap = self.last.cap
+        return self.last
+
+    def _decide(self, load: ServerLoad | None, inflight: int, completed: int) -> Decision:
+        if load is None:
+            self._preemptions, self._queued_polls = None, 0
+            return Decision(Rule.UNREADABLE, self.ceiling)
+        if self.draining and inflight <= self.cap:
+            self.draining = False
+        preempted = self._preemptions is not None and load.preemptions > self._preemptions
+        self._preemptions = load.preemptions
+        waiting = load.waiting_for_capacity if load.waiting_for_capacity is not None else load.waiting
+        self._queued_polls = self._queued_polls + 1 if waiting > 0 else 0
+        cfg = self.cfg
+        if load.usage > cfg.cancel_above:  # also while draining: the cache is about to preempt
+            target = self._trimmed(inflight, load.usage)
+            return Decision(Rule.CANCEL, min(target, self.cap), max(inflight - target, 0))
+        if (preempted or self._queued_polls >= cfg.queue_polls) and not self.draining:
+            self.draining = True
+            self._queued_polls = 0
+            cap = self._clamp(math.floor(max(inflight, cfg.min_per_server) * cfg.cut_factor))
+            return Decision(Rule.PREEMPTED if preempted else Rule.QUEUED, min(cap, self.cap))
+        if load.usage > cfg.trim_above:
+            return Decision(Rule.TRIM, min(self._trimmed(inflight, load.usage), self.cap))
+        if self._grows(load, inflight, completed, waiting):
+            self._completed_at_growth = completed
+            return Decision(Rule.GROW, self._clamp(math.ceil(self.cap * cfg.grow_factor)))
+        return Decision(Rule.HOLD, self.cap)
+
+    def _grows(self, load: ServerLoad, inflight: int, completed: int, waiting: int) -> bool:
+        turned_over = completed - self._completed_at_growth >= self.cap
+        return (not self.draining and load.usage < self.cfg.grow_below and waiting == 0 and inflight >= self.cap
+                and turned_over and self.cap < self.ceiling)
+
+    def _trimmed(self, inflight: int, usage: float) -> int:
+        return self._clamp(math.floor(inflight * self.cfg.trim_to / usage))
+
+    def _clamp(self, n: int) -> int:
+        return max(self.cfg.min_per_server, min(self.ceiling, n))

@@ -1,0 +1,105 @@
+"""The per-server concurrency cap (rollouts/concurrency.py), rule by rule, on made-up loads: pure, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.inference.load import ServerLoad
+from orchestrator.rollouts.concurrency import ConcurrencyConfig, Rule, ServerCap
+
+CFG = ConcurrencyConfig(adaptive=True)
+
+
+def load(usage: float, *, running: int = 0, waiting: int = 0, capacity_waiting: int | None = None,
+         preemptions: int = 0) -> ServerLoad:
+    return ServerLoad(usage=usage, running=running, waiting=waiting, waiting_for_capacity=capacity_waiting,
+                      preemptions=preemptions, engines=1)
+
+
+def test_a_binding_cap_grows_once_per_turnover_while_the_cache_is_clear() -> None:
+    cap = ServerCap(CFG, ceiling=64, start=8)
+    assert cap.observe(load(0.3), inflight=8, completed=0).rule is Rule.HOLD  # binds, but nothing turned over
+    grown = cap.observe(load(0.3), inflight=8, completed=8)
+    assert (grown.rule, grown.cap) == (Rule.GROW, 10)  # ceil(8 x 1.25)
+    assert cap.observe(load(0.3), inflight=10, completed=12).rule is Rule.HOLD  # 4 < 10 completions since
+    assert cap.observe(load(0.3), inflight=10, completed=18).cap == 13
+
+
+def test_no_growth_when_the_cap_does_not_bind_or_requests_wait_or_the_cache_is_busy() -> None:
+    cap = ServerCap(CFG, ceiling=64, start=8)
+    assert cap.observe(load(0.3), inflight=5, completed=100).rule is Rule.HOLD  # the cap does not bind
+    assert cap.observe(load(0.3, waiting=1), inflight=8, completed=200).rule is Rule.HOLD
+    assert cap.observe(load(0.65), inflight=8, completed=300).rule is Rule.HOLD  # between grow_below and trim
+    assert cap.cap == 8
+
+
+def test_growth_stops_at_the_ceiling() -> None:
+    cap = ServerCap(CFG, ceiling=9, start=8)
+    assert cap.observe(load(0.1), inflight=8, completed=8).cap == 9
+    assert cap.observe(load(0.1), inflight=9, completed=100).rule is Rule.HOLD
+
+
+def test_soft_trim_aims_at_trim_to_and_cancels_nothing() -> None:
+    cap = ServerCap(CFG, ceiling=64, start=40)
+    d = cap.observe(load(0.85), inflight=40, completed=0)
+    assert (d.rule, d.cap, d.cancel) == (Rule.TRIM, 32, 0)  # floor(40 x 0.7 / 0.85)
+
+
+def test_hard_trim_cancels_the_excess_over_what_the_cache_holds() -> None:
+    cap = ServerCap(CFG, ceiling=64, start=40)
+    d = cap.observe(load(0.95), inflight=40, completed=0)
+    assert (d.rule, d.cap, d.cancel) == (Rule.CANCEL, 29, 11)  # floor(40 x 0.7 / 0.95) = 29
+
+
+def test_preemptions_cut_the_cap_then_no_cut_until_in_flight_drains_to_it() -> None:
+    cap = ServerCap(CFG, ceiling=64, start=40)
+    cap.observe(load(0.5, preemptions=3), inflight=40, completed=0)  # the first poll only learns the counter
+    d = cap.observe(load(0.5, preemptions=5), inflight=40, completed=0)
+    assert (d.rule, d.cap) == (Rule.PREEMPTED, 30)  # floor(40 x 0.75)
+    assert cap.observe(load(0.5, preemptions=9), inflight=36, completed=4).rule is Rule.HOLD  # draining
+    assert cap.cap == 30
+    cap.observe(load(0.5, preemptions=9), inflight=30, completed=10)  # drained: cuts are live again
+    assert cap.observe(load(0.5, preemptions=10), inflight=30, completed=10).cap == 22
+
+
+def test_a_queue_cuts_only_when_it_persists() -> None:
+    cap = ServerCap(CFG, ceiling=64, start=20)
+    assert cap.observe(load(0.5, waiting=4, capacity_waiting=3), inflight=20, completed=0).rule is Rule.HOLD
+    assert cap.observe(load(0.5, waiting=4, capacity_waiting=0), inflight=20, completed=0).rule is Rule.HOLD
+    assert cap.observe(load(0.5, waiting=2, capacity_waiting=2), inflight=20, completed=0).rule is Rule.HOLD
+    d = cap.observe(load(0.5, waiting=2, capacity_waiting=2), inflight=20, completed=0)
+    assert (d.rule, d.cap) == (Rule.QUEUED, 15)
+
+
+def test_without_a_breakdown_by_reason_every_waiting_request_counts() -> None:
+    cap = ServerCap(CFG, ceiling=64, start=20)
+    cap.observe(load(0.5, waiting=1), inflight=20, completed=0)
+    assert cap.observe(load(0.5, waiting=1), inflight=20, completed=0).rule is Rule.QUEUED
+
+
+def test_an_unreadable_server_keeps_the_static_cap_and_relearns_its_counter() -> None:
+    cap = ServerCap(CFG, ceiling=64, start=20)
+    cap.observe(load(0.5, preemptions=3), inflight=20, completed=0)
+    assert cap.observe(None, inflight=20, completed=0) == cap.last
+    assert (cap.last.rule, cap.cap) == (Rule.UNREADABLE, 64)
+    # a restarted server's counter starts again: no cut for a drop, and none for the first poll after
+    assert cap.observe(load(0.5, preemptions=1), inflight=20, completed=0).rule is Rule.HOLD
+
+
+def test_no_cut_goes_below_the_floor() -> None:
+    cfg = ConcurrencyConfig(adaptive=True, min_per_server=4)
+    cap = ServerCap(cfg, ceiling=64, start=5)
+    assert cap.observe(load(0.99), inflight=5, completed=0).cap == 4
+    cap = ServerCap(cfg, ceiling=64, start=1)
+    assert cap.cap == 4
+
+
+@pytest.mark.parametrize(("cfg", "key"), [(ConcurrencyConfig(grow_below=0.85), "grow_below"),
+                                          (ConcurrencyConfig(trim_to=0.9), "trim_to"),
+                                          (ConcurrencyConfig(cancel_above=0.75), "cancel_above")])
+def test_thresholds_out_of_order_are_named(cfg: ConcurrencyConfig, key: str) -> None:
+    problems = cfg.problems("scheduler.concurrency")
+    assert problems
+    assert all("scheduler.concurrency." in p for p in problems)
+    assert any(key in p for p in problems)
+    assert ConcurrencyConfig().problems("scheduler.concurrency") == []
