@@ -78,6 +78,7 @@ class Server:
     api: InferenceServer
     in_rotation: bool = True
     inflight: int = 0  # rollouts acquired on it
+    cap: int | None = None  # rollouts it may have at once (rollouts/concurrency.py); None: no cap of its own
     failures: int = 0  # consecutive
     version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with)
     last_error: str = ""
@@ -112,7 +113,7 @@ class InferencePool:
         self.model = model
         self.servers = [Server(api) for api in servers]
         self.weights = weight_sync(cfg.backend)
-        self._rotation_changed = asyncio.Event()
+        self._changed = asyncio.Event()  # rotation, a release or a cap changed: an acquire may succeed now
         self._warned_at = -float("inf")
         self.target = Checkpoint(0)  # the weights every server should serve
         self.metrics: Counter[str] = Counter()
@@ -129,25 +130,44 @@ class InferencePool:
     # ------------------------------------------------------------------------------- choice and pinning
 
     async def acquire(self, n: int = 1) -> Server:
-        """The least-loaded server in rotation, with ``n`` rollouts counted on it until ``release(server, n)``.
+        """The least-loaded server in rotation with room for ``n`` rollouts under its cap, with ``n`` rollouts
+        counted on it until ``release(server, n)``. An idle server has room for any ``n``: a cap below a group's
+        size still lets one group run.
 
-        Waits while no server is in rotation; woken by a server rejoining."""
+        Waits while no server is in rotation, or none has room; woken by a server rejoining, a release or a cap
+        change."""
         while True:
             live = [s for s in self.servers if s.in_rotation]
-            if live:
-                server = min(live, key=lambda s: s.inflight)
+            room = [s for s in live if s.cap is None or s.inflight + n <= s.cap or s.inflight == 0]
+            if room:
+                server = min(room, key=lambda s: s.inflight)
                 server.inflight += n
                 if server.waiting_since is None:
                     server.waiting_since = time.monotonic()
                 return server
-            self._warn_no_server()
-            self._rotation_changed.clear()
+            if not live:
+                self._warn_no_server()
+            self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.cfg.no_server_warn_interval_s):  # wait_for can lose a cancel
-                    await self._rotation_changed.wait()
+                    await self._changed.wait()
 
     def release(self, server: Server, n: int = 1) -> None:
         server.inflight -= n
+        self._changed.set()
+
+    def set_cap(self, server: Server, cap: int | None) -> None:
+        """``server`` may have ``cap`` rollouts at once from now (None: no cap of its own)."""
+        if cap != server.cap:
+            server.cap = cap
+            self._changed.set()
+
+    def capped(self) -> str:
+        """The servers whose caps hold work back now (every one in rotation full), for a stall line; "" if none."""
+        live = [s for s in self.servers if s.in_rotation]
+        if not live or any(s.cap is None or s.inflight < s.cap for s in live):
+            return ""
+        return ", ".join(f"{s.url} at its cap of {s.cap}" for s in live)
 
     def _warn_no_server(self) -> None:
         now = time.monotonic()
@@ -188,7 +208,7 @@ class InferencePool:
         else:
             server.out_why, server.out_since, server.probe_verdict, server.probed_at = why, time.monotonic(), "", None
             log.warning("inference server %s leaves rotation: %s", server.url, why)
-        self._rotation_changed.set()
+        self._changed.set()
 
     async def run(self) -> None:
         """Every ``probe_interval_s``: probe each server out of rotation, and check each one in rotation that

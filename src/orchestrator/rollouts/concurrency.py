@@ -25,12 +25,22 @@ bounds the whole job). A server whose load cannot be read keeps the ceiling: the
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Literal
 
 from orchestrator.configbase import opt
-from orchestrator.inference.load import ServerLoad
+from orchestrator.errors import InferenceError
+from orchestrator.inference.load import LoadUnreadable, ServerLoad, parse_load
+from orchestrator.inference.pool import InferencePool, Server
+from orchestrator.inference.server import HttpStatusError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -135,3 +145,90 @@ class ServerCap:
 
     def _clamp(self, n: int) -> int:
         return max(self.cfg.min_per_server, min(self.ceiling, n))
+
+
+class ConcurrencyControl:
+    """Every server's cap, kept by polling its ``/metrics`` (see the module docstring).
+
+    ``run()`` consumes, every ``poll_s``, each in-rotation server's ``/metrics`` (read concurrently, each bounded by
+    ``poll_s``; parsed in a worker thread: a real server's text is ~570 lines) and produces each server's cap in
+    ``pool`` (``Server.cap``, which ``InferencePool.acquire`` obeys) and, for a hard trim, a call of ``cancel(server,
+    n)``. A server out of rotation is not polled and keeps its cap; a call that fails (the server is going away)
+    changes nothing. A server whose ``/metrics`` cannot be read (not found, or not vLLM's families) gets the
+    static cap, said once in the log until it can be read again."""
+
+    def __init__(self, cfg: ConcurrencyConfig, pool: InferencePool, ceiling: int,
+                 cancel: Callable[[Server, int], None]) -> None:
+        self.cfg, self.pool, self.cancel = cfg, pool, cancel
+        start = cfg.start_per_server or max(1, ceiling // len(pool.servers))
+        self.caps = {s.url: ServerCap(cfg, ceiling, start) for s in pool.servers}
+        self.loads: dict[str, ServerLoad | None] = {}
+        self.completed: Counter[str] = Counter()  # completed rollouts per server (``done``)
+        self._unreadable: set[str] = set()
+        for s in pool.servers:
+            pool.set_cap(s, self.caps[s.url].cap)
+
+    def done(self, server: Server, n: int = 1) -> None:
+        """``n`` rollouts on ``server`` completed (the turnover that paces growth)."""
+        self.completed[server.url] += n
+
+    async def run(self) -> None:
+        """See the class docstring. Wakes every ``poll_s``; runs until cancelled."""
+        while True:
+            await asyncio.sleep(self.cfg.poll_s)
+            await self.poll()
+
+    async def poll(self) -> None:
+        """One poll of every server in rotation, and the caps it decides."""
+        live = [s for s in self.pool.servers if s.in_rotation]
+        for server, load in zip(live, await asyncio.gather(*(self._read(s) for s in live)), strict=True):
+            if load is not False:
+                self._decide(server, load)
+
+    async def _read(self, server: Server) -> ServerLoad | Literal[False] | None:
+        """The server's load; None: its metrics cannot be read; False: no answer (nothing to decide on)."""
+        try:
+            async with asyncio.timeout(self.cfg.poll_s):
+                raw = await server.api.request("GET", "/metrics")
+            load = await asyncio.to_thread(parse_load, raw.decode("utf-8", "replace"))
+        except HttpStatusError as e:
+            self._cannot_read(server, f"GET /metrics: HTTP {e.status}")
+            return None
+        except (InferenceError, TimeoutError):
+            return False
+        except LoadUnreadable as e:
+            self._cannot_read(server, str(e))
+            return None
+        if server.url in self._unreadable:
+            self._unreadable.discard(server.url)
+            log.info("inference server %s: its /metrics can be read again; its cap follows its KV cache", server.url)
+        return load
+
+    def _cannot_read(self, server: Server, why: str) -> None:
+        if server.url not in self._unreadable:
+            self._unreadable.add(server.url)
+            log.warning("inference server %s: its load cannot be read (%s); it keeps the static cap of %d "
+                        "rollouts", server.url, why, self.caps[server.url].ceiling)
+
+    def _decide(self, server: Server, load: ServerLoad | None) -> None:
+        cap = self.caps[server.url]
+        before = cap.cap
+        self.loads[server.url] = load
+        d = cap.observe(load, server.inflight, self.completed[server.url])
+        self.pool.set_cap(server, d.cap)
+        if d.cap != before and d.rule is not Rule.UNREADABLE:
+            usage = f"{load.usage:.2f}" if load is not None else "?"
+            log.info("inference server %s: cap %d -> %d (%s; KV usage %s, %d in flight)", server.url, before, d.cap,
+                     d.rule.value, usage, server.inflight)
+        if d.cancel:
+            self.cancel(server, d.cancel)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per server: its cap, the last load read (KV usage, waiting, preemptions) and the last decision."""
+        out = {}
+        for url, cap in self.caps.items():
+            load = self.loads.get(url)
+            out[url] = {"cap": cap.cap, "rule": cap.last.rule.value, "cancelled": cap.last.cancel,
+                        "kv_usage": load.usage if load else None, "waiting": load.waiting if load else None,
+                        "preemptions": load.preemptions if load else None}
+        return out

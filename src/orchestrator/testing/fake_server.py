@@ -2,8 +2,8 @@
 
 It answers the admin routes of both backends as the real servers do (``/pause``, ``/resume``, prime-rl's
 ``/update_weights {"weight_dir"}``, vLLM's ``/collective_rpc reload_weights`` and ``/update_weight_version``),
-``/health`` with an empty body, a 2-token ``/inference/v1/generate`` reply (what the pool's probe sends), and
-records every call in ``calls``; ``fail_with`` makes every call raise it, ``fail_paths`` makes calls to those
+``/health`` with an empty body, a 2-token ``/inference/v1/generate`` reply (what the pool's probe sends),
+``/metrics`` with ``metrics_text`` (404 while it is None), and records every call in ``calls``; ``fail_with`` makes every call raise it, ``fail_paths`` makes calls to those
 paths raise (before they are recorded: as if nothing answered), ``hang_paths`` makes calls to those paths wait
 until ``release()``.
 For HTTP-level fidelity use the simulated server (``orchestrator.testing.sim``).
@@ -30,6 +30,7 @@ class FakeInferenceServer:
         self.fail_paths: dict[str, InferenceError] = {}  # path -> what a call to it raises (the call not recorded)
         self.calls: list[tuple[str, str, dict[str, str], Any]] = []  # method, path, query, body
         self.hang_paths: set[str] = set()
+        self.metrics_text: str | None = None  # what GET /metrics answers (None: 404, as a server without metrics)
         self._released = asyncio.Event()
 
     def release(self) -> None:
@@ -53,6 +54,8 @@ class FakeInferenceServer:
                                               "logprobs": {"content": [{"token": "token_id:5", "logprob": -1.0},
                                                                        {"token": "token_id:6", "logprob": -0.5}]}}],
                                  "prompt_token_ids": list(range(n))})
+        if path == "/metrics" and self.metrics_text is not None:
+            return self.metrics_text.encode()
         if path == "/pause":
             self.paused = True
         elif path == "/resume":

@@ -1,0 +1,131 @@
+"""Polling each server's /metrics into its cap (``ConcurrencyControl``), over in-memory servers and a real pool:
+caps follow each server's KV cache, a hard trim asks for cancellations, an unreadable server keeps the static cap
+(said once), a server out of rotation or not answering keeps its cap, and ``acquire`` obeys the caps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from orchestrator.config import InferenceConfig
+from orchestrator.errors import InferenceError
+from orchestrator.inference.pool import InferencePool, Server
+from orchestrator.rollouts.concurrency import ConcurrencyConfig, ConcurrencyControl
+from orchestrator.sim.kv import KVLoad
+from orchestrator.sim.metrics import exposition
+from orchestrator.testing.fake_server import FakeInferenceServer
+
+CFG = ConcurrencyConfig(adaptive=True, start_per_server=8)
+
+
+def metrics(usage: float, *, waiting: int = 0, preemptions: int = 0) -> str:
+    """A vLLM 0.31 /metrics text, as the simulator writes it."""
+    return exposition("m", KVLoad(usage=usage, running=0, waiting=waiting, preemptions=preemptions), 0.0)
+
+
+def setup(n: int = 2) -> tuple[list[FakeInferenceServer], InferencePool, list[tuple[str, int]]]:
+    fakes = [FakeInferenceServer(f"http://s{i}.invalid/v1") for i in range(n)]
+    pool = InferencePool(InferenceConfig(servers=tuple(f.url for f in fakes)), fakes)
+    return fakes, pool, []
+
+
+def control(pool: InferencePool, cancels: list[tuple[str, int]], ceiling: int = 32) -> ConcurrencyControl:
+    return ConcurrencyControl(CFG, pool, ceiling, lambda server, n: cancels.append((server.url, n)))
+
+
+async def test_each_server_gets_its_own_cap_from_its_own_cache() -> None:
+    fakes, pool, cancels = setup()
+    ctl = control(pool, cancels)
+    assert [s.cap for s in pool.servers] == [8, 8]
+    for s in pool.servers:
+        s.inflight = 8
+    fakes[0].metrics_text = metrics(0.3)
+    fakes[1].metrics_text = metrics(0.85)
+    await ctl.poll()
+    ctl.done(pool.servers[0], 8)
+    await ctl.poll()
+    assert [s.cap for s in pool.servers] == [10, 6]  # grew once (8 completions); trimmed to floor(8 x 0.7 / 0.85)
+    snap = ctl.snapshot()
+    assert snap[fakes[0].url]["rule"] == "grow"
+    assert snap[fakes[1].url] == {"cap": 6, "rule": "trim", "cancelled": 0, "kv_usage": 0.85, "waiting": 0,
+                                  "preemptions": 0}
+    assert cancels == []
+
+
+async def test_a_hard_trim_asks_for_the_excess_to_be_cancelled() -> None:
+    fakes, pool, cancels = setup(1)
+    ctl = control(pool, cancels)
+    pool.servers[0].inflight = 8
+    fakes[0].metrics_text = metrics(0.95)
+    await ctl.poll()
+    assert cancels == [(fakes[0].url, 3)]  # floor(8 x 0.7 / 0.95) = 5 kept
+    assert pool.servers[0].cap == 5
+
+
+async def test_an_unreadable_server_keeps_the_static_cap_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    fakes, pool, cancels = setup(1)
+    ctl = control(pool, cancels, ceiling=32)
+    with caplog.at_level(logging.INFO):
+        await ctl.poll()  # no /metrics: 404
+        fakes[0].metrics_text = "# no vLLM families here\nfoo 1\n"
+        await ctl.poll()
+        assert pool.servers[0].cap == 32
+        fakes[0].metrics_text = metrics(0.5)
+        await ctl.poll()
+    said = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(said) == 1
+    assert "HTTP 404" in said[0]
+    assert "static cap of 32" in said[0]
+    assert any("can be read again" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_server_out_of_rotation_or_not_answering_keeps_its_cap() -> None:
+    fakes, pool, cancels = setup(2)
+    ctl = control(pool, cancels)
+    for f in fakes:
+        f.metrics_text = metrics(0.99)
+    pool.servers[0].in_rotation = False
+    fakes[1].fail_with = InferenceError("connection refused")
+    await ctl.poll()
+    assert [s.cap for s in pool.servers] == [8, 8]
+    assert cancels == []
+    assert not [c for c in fakes[0].calls if c[1] == "/metrics"]  # out of rotation: not even asked
+
+
+async def test_a_server_leaving_rotation_mid_poll_changes_nothing() -> None:
+    fakes, pool, cancels = setup(1)
+    ctl = control(pool, cancels)
+    fakes[0].metrics_text = metrics(0.99)
+    fakes[0].hang_paths.add("/metrics")
+    poll = asyncio.create_task(ctl.poll())
+    await asyncio.sleep(0)  # the poll's request is waiting
+    pool.servers[0].in_rotation = False
+    fakes[0].release()  # the connection is cut as the server goes
+    await poll
+    assert pool.servers[0].cap == 8
+    assert cancels == []
+
+
+async def test_acquire_waits_for_room_under_the_caps_and_a_release_wakes_it() -> None:
+    _, pool, _ = setup(2)
+    a, b = pool.servers
+    pool.set_cap(a, 4)
+    pool.set_cap(b, 2)
+    first = await pool.acquire(4)
+    second = await pool.acquire(2)
+    assert {first, second} == {a, b}
+    waiting = asyncio.create_task(pool.acquire(2))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # both at their caps
+    assert "at its cap" in pool.capped()
+    pool.release(a, 4)
+    server: Server = await asyncio.wait_for(waiting, 5)
+    assert server is a
+
+
+async def test_an_idle_server_takes_a_group_larger_than_its_cap() -> None:
+    _, pool, _ = setup(1)
+    pool.set_cap(pool.servers[0], 1)
+    assert await asyncio.wait_for(pool.acquire(8), 5) is pool.servers[0]
