@@ -1,11 +1,16 @@
-"""The per-server concurrency cap (rollouts/concurrency.py), rule by rule, on made-up loads: pure, no I/O."""
+"""The per-server concurrency cap (rollouts/concurrency.py), rule by rule, on made-up loads, and which groups a hard
+trim cancels (rollouts/groups.py): pure, no I/O."""
 
 from __future__ import annotations
 
 import pytest
 
+from orchestrator.errors import Failure
 from orchestrator.inference.load import ServerLoad
+from orchestrator.inference.pool import Server
 from orchestrator.rollouts.concurrency import ConcurrencyConfig, Rule, ServerCap
+from orchestrator.rollouts.groups import Group, GroupTracker
+from orchestrator.testing.fake_server import FakeInferenceServer
 
 CFG = ConcurrencyConfig(adaptive=True)
 
@@ -103,3 +108,22 @@ def test_thresholds_out_of_order_are_named(cfg: ConcurrencyConfig, key: str) -> 
     assert all("scheduler.concurrency." in p for p in problems)
     assert any(key in p for p in problems)
     assert ConcurrencyConfig().problems("scheduler.concurrency") == []
+
+
+def test_shedding_cancels_whole_groups_not_yet_half_done_youngest_first() -> None:
+    here = Server(FakeInferenceServer("http://a.invalid/v1"))
+    there = Server(FakeInferenceServer("http://b.invalid/v1"))
+    tracker = GroupTracker(max_off_policy_steps=2, group_timeout_s=600)
+    groups = {name: Group(name, "env", 0, 0, 4, server, started) for name, server, started in
+              [("old", here, 1.0), ("mid", here, 2.0), ("young", here, 3.0), ("half", here, 4.0),
+               ("elsewhere", there, 5.0)]}
+    for g in groups.values():
+        tracker.open(g)
+    for rid in groups["half"].rids[:2]:  # half done: let it finish
+        tracker.fail(groups["half"], rid, Failure.ENV, "x")
+    tracker.fail(groups["mid"], groups["mid"].rids[0], Failure.ENV, "x")  # a quarter done: may go
+    shed = tracker.shed(here.url, 5, "KV usage 0.95")
+    assert [(e.group.gid, e.kind) for e in shed] == [("young", Failure.KV_PRESSURE), ("mid", Failure.KV_PRESSURE)]
+    assert tracker.counts["cancelled"] == 4 + 3
+    assert tracker.shed(there.url, 0, "nothing asked") == []
+    assert [e.group.gid for e in tracker.shed(here.url, 100, "all")] == ["young", "mid", "old"]

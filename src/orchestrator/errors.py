@@ -44,6 +44,7 @@ class Failure(enum.StrEnum):
     WORKER_DIED = "worker_died"  # the env worker running it died, froze or was dropped
     STALE = "stale"  # cancelled: sampled too many policy versions ago
     GROUP_TIMEOUT = "group_timeout"  # its group ran longer than scheduler.group_timeout_s
+    KV_PRESSURE = "kv_pressure"  # cancelled: its server's KV cache was nearly full (scheduler.concurrency)
 
     @property
     def server_fault(self) -> bool:

@@ -146,6 +146,21 @@ class GroupTracker:
                 out.append(Expired(group, Failure.GROUP_TIMEOUT, f"running for more than {self.group_timeout_s:g} s"))
         return out
 
+    def shed(self, server: str, n: int, why: str) -> list[Expired]:
+        """In-flight groups on ``server`` to cancel for at least ``n`` of their rollouts: whole groups, those not
+        yet half done, youngest first (their missing rollouts are not failed yet: ``fail`` them). Fewer when not
+        enough such groups run there: a group half done is let finish."""
+        young = sorted((g for g in self.inflight.values() if g.server.url == server and len(g.records) * 2 < g.size),
+                       key=lambda g: g.started, reverse=True)
+        out: list[Expired] = []
+        for group in young:
+            if n <= 0:
+                break
+            out.append(Expired(group, Failure.KV_PRESSURE, why))
+            self.counts["cancelled"] += len(group.missing)
+            n -= len(group.missing)
+        return out
+
     def take_counts(self) -> dict[str, Any]:
         """The counts since the last call, as metrics.jsonl names them: failures as ``failed:<kind>``."""
         out: dict[str, Any] = {**self.counts, **{f"failed:{kind}": n for kind, n in self.failed.items()}}
