@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -127,7 +127,8 @@ class Orchestrator:
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(outdir.close)  # last out: the directory stays locked until everything else is done
-            sinks = await asyncio.to_thread(open_sinks, cfg, out, resume=resume)  # W&B starts its service here
+            sinks = await asyncio.to_thread(open_sinks, cfg.monitor, out, run_name=cfg.run.name,  # W&B starts here
+                                            job=asdict(cfg), resume=resume)
             stack.push_async_callback(asyncio.to_thread, sinks.close)
             pool, hub, logprobs_mode = await open_engines(cfg, stack, out)
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume, state.acked_step))
