@@ -1,7 +1,10 @@
 """``[transport]``: how batches reach the trainer (``kind``) and what each kind needs.
 
-One table for every kind (``orchestrator check`` prints every field); ``problems`` refuses a field set for a kind
-that does not use it where that could mislead, and names the field a kind needs.
+The TOML table is one for every kind, as users write it and ``orchestrator check`` prints it; ``problems``
+refuses a field set for a kind that does not use it where that could mislead, and names the field a kind needs.
+What a sender is built from is ``TransportConfig.chosen``: one type per kind (``ZmqTransport``,
+``ShmTransport``, ``FilesystemTransport``, ``PrimeRLTransport``), each with only its own fields, those the
+checks require already set (no ``None`` left to assert away).
 """
 
 from __future__ import annotations
@@ -12,6 +15,51 @@ from dataclasses import dataclass
 from typing import Literal
 
 from orchestrator.configbase import Source, address_problems, opt
+
+
+@dataclass(frozen=True)
+class ZmqTransport:
+    """kind = "zmq": batches as ZMQ frames to trainers that connect to ``address`` and acknowledge each step."""
+
+    address: str | None
+    send_hwm: int
+    keep_acked: int
+    data_plane: Literal["through", "direct"]
+    worker_pool_mb: int
+    span_address: str | None
+
+
+@dataclass(frozen=True)
+class ShmTransport:
+    """kind = "shm": as zmq on ipc://, the columns through a same-node shared-memory pool of ``shm_pool_mb``."""
+
+    address: str | None
+    send_hwm: int
+    shm_pool_mb: int
+
+
+@dataclass(frozen=True)
+class FilesystemTransport:
+    """kind = "filesystem": one file per batch in ``directory``; checkpoints announced by marker files."""
+
+    directory: str
+    send_hwm: int
+
+
+@dataclass(frozen=True)
+class PrimeRLTransport:
+    """kind = "prime-rl": per-rank micro-batches to prime-rl's trainer, weights read from its ``trainer_dir``."""
+
+    trainer_dir: str
+    layout: Literal["zmq", "filesystem"]
+    address: str | None
+    send_hwm: int
+    data_ranks: int
+    seq_len: int
+    pad_to_multiple_of: int
+
+
+Transport = ZmqTransport | ShmTransport | FilesystemTransport | PrimeRLTransport
 
 
 @dataclass(frozen=True)
@@ -47,6 +95,21 @@ class TransportConfig:
                                    "their column pools to trainers on other hosts (a port each; CURVE with "
                                    "[security] keys, which a non-loopback HOST needs); unset: trainers on this "
                                    "host map the pools, and no other host can read them")
+
+    @property
+    def chosen(self) -> Transport:
+        """The kind's own settings, for its sender (call only on a config that loaded: the checks ran)."""
+        if self.kind == "prime-rl":
+            assert self.trainer_dir is not None  # problems(): required with this kind
+            return PrimeRLTransport(self.trainer_dir, self.prime_rl_layout, self.address, self.send_hwm,
+                                    self.data_ranks, self.seq_len, self.pad_to_multiple_of)
+        if self.kind == "filesystem":
+            assert self.directory is not None  # problems(): required with this kind
+            return FilesystemTransport(self.directory, self.send_hwm)
+        if self.kind == "shm":
+            return ShmTransport(self.address, self.send_hwm, self.shm_pool_mb)
+        return ZmqTransport(self.address, self.send_hwm, self.keep_acked, self.data_plane, self.worker_pool_mb,
+                            self.span_address)
 
     @property
     def binds_batches(self) -> bool:
