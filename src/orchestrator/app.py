@@ -99,7 +99,8 @@ class Orchestrator:
         vocab = vocab_size(tokenizer)
         if vocab is None:
             log.warning("cannot read the vocabulary size of %s; the gibberish filter assumes 2^17 tokens", tokenizer)
-        self.builder = StepBuilder(cfg, vocab_size=vocab or 2**17, logprobs_mode=logprobs_mode)
+        self.builder = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, vocab_size=vocab or 2**17,
+                                   logprobs_mode=logprobs_mode)
         self.summary = RunSummary()
         # the step's blocking work (advantages, batch, dumps, JSONL, state) runs here, one job at a time; owned:
         # open() waits for it before its own state save, also when a step was cancelled mid-way

@@ -23,10 +23,11 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from orchestrator.columns.manifest import StepManifest, build_manifest
-from orchestrator.config import JobConfig
 from orchestrator.delivery.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
+from orchestrator.rollouts.config import EnvConfig
 from orchestrator.rollouts.groups import lose_columns
 from orchestrator.scoring.advantage import AdvantageFn
+from orchestrator.scoring.config import PipelineConfig
 from orchestrator.scoring.filters import FilterSet
 from orchestrator.steps.rows import RolloutRow, dropped_rows
 from orchestrator.workers.protocol import PoolInfo, RolloutRecord
@@ -51,18 +52,19 @@ class StepResult(Generic[B]):
 
 
 class StepBuilder:
-    def __init__(self, cfg: JobConfig, vocab_size: int, logprobs_mode: LogprobsMode | None = None) -> None:
-        self.run = cfg.run.name
+    def __init__(self, pipeline: PipelineConfig, envs: Sequence[EnvConfig], run: str, vocab_size: int,
+                 logprobs_mode: LogprobsMode | None = None) -> None:
+        self.run = run
         # what every batch tells the trainer: which logprobs it holds (settled by preflight), and each sample's
         # sampling temperature (its env's), which a trainer recomputing processed logprobs needs
         self.logprobs_mode = logprobs_mode
-        self.temperatures = {e.label: e.sampling.temperature for e in cfg.env}
-        self.advantage = AdvantageFn(cfg.pipeline)
+        self.temperatures = {e.label: e.sampling.temperature for e in envs}
+        self.advantage = AdvantageFn(pipeline)
         self.vocab_size = vocab_size
-        self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
+        self.filters = FilterSet(pipeline.filters, vocab_size)
         # direct mode: the token filters' verdicts come from the env workers (RolloutHeader.filters); custom
         # filters may read tokens and cannot run here (not built): named once when the first step is built
-        self.worker_filters = FilterSet(cfg.pipeline.filters, vocab_size, in_worker=True)
+        self.worker_filters = FilterSet(pipeline.filters, vocab_size, in_worker=True)
         self.skipped_filters = sorted(set(self.worker_filters.skipped))
 
     def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult[Batch]:
