@@ -109,8 +109,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     problems: list[str] = []
     cfg = _build(JobConfig, raw, "", problems, source)
     if not problems:
+        problems.extend(_section_problems(cfg, "", source))  # each section alone, then how they fit
         problems.extend(_cross_checks(typing.cast(JobConfig, cfg), source))
-        problems.extend(_section_problems(cfg, "", source))
     if not problems:
         problems.extend(hook_problems(typing.cast(JobConfig, cfg).pipeline, source))
     if problems:
