@@ -8,6 +8,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import JobConfig, load_config, to_toml
+from orchestrator.delivery.config import FilesystemTransport, PrimeRLTransport, ShmTransport, ZmqTransport
 from orchestrator.errors import ConfigError
 from orchestrator.testing.keys import KeySet, make_key_set
 
@@ -62,6 +63,20 @@ def test_the_direct_data_plane_is_accepted_with_zmq(tmp_path: Path) -> None:
     assert (cfg.transport.data_plane, cfg.transport.kind, cfg.transport.keep_acked) == ("direct", "zmq", 0)
     assert cfg.transport.worker_pool_mb == 8
     assert load_config(write(tmp_path, to_toml(cfg), "printed.toml")) == cfg  # and printed as it runs
+
+
+@pytest.mark.parametrize(("table", "chosen"), [
+    ("", ZmqTransport(None, 2, 0, "through", 1024, None)),
+    ('kind = "shm"\nshm_pool_mb = 64\n', ShmTransport(None, 2, 64)),
+    ('kind = "filesystem"\ndirectory = "b"\ncheckpoint_source = "marker"\nmarker_dir = "m"\n',
+     FilesystemTransport("b", 2)),
+    ('kind = "prime-rl"\naddress = "tcp://127.0.0.1:5555"\ntrainer_dir = "t"\ndata_ranks = 2\n',
+     PrimeRLTransport("t", "zmq", "tcp://127.0.0.1:5555", 2, 2, 2048, 1)),
+], ids=["zmq", "shm", "filesystem", "prime-rl"])
+def test_a_sender_gets_only_its_kinds_settings(table: str, chosen: object, tmp_path: Path) -> None:
+    """One table for every kind in TOML; what its sender is built from is the kind's own type."""
+    cfg = load_config(write(tmp_path, GOOD + "\n[transport]\n" + table))
+    assert cfg.transport.chosen == chosen
 
 
 def test_values_are_kept_as_written(tmp_path: Path) -> None:

@@ -41,7 +41,8 @@ def direct_groups() -> list[ReplayGroup]:
 def test_a_manifest_names_only_rollouts_in_current_pools_and_returns_the_rest(
         caplog: pytest.LogCaptureFixture) -> None:
     groups = direct_groups()
-    builder = StepBuilder(synthetic_config(32), vocab_size=1 << 17)
+    cfg = synthetic_config(32)
+    builder = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, vocab_size=1 << 17)
     with caplog.at_level(logging.WARNING):
         result = ManifestBuilder(builder)(3, groups, (), POOLS)
     manifest = decode_manifest(encode_manifest(result.batch))  # a manifest the trainer's edge accepts
@@ -85,7 +86,8 @@ def test_token_filters_use_the_workers_verdicts_and_custom_filters_are_named_not
         for r in g.records:
             r.header.filters = flagged.get(r.rid) or looping.get(r.rid) or []
     with caplog.at_level(logging.WARNING):
-        result = ManifestBuilder(StepBuilder(cfg, vocab_size=1 << 17))(0, groups, (), POOLS)
+        builder = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, vocab_size=1 << 17)
+        result = ManifestBuilder(builder)(0, groups, (), POOLS)
     named = {s.rollout for s in result.batch.spans}
     rows = {row.rollout: row for row in result.rows}
     for rid in flagged:

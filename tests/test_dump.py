@@ -36,7 +36,7 @@ def as_bytes(frames: Sequence[memoryview]) -> list[bytes]:
 def test_dump_then_load_round_trips_exact_bytes(tmp_path: Path) -> None:
     cfg = synthetic_config(12, 4)
     groups = step_groups()
-    result = StepBuilder(cfg, VOCAB).build(5, groups)
+    result = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, VOCAB).build(5, groups)
     sent = as_bytes(encode(result.batch))
     info = write_dump(dump_path(tmp_path, 5), 5, groups, result.batch, result.rows, run="r", vocab_size=VOCAB,
                       config_toml=to_toml(cfg))
@@ -59,7 +59,8 @@ def test_dump_then_load_round_trips_exact_bytes(tmp_path: Path) -> None:
 
     # replay: the loaded records, built with the dumped config, give the very same batch and rows
     (tmp_path / "job.toml").write_text(dump.config_toml or "")
-    rebuilt = StepBuilder(load_config(tmp_path / "job.toml"), VOCAB).build(dump.step, dump.groups)
+    dumped = load_config(tmp_path / "job.toml")
+    rebuilt = StepBuilder(dumped.pipeline, dumped.env, dumped.run.name, VOCAB).build(dump.step, dump.groups)
     assert as_bytes(encode(rebuilt.batch)) == sent
     assert [r.as_dict() for r in rebuilt.rows] == dump.rows
 
@@ -69,7 +70,7 @@ def test_a_new_dump_of_a_step_replaces_the_old_one(tmp_path: Path) -> None:
     target = dump_path(tmp_path, 2)
     for seed in (1, 2):
         groups = synthetic_groups(8, 2, 32, 0, 0, group_size=4, seed=seed)
-        result = StepBuilder(cfg, VOCAB).build(2, groups)
+        result = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, VOCAB).build(2, groups)
         write_dump(target, 2, groups, result.batch, result.rows, run="r")
     assert [p.name for p in (tmp_path / "dumps").iterdir()] == ["step_000002"]
     dump = load_dump(target)
@@ -80,7 +81,8 @@ def test_a_new_dump_of_a_step_replaces_the_old_one(tmp_path: Path) -> None:
 
 def test_corrupt_or_missing_dump_is_a_wire_error(tmp_path: Path) -> None:
     groups = synthetic_groups(4, 1, 16, 1, 1, group_size=4)
-    result = StepBuilder(synthetic_config(4, 4), VOCAB).build(0, groups)
+    cfg = synthetic_config(4, 4)
+    result = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, VOCAB).build(0, groups)
     path = write_dump(tmp_path / "d", 0, groups, result.batch, result.rows, run="r").path
     data = (path / "batch.frames").read_bytes()
     (path / "batch.frames").write_bytes(data[:-3])
@@ -95,7 +97,8 @@ def test_corrupt_or_missing_dump_is_a_wire_error(tmp_path: Path) -> None:
 
 def test_loaded_columns_are_aligned_views(tmp_path: Path) -> None:
     groups = synthetic_groups(4, 2, 33, 3, 2, group_size=4)
-    result = StepBuilder(synthetic_config(4, 4), VOCAB).build(0, groups)
+    cfg = synthetic_config(4, 4)
+    result = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, VOCAB).build(0, groups)
     dump = load_dump(write_dump(tmp_path / "d", 0, groups, result.batch, result.rows, run="r").path)
     logprobs = dump.groups[0].records[1].column("logprobs")
     assert logprobs.ctypes.data % 64 == 0

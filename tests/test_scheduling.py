@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from orchestrator.config import PipelineConfig
 from orchestrator.errors import ConfigError
 from orchestrator.rollouts.curriculum import IN_FLIGHT, UNSEEN, Curriculum, CurriculumConfig, PoolConfig
 from orchestrator.rollouts.evaluation import metrics, pass_at_k, pass_hat_k
 from orchestrator.rollouts.sampler import EnvDraws, TaskOrder, TaskSampler
 from orchestrator.scoring.advantage import AdvantageFn
+from orchestrator.scoring.config import PipelineConfig
 from orchestrator.scoring.gates import GateConfig, Gates, GroupView, build_gate
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -127,8 +127,8 @@ def test_curriculum_state_returns_in_flight_tasks_and_redraws_the_same() -> None
     ((PoolConfig(name=UNSEEN, max_pass_rate=1.0, weight=1.0),), "names must be distinct"),
 ])
 def test_bad_pools_are_named(pools: tuple[PoolConfig, ...], why: str) -> None:
-    problems = list(CurriculumConfig(pools=pools).problems("env[0].curriculum"))
-    assert any(why in p and p.startswith("env[0].curriculum") for p in problems), problems
+    problems = list(CurriculumConfig(pools=pools).problems("env[0].curriculum", lambda key: "job.toml"))
+    assert any(why in p and p.startswith("job.toml: env[0].curriculum") for p in problems), problems
 
 
 # --------------------------------------------------------------------------------------------------- gates

@@ -4,6 +4,7 @@ W&B wrote (orchestrator.testing.wandb_offline)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ def test_jsonl_sink_writes_one_file_with_other_prefixes_marked(tmp_path: Path) -
 def test_wandb_gets_every_metric_eval_metrics_and_sample_tables(tmp_path: Path) -> None:
     cfg = job(tmp_path, wandb=wandb("unit", 2))
     out = tmp_path / "out"
-    sinks = open_sinks(cfg, out)
+    sinks = open_sinks(cfg.monitor, out, run_name=cfg.run.name, job=dataclasses.asdict(cfg))
     try:
         for step in range(3):
             sinks.log({"rollouts": 8, "reward_mean": {"arith": step / 10}, "sent": True, "note": "x"}, step=step)

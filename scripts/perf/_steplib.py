@@ -105,7 +105,7 @@ def parse_synthetic(spec: str) -> tuple[int, int, int, int, int]:
 
 def build_and_dump(inp: StepInput, out: Path) -> tuple[Path, int, Batch]:
     """Build ``inp`` with the real StepBuilder and write it as a dump at ``out`` (synth_step.py)."""
-    builder = StepBuilder(inp.cfg, inp.vocab_size)
+    builder = StepBuilder(inp.cfg.pipeline, inp.cfg.env, inp.cfg.run.name, inp.vocab_size)
     result = builder.build(inp.step, inp.groups)
     info = write_dump(out, inp.step, inp.groups, result.batch, result.rows, run=inp.cfg.run.name,
                       vocab_size=inp.vocab_size, config_toml=to_toml(inp.cfg))
@@ -284,7 +284,8 @@ class StepRunner:
         self._run, self._inline = self.runs, inline
         self.runs += 1
         first = len(self.spans)
-        pipeline = StepPipeline(StepBuilder(self.inp.cfg, self.inp.vocab_size), self)
+        cfg = self.inp.cfg
+        pipeline = StepPipeline(StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, self.inp.vocab_size), self)
         await pipeline.run(step, self._take, dump_to=self.workdir / "dumps" / f"step_{step:06d}" if dump else None)
         if dump:
             await asyncio.to_thread(_remove_tree, self.workdir / "dumps")

@@ -21,7 +21,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -83,7 +83,8 @@ class Orchestrator:
         vocab = vocab_size(tokenizer)
         if vocab is None:
             log.warning("cannot read the vocabulary size of %s; the gibberish filter assumes 2^17 tokens", tokenizer)
-        self.builder = StepBuilder(cfg, vocab_size=vocab or 2**17, logprobs_mode=logprobs_mode)
+        self.builder = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, vocab_size=vocab or 2**17,
+                                   logprobs_mode=logprobs_mode)
         self.summary = RunSummary()
         # the step's blocking work (advantages, batch, dumps, JSONL, state) runs here, one job at a time; owned:
         # open() waits for it before its own state save, also when a step was cancelled mid-way
@@ -102,7 +103,8 @@ class Orchestrator:
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(outdir.close)  # last out: the directory stays locked until everything else is done
-            sinks = await asyncio.to_thread(open_sinks, cfg, out, resume=resume)  # W&B starts its service here
+            sinks = await asyncio.to_thread(open_sinks, cfg.monitor, out, run_name=cfg.run.name,  # W&B starts here
+                                            job=asdict(cfg), resume=resume)
             stack.push_async_callback(asyncio.to_thread, sinks.close)
             pool, hub, logprobs_mode = await open_engines(cfg, stack, out)
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume, state.acked_step))

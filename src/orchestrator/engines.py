@@ -53,7 +53,8 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
         checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
                                   model=cfg.model.name, tokenizer=tokenizer, resume=True,
-                                  logprobs=LogprobsCheck.of(cfg, training=not evaluation_only))
+                                  logprobs=LogprobsCheck.of(cfg.inference, train,
+                                                            prime_rl_trainer=cfg.transport.kind == "prime-rl"))
         log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(checked.servers),
                  sorted({r.max_model_len or 0 for r in checked.servers}))
         logprobs_mode = checked.logprobs_mode

@@ -35,7 +35,7 @@ import ipaddress
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 from zmq.utils.z85 import Z85CHARS
 
+from orchestrator.configbase import Source, opt
 from orchestrator.errors import KeyFileError
 
 log = logging.getLogger(__name__)
@@ -315,3 +316,38 @@ def is_loopback(address: str) -> bool:
     except ValueError:
         return False
 
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """CURVE keys for the tcp:// sockets the orchestrator binds (README "Security"). Paths, like every path
+    in this file except ``include``, are relative to the working directory unless absolute."""
+
+    server_key: str | None = opt(None, doc="the orchestrator's secret key file NAME.key_secret (made by "
+                                           "`orchestrator keys`); unset: no CURVE, tcp:// only on loopback")
+    authorized_keys: str | None = opt(None, doc="directory of the public NAME.key files of the env workers and "
+                                                "trainers allowed to connect (read at start)")
+    allow_unauthenticated_trainer: bool = opt(False, doc="kind = 'prime-rl' only: allow a non-loopback trainer "
+                                                         "address, though prime-rl's link has no authentication")
+
+    def server_keys(self, address: str) -> ServerKeys | None:
+        """The CURVE keys for a socket bound at ``address``: None for ipc:// (file permissions guard it) or
+        when no keys are set. KeyFileError if a key file changed for the worse since the config loaded."""
+        if self.server_key is None or self.authorized_keys is None or not address.startswith("tcp://"):
+            return None
+        return load_server_keys(self.server_key, self.authorized_keys)
+
+    def problems(self, key: str, source: Source) -> Iterable[str]:
+        """Keys set in pairs, and readable now (not at the first connection, minutes into the run)."""
+        for name, value, other in (("server_key", self.server_key, "authorized_keys"),
+                                   ("authorized_keys", self.authorized_keys, "server_key")):
+            if value is None and getattr(self, other) is not None:
+                yield (f"{source(f'{key}.{name}')}: {key}.{name}: required when {key}.{other} is set "
+                       "(CURVE needs the orchestrator's secret key and the directory of its clients' public keys)")
+        for name, value, load in (("server_key", self.server_key, load_key_pair),
+                                  ("authorized_keys", self.authorized_keys, load_authorized_keys)):
+            if value is not None:
+                try:
+                    load(value)
+                except KeyFileError as e:
+                    yield f"{source(f'{key}.{name}')}: {key}.{name}: {e}"

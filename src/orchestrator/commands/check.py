@@ -76,7 +76,8 @@ async def check_servers(cfg: JobConfig) -> None:
         try:
             checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
                                       model=cfg.model.name, tokenizer=tokenizer, resume=False,
-                                      logprobs=LogprobsCheck.of(cfg))
+                                      logprobs=LogprobsCheck.of(cfg.inference, cfg.env,
+                                                                prime_rl_trainer=cfg.transport.kind == "prime-rl"))
         except PreflightError as e:
             raise PreflightError(e.problems + ([problem] if problem else [])) from None
     if problem is not None:

@@ -15,7 +15,7 @@ import signal
 import sys
 
 from orchestrator.cli import run_async
-from orchestrator.config import SimConfig
+from orchestrator.sim.config import SimConfig
 
 HELP = "run the simulated inference server, playing vLLM or prime-rl (prints its base URL on stdout)"
 DEAD_EXIT_S = 1.0  # how long the process outlives its engine (a real vLLM 0.31: ~1-3 s)

@@ -41,7 +41,8 @@ from orchestrator.errors import InferenceError
 from orchestrator.inference.server import HttpStatusError, InferenceServer
 
 if TYPE_CHECKING:
-    from orchestrator.config import JobConfig
+    from orchestrator.inference.config import InferenceConfig
+    from orchestrator.rollouts.config import EnvConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,11 @@ class LogprobsCheck:
     trainer_tempers: bool = False
 
     @classmethod
-    def of(cls, cfg: JobConfig, *, training: bool = True) -> LogprobsCheck:
-        """The check of ``cfg``'s job (``training`` False: an evaluation-only run, nothing trains)."""
-        temps = tuple((f"env[{i}].sampling.temperature", e.sampling.temperature) for i, e in enumerate(cfg.env))
-        return cls(cfg.inference.logprobs_mode, temps if training else (),
-                   training and cfg.transport.kind == "prime-rl")
+    def of(cls, inference: InferenceConfig, envs: Sequence[EnvConfig], *, prime_rl_trainer: bool) -> LogprobsCheck:
+        """The check of a job training ``envs`` (none: an evaluation-only run, nothing trains), for prime-rl's
+        trainer or another."""
+        temps = tuple((f"env[{i}].sampling.temperature", e.sampling.temperature) for i, e in enumerate(envs))
+        return cls(inference.logprobs_mode, temps, bool(envs) and prime_rl_trainer)
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from orchestrator.config import InferenceConfig
 from orchestrator.errors import CheckpointError, Failure, InferenceError, UnloadableCheckpoint
+from orchestrator.inference.config import InferenceConfig
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
 from orchestrator.inference.weights import weight_sync, weights_dir

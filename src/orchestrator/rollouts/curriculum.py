@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.configbase import opt
+from orchestrator.configbase import Source, opt
 
 UNSEEN, IN_FLIGHT = "unseen", "in_flight"
 
@@ -49,16 +49,16 @@ class CurriculumConfig:
     pass_threshold: float = opt(0.5, doc="a rollout passes when its reward is above this")
     window: int = opt(1, ge=1, doc="a task's pass rate is the mean over its last this many groups")
 
-    def problems(self, key: str) -> Iterable[str]:
+    def problems(self, key: str, source: Source) -> Iterable[str]:
         rates = [p.max_pass_rate for p in self.pools]
         if not self.pools or rates != sorted(rates) or len(set(rates)) != len(rates) or rates[-1] != 1.0:
-            yield (f"{key}.pools: max_pass_rate must increase strictly from pool to pool and the last must be "
-                   f"1.0 (every pass rate falls in a pool), got {rates}")
+            yield (f"{source(key)}: {key}.pools: max_pass_rate must increase strictly from pool to pool and the "
+                   f"last must be 1.0 (every pass rate falls in a pool), got {rates}")
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names) or {UNSEEN, IN_FLIGHT} & set(names):
-            yield f"{key}.pools: names must be distinct and not {UNSEEN!r} or {IN_FLIGHT!r}, got {names}"
+            yield f"{source(key)}: {key}.pools: names must be distinct and not {UNSEEN!r} or {IN_FLIGHT!r}, got {names}"
         if self.unseen_weight == 0 and all(p.weight == 0 for p in self.pools):
-            yield f"{key}: every weight is 0, so nothing could be drawn"
+            yield f"{source(key)}: {key}: every weight is 0, so nothing could be drawn"
 
 
 class _Pool:

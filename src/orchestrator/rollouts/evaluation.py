@@ -30,7 +30,7 @@ from math import comb
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from orchestrator.config import EvalConfig
+    from orchestrator.rollouts.config import EvalConfig
     from orchestrator.rollouts.groups import Group
 
 

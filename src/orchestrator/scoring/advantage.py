@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from orchestrator.config import PipelineConfig
+from orchestrator.scoring.config import PipelineConfig
 from orchestrator.scoring.hooks import import_hook
 
 

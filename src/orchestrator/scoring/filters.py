@@ -32,8 +32,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from orchestrator.config import FilterConfig
 from orchestrator.errors import ConfigError
+from orchestrator.scoring.config import FilterConfig
 from orchestrator.scoring.gates import take_by_name_and_env
 from orchestrator.scoring.hooks import import_hook
 

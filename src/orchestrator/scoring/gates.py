@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.configbase import opt
+from orchestrator.configbase import Source, opt
 from orchestrator.errors import ConfigError
 from orchestrator.scoring.hooks import import_hook
 
@@ -40,11 +40,11 @@ class GateConfig:
     args: dict[str, Any] = opt({}, doc="arguments of the gate (zero_advantage: tolerance; ranges: min, max)")
     envs: tuple[str, ...] = opt((), doc="environments it applies to (names); empty: all")
 
-    def problems(self, key: str) -> Iterable[str]:
+    def problems(self, key: str, source: Source) -> Iterable[str]:
         try:
             build_gate(self, key)
         except ConfigError as e:
-            yield from e.problems
+            yield from (f"{source(key)}: {p}" for p in e.problems)
 
 
 DEFAULT_GATES = (GateConfig(name="zero_advantage"),)

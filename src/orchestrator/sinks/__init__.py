@@ -1,6 +1,6 @@
 """Where metrics go: a ``MetricsSink`` per tracker, ``metrics.jsonl`` always, Weights & Biases optionally.
 
-See ``base.py`` for the interface and ``open_sinks`` for how a job's config chooses them.
+See ``base.py`` for the interface and ``open_sinks`` for how ``[monitor]`` chooses them.
 """
 
 from orchestrator.sinks.base import MetricsSink, Sinks, flatten, open_sinks

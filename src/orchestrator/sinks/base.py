@@ -7,7 +7,8 @@ to every sink and says when a samples table is due, so the rollouts' text is dec
 
 ::
 
-    sinks = open_sinks(cfg, output_dir, resume=False)   # metrics.jsonl, plus W&B with [monitor.wandb]
+    sinks = open_sinks(cfg.monitor, output_dir, run_name=cfg.run.name, job=dataclasses.asdict(cfg))
+                                                        # metrics.jsonl, plus W&B with [monitor.wandb]
     sinks.log(metrics, step=3)                          # metrics.jsonl and W&B
     sinks.log_eval({"envs": ...}, step=3)               # metrics.jsonl ("eval": true) and W&B's eval/...
     if sinks.samples_due(3): sinks.log_samples(table_rows, step=3)
@@ -20,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator.config import JobConfig
+from orchestrator.sinks.config import MonitorConfig
 
 
 class MetricsSink(Protocol):
@@ -71,18 +72,20 @@ class Sinks:
             raise errors[0]
 
 
-def open_sinks(cfg: JobConfig, output_dir: Path, *, resume: bool = False) -> Sinks:
+def open_sinks(monitor: MonitorConfig, output_dir: Path, *, run_name: str, job: Mapping[str, Any],
+               resume: bool = False) -> Sinks:
     """``metrics.jsonl`` in ``output_dir``, and a W&B run when ``[monitor.wandb]`` is set (``resume``: the
-    run of the previous attempt, when its id was saved). Blocking: W&B starts its service process here."""
+    run of the previous attempt, when its id was saved), named ``run_name`` unless it names itself and
+    recording ``job`` (the job's config, as plain data). Blocking: W&B starts its service process here."""
     from orchestrator.sinks.jsonl import JsonlSink
 
     sinks: list[MetricsSink] = [JsonlSink(output_dir)]
-    wb = cfg.monitor.wandb
+    wb = monitor.wandb
     if wb is None:
         return Sinks(sinks)
     from orchestrator.sinks.wandb import WandbSink
 
-    sinks.append(WandbSink.open(wb, cfg, output_dir, resume=resume))
+    sinks.append(WandbSink.open(wb, output_dir, run_name=run_name, job=job, resume=resume))
     return Sinks(sinks, wb.samples_every, wb.samples)
 
 

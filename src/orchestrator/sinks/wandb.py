@@ -9,13 +9,12 @@ console (``console = "off"``): the orchestrator's log stays where it was. The ru
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import JobConfig, WandbConfig
 from orchestrator.sinks.base import flatten
+from orchestrator.sinks.config import WandbConfig
 
 RUN_ID_FILE = "wandb-run-id"
 
@@ -25,17 +24,19 @@ class WandbSink:
         self.run = run
 
     @classmethod
-    def open(cls, wb: WandbConfig, cfg: JobConfig, output_dir: Path, *, resume: bool = False) -> WandbSink:
-        """Start (or, with ``resume`` and a saved id, continue) the run. Blocking: W&B starts its service."""
+    def open(cls, wb: WandbConfig, output_dir: Path, *, run_name: str, job: Mapping[str, Any],
+             resume: bool = False) -> WandbSink:
+        """Start (or, with ``resume`` and a saved id, continue) the run recording ``job``, the job's config.
+        Blocking: W&B starts its service."""
         import wandb
         from wandb.sdk.lib.runid import generate_id
 
         id_file = output_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if resume and id_file.is_file() else generate_id()
         id_file.write_text(run_id + "\n")
-        run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name or cfg.run.name, mode=wb.mode,
+        run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name or run_name, mode=wb.mode,
                          tags=list(wb.tags), dir=str(output_dir), id=run_id, resume="allow" if resume else None,
-                         config=dataclasses.asdict(cfg), settings=wandb.Settings(console="off"))
+                         config=dict(job), settings=wandb.Settings(console="off"))
         run.define_metric("eval/*", step_metric="eval/step")  # eval rows arrive after later steps: own axis
         return cls(run)
 

@@ -19,9 +19,10 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from orchestrator.columns.manifest import StepManifest
-from orchestrator.config import JobConfig
 from orchestrator.delivery.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
+from orchestrator.rollouts.config import EnvConfig
 from orchestrator.scoring.advantage import AdvantageFn
+from orchestrator.scoring.config import PipelineConfig
 from orchestrator.scoring.filters import FilterSet
 from orchestrator.steps.rows import RolloutRow, dropped_rows
 from orchestrator.workers.protocol import RolloutRecord
@@ -46,16 +47,17 @@ class StepResult(Generic[B]):
 
 
 class StepBuilder:
-    def __init__(self, cfg: JobConfig, vocab_size: int, logprobs_mode: LogprobsMode | None = None) -> None:
-        self.run = cfg.run.name
+    def __init__(self, pipeline: PipelineConfig, envs: Sequence[EnvConfig], run: str, vocab_size: int,
+                 logprobs_mode: LogprobsMode | None = None) -> None:
+        self.run = run
         # what every batch tells the trainer: which logprobs it holds (settled by preflight), and each sample's
         # sampling temperature (its env's), which a trainer recomputing processed logprobs needs
         self.logprobs_mode = logprobs_mode
-        self.temperatures = {e.label: e.sampling.temperature for e in cfg.env}
-        self.advantage = AdvantageFn(cfg.pipeline)
+        self.temperatures = {e.label: e.sampling.temperature for e in envs}
+        self.advantage = AdvantageFn(pipeline)
         self.vocab_size = vocab_size
-        self.filter_configs = cfg.pipeline.filters
-        self.filters = FilterSet(cfg.pipeline.filters, vocab_size)
+        self.filter_configs = pipeline.filters
+        self.filters = FilterSet(pipeline.filters, vocab_size)
 
     def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult[Batch]:
         """All three phases in order, each timed in ``phase_s``; the rows of ``dropped`` groups (none of whose

@@ -3,9 +3,9 @@
 It answers the admin routes of both backends as the real servers do (``/pause``, ``/resume``, prime-rl's
 ``/update_weights {"weight_dir"}``, vLLM's ``/collective_rpc reload_weights`` and ``/update_weight_version``),
 ``/health`` with an empty body, a 2-token ``/inference/v1/generate`` reply (what the pool's probe sends),
-``/metrics`` with ``metrics_text`` (404 while it is None), and records every call in ``calls``; ``fail_with`` makes every call raise it, ``fail_paths`` makes calls to those
-paths raise (before they are recorded: as if nothing answered), ``hang_paths`` makes calls to those paths wait
-until ``release()``.
+``/metrics`` with ``metrics_text`` (404 while it is None), and records every call in ``calls``; ``fail_with``
+makes every call raise it, ``fail_paths`` makes calls to those paths raise (before they are recorded: as if
+nothing answered), ``hang_paths`` makes calls to those paths wait until ``release()``.
 For HTTP-level fidelity use the simulated server (``orchestrator.testing.sim``).
 """
 

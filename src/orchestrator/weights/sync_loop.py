@@ -22,8 +22,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from orchestrator.config import InferenceConfig
 from orchestrator.errors import CheckpointError, UnloadableCheckpoint
+from orchestrator.inference.config import InferenceConfig
 from orchestrator.inference.pool import InferencePool
 from orchestrator.rollouts.scheduler import Scheduler
 from orchestrator.state import OrchestratorState

@@ -1,0 +1,59 @@
+"""The inference stage's config sections: ``[model]`` (what the servers serve) and ``[inference]`` (the servers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from orchestrator.configbase import Source, opt
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = opt("sim-model", doc="model name sent to the inference servers")
+    tokenizer: str | None = opt(None, doc="the model's tokenizer directory (needed with real servers; unset: "
+                                "the small built-in tokenizer of the simulated servers)")
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    servers: tuple[str, ...] = opt(doc="base URLs of the inference engines, e.g. http://10.0.0.5:8000/v1 (each "
+                                   "engine itself, not a router in front of several: the pool is the router)")
+    backend: Literal["vllm", "prime-rl"] = opt(
+        "vllm", doc="server protocol: 'vllm' (VLLM_SERVER_DEV_MODE=1: pause, collective_rpc reload_weights, "
+        "resume) or 'prime-rl' (prime-rl's inference server: pause, update_weights {weight_dir}, resume)")
+    weights_path: str | None = opt(None, doc="where the weights of checkpoint step N are, '{step}' standing for N, "
+                                   "e.g. /ckpt/step_{step}; a path the trainer announces wins")
+    check_checkpoints: bool = opt(True, doc="before a weight sync, check here that the checkpoint's directory exists "
+                                  "and holds weight files that are not corrupt (*.safetensors, *.bin, *.pt, or the "
+                                  "simulator's tiny_policy.npz); one that fails is refused and no server is asked to "
+                                  "load it (a real vLLM's engine dies on such a load). false: for hosts that do not "
+                                  "see the servers' files at the same paths")
+    unloadable_checkpoint_s: float = opt(600.0, gt=0, doc="after a checkpoint is refused (check_checkpoints), the "
+                                         "run stops with exit status 1 if no checkpoint has loaded this long "
+                                         "after; a newer or mended one that loads cancels it")
+    api_key_env: str | None = opt(None, doc="environment variable holding the servers' API key (vLLM --api-key)")
+    logprobs_mode: Literal["auto", "raw", "processed"] = opt(
+        "auto", doc="which logprobs the servers report, as vLLM's --logprobs-mode: 'raw' (raw_logprobs, vLLM's "
+        "default: log-softmax of the unscaled logits) or 'processed' (processed_logprobs: of the distribution "
+        "sampled from); 'auto': what each server's GET /server_info says (vLLM in dev mode), raw where none can "
+        "say. Preflight refuses servers that disagree, and raw logprobs with a sampling temperature other than 1 "
+        "unless this says 'raw'; every batch tells the trainer the mode")
+    preflight: bool = opt(True, doc="check every server before the run (reachable, model, admin routes, "
+                          "tokenizer, one generate round trip) and stop with what to fix")
+    request_timeout_s: float = opt(600.0, gt=0, doc="timeout of one request, env workers' generate calls included "
+                                   "(a call waits through a weight sync's pause)")
+    failures_to_evict: int = opt(3, ge=1, doc="consecutive failures that take a server out of rotation")
+    probe_interval_s: float = opt(1.0, gt=0, doc="how often servers out of rotation are probed")
+    weight_sync_timeout_s: float = opt(600.0, gt=0, doc="timeout of each pause/load/resume call (loading a "
+                                       "large model's weights takes minutes)")
+    no_server_warn_interval_s: float = opt(10.0, gt=0, doc="warning interval while no server is in rotation")
+
+    def problems(self, key: str, source: Source) -> Iterable[str]:
+        if not self.servers:
+            yield f"{source(f'{key}.servers')}: {key}.servers: at least one server URL is required"
+        for i, url in enumerate(self.servers):
+            if not url.startswith(("http://", "https://")):
+                yield (f"{source(f'{key}.servers[{i}]')}: {key}.servers[{i}]: expected an http:// or "
+                       f"https:// URL, got {url!r}")

@@ -1,0 +1,180 @@
+"""The rollout stage's config sections: ``[scheduler]``, ``[[env]]`` (with its ``sampling``), ``[eval]``.
+
+Each section checks what it can alone (``problems``, called by the loader); ``rollout_problems`` checks how the
+three fit together (a group within the in-flight bound, distinct environment names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.configbase import Source, address_problems, opt
+from orchestrator.rollouts.curriculum import CurriculumConfig
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    batch_size: int | None = opt(None, ge=1, doc="rollouts per step (set this or token_budget)")
+    token_budget: int | None = opt(None, ge=1, doc="tokens per step (set this or batch_size)")
+    max_inflight: int = opt(64, ge=1, doc="rollouts running at once")
+    max_async_level: int = opt(1, ge=0, doc="a batch for step s takes rollouts sampled at step >= s - this")
+    max_off_policy_steps: int = opt(4, ge=0, doc="in-flight rollouts this many steps old are cancelled")
+    group_timeout_s: float = opt(600.0, gt=0, doc="a group still running after this long is failed")
+    worker_address: str | None = opt(None, doc="ZMQ address env workers connect to; unset: ipc:// in output_dir")
+    remote_workers: int = opt(0, ge=0, doc="env workers on other hosts (orchestrator env-worker --connect "
+                              "worker_address) that must be ready before the first group")
+    max_buffered_rollouts: int = opt(1024, ge=1, doc="finished rollouts not in a step yet; full: no new work")
+    worker_nice: int = opt(5, ge=0, le=19, doc="niceness added to local env workers, so the loop gets a busy CPU first")
+    worker_silence_s: float = opt(10.0, ge=2, doc="an env worker that sends nothing (not even its heartbeat, every "
+                                  "second) this long is lost: its rollouts fail; a local one is killed and restarted, "
+                                  "a remote one re-admitted when it speaks again")
+    # 50 (groups of 4, steps of 8): with a quarter of groups passing the gates a step stops by chance with
+    # probability ~1e-11; with 2% passing, 40% of steps stop, after 50 steps' worth of inference
+    max_rejected_batches: int = opt(50, ge=0, doc="a step that has seen this many batches' worth of rollouts "
+                                    "rejected by gates without filling stops the run (0: never)")
+
+    def problems(self, key: str, source: Source) -> Iterable[str]:
+        if (self.batch_size is None) == (self.token_budget is None):
+            yield (f"{source(f'{key}.batch_size')}: {key}.batch_size / {key}.token_budget: "
+                   "set exactly one of them (a step is batch_size rollouts or token_budget tokens)")
+        if self.max_off_policy_steps < self.max_async_level:
+            yield (f"{source(f'{key}.max_off_policy_steps')}: {key}.max_off_policy_steps: must be >= "
+                   f"{key}.max_async_level ({self.max_off_policy_steps} < {self.max_async_level}), or rollouts "
+                   "still usable would be cancelled")
+        if self.batch_size is not None and self.max_buffered_rollouts < self.batch_size:
+            yield (f"{source(f'{key}.max_buffered_rollouts')}: {key}.max_buffered_rollouts: must be >= "
+                   f"{key}.batch_size ({self.max_buffered_rollouts} < {self.batch_size}), or no step can fill")
+        yield from address_problems(f"{key}.worker_address", self.worker_address, source)
+
+
+# set by the orchestrator (cache_salt: the policy version) or by verifiers' client, never by the user
+OWNED_SAMPLING_KEYS = {"cache_salt", "logprobs", "stop_token_ids", "routed_experts_prompt_start"}
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sent to the server as written; an unset key is not sent, so the server's default applies."""
+
+    max_tokens: int = opt(256, ge=1, doc="tokens sampled per turn")
+    temperature: float = opt(1.0, ge=0, doc="sampling temperature (also sent to the trainer with each sample)")
+    top_p: float | None = opt(None, gt=0, le=1, doc="nucleus sampling")
+    top_k: int | None = opt(None, ge=-1, doc="sample from the k most likely tokens (-1: all)")
+    min_p: float | None = opt(None, ge=0, le=1, doc="minimum probability relative to the most likely token")
+    repetition_penalty: float | None = opt(None, gt=0, doc="vLLM's repetition penalty (1: none)")
+    presence_penalty: float | None = opt(None, ge=-2, le=2, doc="OpenAI-style presence penalty")
+    frequency_penalty: float | None = opt(None, ge=-2, le=2, doc="OpenAI-style frequency penalty")
+    stop: tuple[str, ...] | None = opt(None, doc="strings that end a turn")
+    seed: int | None = opt(None, doc="per-request seed (with group_size > 1 every rollout of a group would be "
+                           "the same: only for group_size = 1)")
+    extra_body: dict[str, Any] = opt({}, doc="more sampling parameters for the server, passed through as they are")
+
+    def params(self) -> dict[str, Any]:
+        """What is sent: every key that is set, and ``extra_body``'s keys."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k != "extra_body"}
+        if self.stop is not None:
+            out["stop"] = list(self.stop)
+        return {**out, **self.extra_body}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    name: str | None = opt(None, doc="name in logs and metrics; unset means the taskset id")
+    taskset: str = opt(doc="verifiers taskset id: an installed package exporting a Taskset (orchestrator-arithmetic "
+                       "is module orchestrator_arithmetic) or one of verifiers' own (textarena)")
+    args: dict[str, Any] = opt({}, doc="arguments of the taskset")
+    group_size: int = opt(8, ge=1, doc="rollouts per task (one group)")
+    weight: float = opt(1.0, gt=0, doc="mixing weight among environments")
+    workers: int = opt(1, ge=0, doc="env worker processes; 0 runs in-process (debugging only)")
+    max_concurrent: int | None = opt(None, ge=1, doc="rollouts of this env running at once")
+    group_scoring: bool = opt(False, doc="the env scores whole groups: any failure drops the group")
+    sampling: SamplingConfig = opt(SamplingConfig(), doc="sampling parameters")
+    curriculum: CurriculumConfig | None = opt(None, doc="[env.curriculum]: draw tasks from pools by their recent "
+                                              "pass rate; unset: every task in turn, in a seeded order")
+    verifiers: dict[str, Any] = opt({}, doc="verifiers' [env] table without taskset, passed through: each seat "
+                                    "(agent, player...) with harness, runtime (unset: subprocess), max_turns, token "
+                                    "limits, timeout, retries; the env's timeout, retries... (checked by verifiers "
+                                    "in `orchestrator check` and the env workers)")
+    select: dict[str, Any] = opt({}, doc="which tasks, as verifiers' SelectConfig: limit, skip, include, exclude... "
+                                 "(an endless taskset needs limit)")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.taskset
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Online evaluation: every ``interval`` steps, the first ``num_examples`` tasks of each ``[[eval.env]]``,
+    ``group_size`` rollouts each, under one policy version, beside training."""
+
+    interval: int = opt(10, ge=1, doc="evaluate at steps 0 (see at_start), interval, 2*interval...")
+    num_examples: int = opt(32, ge=1, doc="tasks per environment: the first ones of its taskset, every time")
+    group_size: int = opt(4, ge=1, doc="rollouts per task (k): pass@k and pass^k for k = 1, 2, 4... up to it")
+    at_start: bool = opt(True, doc="evaluate the starting policy at step 0 too")
+    pass_threshold: float = opt(0.5, doc="a rollout passes when its reward is above this")
+    max_inflight: int | None = opt(None, ge=1, doc="evaluation rollouts at once, within scheduler.max_inflight "
+                                   "(default: half of it), so evaluation never starves training")
+    hold_weights: bool = opt(True, doc="a round keeps the policy it started with: a weight sync waits for it "
+                             "(training goes on meanwhile); false: record the versions that sampled it")
+    env: tuple[EnvConfig, ...] = opt(doc="[[eval.env]] tables, as [[env]] (group_size, weight, curriculum unused)")
+
+    def problems(self, key: str, source: Source) -> Iterable[str]:
+        if not self.env:
+            yield f"{source(f'{key}.env')}: {key}.env: [eval] needs at least one [[eval.env]] table"
+        labels = [e.label for e in self.env]
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                yield (f"{source(f'{key}.env[{i}].name')}: {key}.env[{i}].name: {label!r} is already used by "
+                       "another [[eval.env]]; give each a distinct name")
+
+
+def rollout_problems(scheduler: SchedulerConfig, envs: Sequence[EnvConfig], ev: EvalConfig | None,
+                     source: Source) -> Iterable[str]:
+    """What the training environments and evaluation ask of the scheduler, and what each environment's
+    sampling may not say (eval environments are not checked here: their group_size is unused)."""
+    if not envs:
+        yield f"{source('env')}: env: at least one [[env]] table is required"
+    labels: dict[str, int] = {}
+    for i, env in enumerate(envs):
+        if env.group_size > scheduler.max_inflight:
+            yield (f"{source(f'env[{i}].group_size')}: env[{i}].group_size: {env.group_size} is larger than "
+                   f"scheduler.max_inflight ({scheduler.max_inflight}); a group must fit in flight at once")
+        if env.max_concurrent is not None and env.group_size > env.max_concurrent:
+            yield (f"{source(f'env[{i}].max_concurrent')}: env[{i}].max_concurrent: must be >= "
+                   f"group_size ({env.max_concurrent} < {env.group_size})")
+        if env.label in labels:
+            yield (f"{source(f'env[{i}].name')}: env[{i}].name: {env.label!r} is already used by "
+                   f"env[{labels[env.label]}]; give each environment a distinct name")
+        labels.setdefault(env.label, i)
+    for i, env in enumerate(envs):
+        yield from _sampling_problems(env, f"env[{i}]", source)
+    if ev is not None:
+        yield from _eval_fit_problems(ev, scheduler, source)
+
+
+def _sampling_problems(env: EnvConfig, key: str, source: Source) -> Iterable[str]:
+    sp = env.sampling
+    if sp.seed is not None and env.group_size > 1:
+        yield (f"{source(f'{key}.sampling.seed')}: {key}.sampling.seed: with group_size = "
+               f"{env.group_size} every rollout of a group would sample the same tokens (no advantage to "
+               "learn from); leave it unset")
+    for name in sorted(set(sp.extra_body) & OWNED_SAMPLING_KEYS):
+        yield (f"{source(f'{key}.sampling.extra_body.{name}')}: {key}.sampling.extra_body.{name}: set by "
+               "the orchestrator (cache_salt: the policy version) or by verifiers' client; remove it")
+    for name in sorted(set(sp.extra_body) & {f.name for f in dataclasses.fields(SamplingConfig)}):
+        yield (f"{source(f'{key}.sampling.extra_body.{name}')}: {key}.sampling.extra_body.{name}: "
+               f"use {key}.sampling.{name}")
+
+
+def _eval_fit_problems(ev: EvalConfig, scheduler: SchedulerConfig, source: Source) -> Iterable[str]:
+    """Evaluation shares the scheduler's in-flight slots and must leave training some."""
+    cap = ev.max_inflight or max(scheduler.max_inflight // 2, 1)  # as evaluation.py takes it
+    if ev.group_size > cap:
+        yield (f"{source('eval.group_size')}: eval.group_size: {ev.group_size} rollouts of a task must fit in "
+               f"eval.max_inflight ({cap}{'' if ev.max_inflight else ': half of scheduler.max_inflight'})")
+    if ev.max_inflight is not None and ev.max_inflight >= scheduler.max_inflight:
+        yield (f"{source('eval.max_inflight')}: eval.max_inflight: must be below scheduler.max_inflight "
+               f"({ev.max_inflight} >= {scheduler.max_inflight}), or evaluation could take every slot from training")
