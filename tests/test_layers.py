@@ -32,10 +32,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("trainer library", ("trainer", "columns.reader")),
     ("delivery", ("delivery",)),
     ("contracts", ("workers.protocol", "workers.events", "delivery.wire", "delivery.link", "delivery.reports",
-                   "steps.rows", "columns.manifest", "weights.checkpoints", "configbase")),
+                   "steps.rows", "columns.manifest", "weights.checkpoints")),
     ("columns", ("columns",)),
-    ("base", ("errors", "security", "background", "lagmon", "memory", "procs", "ipc", "state", "policy", "assets",
-              "__init__")),
+    ("base", ("errors", "configbase", "security", "background", "lagmon", "memory", "procs", "ipc", "state", "policy",
+              "assets", "__init__")),
 )
 
 

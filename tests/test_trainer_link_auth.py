@@ -1,5 +1,5 @@
 """The trainer link with CURVE, on real loopback sockets: ``BatchSender(server_keys=...)``, receivers with
-``keys``, ``delivery.open.open_sender`` from ``[security]``, and ``orchestrator receive --server-key/--client-key``.
+``keys``, ``engines.open_sender`` from ``[security]``, and ``orchestrator receive --server-key/--client-key``.
 
 A refused peer is refused before the authorized trainer starts (a failed-handshake event on each of the
 sender's sockets), so "it changed nothing" is checked without waiting for anything to not happen.
@@ -21,7 +21,7 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import SecurityConfig
-from orchestrator.delivery.open import open_sender
+from orchestrator.engines import open_sender
 from orchestrator.security import ClientKeys, ServerKeys
 from orchestrator.testing.handshakes import failed_handshakes
 from orchestrator.testing.keys import KeySet, make_key_set

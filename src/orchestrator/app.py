@@ -6,9 +6,9 @@ workers and opens the pool before any loop starts; ``run`` owns every background
 steps. Leaving the block stops workers (by pid) and closes sockets. Heavy step work (advantages, filters, batch
 assembly, JSONL, state) runs in one step thread; the loop only awaits it.
 
-Where the parts live: engines.py (the inference pool and env workers, opened), delivery/open.py (the sender
-``[transport] kind`` names), columns/plane.py (the data plane), stepping.py (each step's phases and each
-evaluation round's rows, as this class drives them); docs/architecture.md draws the whole.
+Where the parts live: engines.py (the inference pool, the env workers and the sender, opened), columns/plane.py
+(the data plane), stepping.py (each step's phases and each evaluation round's rows, as this class drives them);
+docs/architecture.md draws the whole.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ import orjson
 from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.columns.plane import open_plane
 from orchestrator.config import JobConfig
-from orchestrator.delivery.open import open_sender
 from orchestrator.delivery.sender import Sender
 from orchestrator.delivery.wire import LogprobsMode
-from orchestrator.engines import open_engines, start_workers
+from orchestrator.engines import open_engines, open_sender, start_workers
 from orchestrator.errors import UnloadableCheckpoint
 from orchestrator.inference.pool import InferencePool
 from orchestrator.lagmon import LagMonitor
@@ -92,7 +91,8 @@ class Orchestrator:
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
         self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
         self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
-        self.plane = open_plane(cfg, self.builder, hub, sender, sinks, self.off_loop, self.outputs.write_rows)
+        self.plane = open_plane(cfg.transport, cfg.security, cfg.pipeline.dump_steps, self.builder, hub, sender, sinks,
+                                self.off_loop, self.outputs.write_rows)
 
     @classmethod
     @contextlib.asynccontextmanager

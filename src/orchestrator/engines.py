@@ -1,5 +1,6 @@
 """What a job runs on, opened before any loop starts: the inference pool (checked by preflight) and the env
-workers' hub, and the wait until the workers are ready. The orchestrator and ``orchestrator eval`` share them."""
+workers' hub, and the wait until the workers are ready (the orchestrator and ``orchestrator eval`` share them);
+the batch sender ``[transport] kind`` names (ZMQ and shm, files in a shared directory, prime-rl's trainer)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from typing import Any
 from orchestrator.assets import tokenizer_dir
 from orchestrator.columns.plane import worker_setup
 from orchestrator.config import JobConfig
+from orchestrator.delivery.config import FilesystemTransport, PrimeRLTransport, ShmTransport, ZmqTransport
+from orchestrator.delivery.filesystem import FileBatchSender
+from orchestrator.delivery.primerl import PrimeRLSender
+from orchestrator.delivery.sender import Sender
 from orchestrator.delivery.wire import LogprobsMode
+from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
@@ -44,7 +50,7 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
                      for i, e in enumerate(evals))],
                   cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env,
                   session=uuid.uuid4().hex)  # session: this process
-    setup = worker_setup(setup, cfg, tokenizer, out)
+    setup = worker_setup(setup, cfg.transport, cfg.security, cfg.pipeline.filters, tokenizer, out)
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
     pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
@@ -53,7 +59,7 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
         checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
                                   model=cfg.model.name, tokenizer=tokenizer, resume=True,
-                                  logprobs=LogprobsCheck.of(cfg.inference, train,
+                                  logprobs=LogprobsCheck.of(cfg.inference, [e.sampling.temperature for e in train],
                                                             prime_rl_trainer=cfg.transport.kind == "prime-rl"))
         log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(checked.servers),
                  sorted({r.max_model_len or 0 for r in checked.servers}))
@@ -84,3 +90,28 @@ async def _in_process_worker(address: str) -> None:
         raise RuntimeError(f"in-process env worker exited with {code}")
 
 
+def open_sender(cfg: JobConfig, address: str, resume: bool, acked_before: int = -1
+                ) -> contextlib.AbstractAsyncContextManager[Sender[Any]]:
+    """The batch sender ``[transport] kind`` names: ZMQ (default; shm: columns through shared memory), files in
+    a shared directory, or prime-rl's own trainer. A ZMQ sender on tcp:// with ``[security]`` keys accepts only
+    the authorized trainers; prime-rl's link cannot authenticate (config.py refuses a non-loopback address
+    unless ``security.allow_unauthenticated_trainer``). ``acked_before``: the step the state says the trainer
+    acknowledged (a resumed run; a ZMQ trainer reporting less is behind). Every wait warns every
+    ``monitor.stall_warn_s``."""
+    t = cfg.transport.chosen
+    warn_s = cfg.monitor.stall_warn_s
+    if isinstance(t, PrimeRLTransport):
+        if cfg.security.allow_unauthenticated_trainer and t.layout == "zmq":
+            log.warning("batches go to the prime-rl trainer at %s unauthenticated and unencrypted "
+                        "(security.allow_unauthenticated_trainer)", t.address)
+        return PrimeRLSender.open(
+            t.trainer_dir, data_ranks=t.data_ranks, seq_len=t.seq_len, pad_to_multiple_of=t.pad_to_multiple_of,
+            layout=t.layout, address=t.address, window=t.send_hwm, resume=resume,
+            temperature={e.label: e.sampling.temperature for e in cfg.env}, warn_s=warn_s)
+    if isinstance(t, FilesystemTransport):
+        return FileBatchSender.open(t.directory, t.send_hwm, resume=resume, warn_s=warn_s)
+    shm_bytes = t.shm_pool_mb << 20 if isinstance(t, ShmTransport) else None  # columns through a same-node pool
+    return BatchSender.open(address, t.send_hwm, warn_s, require_report=resume, shm_bytes=shm_bytes,
+                            server_keys=cfg.security.server_keys(address),  # tcp:// with keys: CURVE
+                            keep=t.keep_acked if isinstance(t, ZmqTransport) else 0,
+                            acked_before=acked_before if resume else -1)

@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import msgspec
 
 from orchestrator.assets import vocab_size
+from orchestrator.scoring.config import FilterConfig
 from orchestrator.scoring.filters import TOKEN_FILTERS, token_filter_args
-from orchestrator.security import KeyPair, load_authorized_keys, load_key_pair
+from orchestrator.security import KeyPair, SecurityConfig, load_authorized_keys, load_key_pair
 from orchestrator.workers.protocol import Setup, TokenFilter, TokenFilterName
 
 if TYPE_CHECKING:
-    from orchestrator.config import JobConfig
+    from orchestrator.delivery.config import TransportConfig
     from orchestrator.delivery.sender import Sender
     from orchestrator.rollouts.groups import Group
     from orchestrator.rollouts.scheduler import Scheduler
@@ -70,51 +71,53 @@ class ThroughPlane:
         pass
 
 
-def open_plane(cfg: JobConfig, builder: StepBuilder, hub: WorkerHub, sender: Sender[Any], sinks: Sinks,
-               off_loop: OffLoop, write_rows: Callable[[list[RolloutRow]], None]) -> DataPlane:
-    """The plane ``transport.data_plane`` names. ``off_loop(fn, *args)`` runs blocking work in the step thread;
-    ``write_rows`` appends rows to rollouts.jsonl (a rebuilt step's)."""
-    if cfg.transport.data_plane == "through":
+def open_plane(transport: TransportConfig, security: SecurityConfig, dump_steps: int | Sequence[int],
+               builder: StepBuilder, hub: WorkerHub, sender: Sender[Any], sinks: Sinks, off_loop: OffLoop,
+               write_rows: Callable[[list[RolloutRow]], None]) -> DataPlane:
+    """The plane ``transport.data_plane`` names. ``dump_steps``: ``pipeline.dump_steps`` (a due dump reads the
+    step's columns back); ``off_loop(fn, *args)`` runs blocking work in the step thread; ``write_rows`` appends
+    rows to rollouts.jsonl (a rebuilt step's)."""
+    if transport.data_plane == "through":
         return ThroughPlane()
     from orchestrator.columns.direct import DirectPlane
     from orchestrator.delivery.zmq_link import BatchSender
 
     assert isinstance(sender, BatchSender)  # config.py allows direct mode only with kind = "zmq"
-    return DirectPlane(builder, hub, sender, sinks, off_loop, write_rows, own_keys(cfg), cfg.pipeline.dump_steps)
+    return DirectPlane(builder, hub, sender, sinks, off_loop, write_rows, own_keys(security), dump_steps)
 
 
-def worker_setup(setup: Setup, cfg: JobConfig, tokenizer: Path, out: Path) -> Setup:
+def worker_setup(setup: Setup, transport: TransportConfig, security: SecurityConfig,
+                 filters: Sequence[FilterConfig], tokenizer: Path, out: Path) -> Setup:
     """``setup`` with what the env workers need to know of the data plane: in direct mode, their pools' size and
-    directory, the token filters they run, and the keys their span servers accept."""
-    t = cfg.transport
+    directory, the token ``filters`` they run, and the keys their span servers accept."""
+    t = transport
     if t.data_plane == "through":
         return setup
     return msgspec.structs.replace(setup, data_plane=t.data_plane, worker_pool_bytes=t.worker_pool_mb << 20,
-                                   pool_dir=str(out / "pools"), token_filters=worker_token_filters(cfg, tokenizer),
-                                   span_clients=span_clients(cfg))
+                                   pool_dir=str(out / "pools"), token_filters=worker_token_filters(filters, tokenizer),
+                                   span_clients=span_clients(security))
 
 
-def span_clients(cfg: JobConfig) -> list[str]:
+def span_clients(sec: SecurityConfig) -> list[str]:
     """Direct mode with ``[security]`` keys: the public keys the env workers' span servers accept (those of
     ``security.authorized_keys``: the job's trainers and workers; and ours, for step dumps and the samples
     table), so those servers are CURVE."""
-    sec = cfg.security
     if sec.authorized_keys is None:
         return []
-    ours = own_keys(cfg)
+    ours = own_keys(sec)
     return sorted({k.decode() for k in load_authorized_keys(sec.authorized_keys)}
                   | ({ours.public.decode()} if ours else set()))
 
 
-def own_keys(cfg: JobConfig) -> KeyPair | None:
+def own_keys(sec: SecurityConfig) -> KeyPair | None:
     """This orchestrator's key pair (a client of span servers for dumps and the samples table), or None without
     ``[security]`` keys."""
-    return None if cfg.security.server_key is None else load_key_pair(cfg.security.server_key)
+    return None if sec.server_key is None else load_key_pair(sec.server_key)
 
 
-def worker_token_filters(cfg: JobConfig, tokenizer: Path) -> list[TokenFilter]:
+def worker_token_filters(filters: Sequence[FilterConfig], tokenizer: Path) -> list[TokenFilter]:
     """The token filters env workers run in direct mode (they have the tokens; the orchestrator does not), with
     the arguments the orchestrator would use (gibberish: the model's vocabulary size)."""
     vocab = vocab_size(tokenizer) or 2**17  # as the step builder assumes when it cannot read it
     return [TokenFilter(i, cast(TokenFilterName, f.name), token_filter_args(f, vocab))
-            for i, f in enumerate(cfg.pipeline.filters) if f.name in TOKEN_FILTERS]
+            for i, f in enumerate(filters) if f.name in TOKEN_FILTERS]

@@ -74,9 +74,10 @@ async def check_servers(cfg: JobConfig) -> None:
     problem, weights = await asyncio.to_thread(check_weights_path, cfg.inference)
     async with InferencePool.open(cfg.inference) as pool:
         try:
+            temperatures = [e.sampling.temperature for e in cfg.env]
             checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
                                       model=cfg.model.name, tokenizer=tokenizer, resume=False,
-                                      logprobs=LogprobsCheck.of(cfg.inference, cfg.env,
+                                      logprobs=LogprobsCheck.of(cfg.inference, temperatures,
                                                                 prime_rl_trainer=cfg.transport.kind == "prime-rl"))
         except PreflightError as e:
             raise PreflightError(e.problems + ([problem] if problem else [])) from None

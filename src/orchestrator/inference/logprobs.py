@@ -42,7 +42,6 @@ from orchestrator.inference.server import HttpStatusError, InferenceServer
 
 if TYPE_CHECKING:
     from orchestrator.inference.config import InferenceConfig
-    from orchestrator.rollouts.config import EnvConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +61,11 @@ class LogprobsCheck:
     trainer_tempers: bool = False
 
     @classmethod
-    def of(cls, inference: InferenceConfig, envs: Sequence[EnvConfig], *, prime_rl_trainer: bool) -> LogprobsCheck:
-        """The check of a job training ``envs`` (none: an evaluation-only run, nothing trains), for prime-rl's
-        trainer or another."""
-        temps = tuple((f"env[{i}].sampling.temperature", e.sampling.temperature) for i, e in enumerate(envs))
-        return cls(inference.logprobs_mode, temps, bool(envs) and prime_rl_trainer)
+    def of(cls, inference: InferenceConfig, temperatures: Sequence[float], *, prime_rl_trainer: bool) -> LogprobsCheck:
+        """The check of a job whose training environments (``[[env]]``, in order) sample at ``temperatures`` (none:
+        an evaluation-only run, nothing trains), for prime-rl's trainer or another."""
+        temps = tuple((f"env[{i}].sampling.temperature", t) for i, t in enumerate(temperatures))
+        return cls(inference.logprobs_mode, temps, bool(temperatures) and prime_rl_trainer)
 
 
 @dataclass(frozen=True)
