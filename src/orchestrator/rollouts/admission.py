@@ -49,7 +49,11 @@ class Opening:
 
 
 class Capacity:
-    """How many rollouts may be in flight, and on which inference server (module docstring)."""
+    """How many rollouts may be in flight, and on which inference server. Admission asks ``fits(size)`` before a
+    group opens (all of it at once), the admission loop ``acquire(size)`` for its server, and completion
+    ``release(server, size)`` when it finishes (or the loop when it did not open after all). Now: ``max_inflight``
+    in all, on the pool's least-loaded server in rotation. A per-server cap keeps these three: ``fits`` when
+    some server can take ``size`` more, ``acquire`` such a server."""
 
     def __init__(self, max_inflight: int, pool: InferencePool, tracker: GroupTracker) -> None:
         self.max_inflight = max_inflight

@@ -36,6 +36,7 @@ from orchestrator.scoring.gates import Gates, GroupView
 if TYPE_CHECKING:
     from orchestrator.config import EnvConfig, JobConfig
     from orchestrator.inference.pool import InferencePool
+    from orchestrator.rollouts.admission import Capacity
     from orchestrator.rollouts.evaluation import Evaluator
     from orchestrator.rollouts.links import WorkerLink
     from orchestrator.rollouts.sampler import TaskSampler
@@ -47,14 +48,15 @@ EvalRow = tuple[dict[str, Any], list[Group]]
 
 
 class Completion:
-    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerLink, tracker: GroupTracker, buffer: Buffer,
-                 *, envs: Mapping[str, EnvConfig], sampler: TaskSampler | None, evaluator: Evaluator | None,
-                 counts: Counter[str], clock: Callable[[], float], room: asyncio.Event, finished: asyncio.Event
-                 ) -> None:
+    def __init__(self, cfg: JobConfig, pool: InferencePool, capacity: Capacity, hub: WorkerLink, tracker: GroupTracker,
+                 buffer: Buffer, *, envs: Mapping[str, EnvConfig], sampler: TaskSampler | None,
+                 evaluator: Evaluator | None, counts: Counter[str], clock: Callable[[], float], room: asyncio.Event,
+                 finished: asyncio.Event) -> None:
         """``counts``: the scheduler's per-step counts (dropped_groups, rejected_groups, columns_lost, ...).
         ``room`` is set when rollouts leave flight or the buffer (admission re-checks), ``finished`` when a group
         is buffered or rejected (a waiting step looks)."""
-        self.pool = pool
+        self.pool = pool  # its servers' health: what their rollouts' failures say
+        self.capacity = capacity
         self.hub = hub
         self.tracker = tracker
         self.buffer = buffer
@@ -130,7 +132,7 @@ class Completion:
     # --------------------------------------------------------------------------------------- completed
 
     def _finish(self, group: Group) -> None:
-        self.pool.release(group.server, group.size)
+        self.capacity.release(group.server, group.size)
         self.room.set()
         if group.eval_round is not None:
             assert self.evaluator is not None

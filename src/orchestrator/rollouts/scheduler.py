@@ -101,12 +101,12 @@ class Scheduler:
         self.counts: Counter[str] = Counter()  # per step: dropped_groups, rejected_groups, stale_rollouts, ...
         self._wake = asyncio.Event()  # admission: room, a new policy or step, an evaluation round due
         group_done = asyncio.Event()  # a step: a group buffered or rejected, a refill ended
-        self.admission = Admission(self.limits, Capacity(self.limits.max_inflight, pool, self.tracker), self.tracker,
-                                   self.buffer, self.envs, self.sampler, self.evaluator, policy,
-                                   policy if first_step is None else first_step)
-        self.completion = Completion(cfg, pool, hub, self.tracker, self.buffer, envs=self.envs, sampler=self.sampler,
-                                     evaluator=self.evaluator, counts=self.counts, clock=clock, room=self._wake,
-                                     finished=group_done)
+        capacity = Capacity(self.limits.max_inflight, pool, self.tracker)
+        self.admission = Admission(self.limits, capacity, self.tracker, self.buffer, self.envs, self.sampler,
+                                   self.evaluator, policy, policy if first_step is None else first_step)
+        self.completion = Completion(cfg, pool, capacity, hub, self.tracker, self.buffer, envs=self.envs,
+                                     sampler=self.sampler, evaluator=self.evaluator, counts=self.counts, clock=clock,
+                                     room=self._wake, finished=group_done)
         self.stall = StallLine(self.admission, hub, pool, self.tracker, self.counts, checkpoints,
                                self.limits.max_rejected_batches)
         self.steps = StepFiller(self.limits, self.admission, self.completion, self.buffer, self.stall,
