@@ -5,9 +5,9 @@ assignments to env workers, waking when a group finishes, a step takes rollouts,
 evaluation round starts; intake consumes the worker hub's events (finished rollouts, lost workers) and
 completes groups. ``next_step(step)`` waits for, and takes, the groups of one step.
 
-The ``Scheduler`` is the loops and the face the app uses; the jobs are its parts': which group opens, when, on
-which server (admission.py: ``Admission``, ``Capacity``); a group's rollouts in and out, advantages, gates and
-drops (completion.py); finished groups waiting for a step (groups.py: ``Buffer``); steps taking them
+The ``Scheduler`` is the two loops and the face the app uses; its parts do the jobs: which group opens, when,
+and on which server (admission.py: ``Admission``, ``Capacity``); a group's rollouts in, then advantages, gates
+and drops (completion.py); finished groups waiting for a step (groups.py: ``Buffer``); steps taking them
 (filling.py); the stall line (stall.py); the env workers and checkpoints it talks to (links.py).
 
 Rules, with every bound from the config:
