@@ -232,7 +232,7 @@ async def test_buffer_bound_pauses_generation(tmp_path: Path) -> None:
         # nobody takes a step: the buffer fills up to the bound and admission stops there
         await wait_until(lambda: sched.buffered == 12, 10, "a full buffer", poll_s=0.01)
         assert len(hub.assigned) == 3
-        assert not sched._room(4)
+        assert not sched.admission.room(4)
         await asyncio.wait_for(sched.next_step(0), 5)
         await wait_until(lambda: len(hub.assigned) > 3, 10, "taking a step made room", poll_s=0.01)
 

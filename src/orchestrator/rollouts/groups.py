@@ -6,12 +6,13 @@ version the servers had when it opened). It completes when every rollout has com
 (``max_off_policy_steps``) or running longer than ``group_timeout_s``; their missing rollouts fail with
 ``stale`` / ``group_timeout`` (the caller cancels them at the workers). Counts per outcome accumulate in
 ``counts`` (``completed``, ``late``, ``cancelled``) and ``failed`` (by ``Failure`` kind) until the caller takes
-them (``take_counts``: ``failed:<kind>`` keys, as metrics name them).
+them (``take_counts``: ``failed:<kind>`` keys, as metrics name them). Completed training groups that passed the
+gates wait in a ``Buffer`` until a step takes them.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -167,3 +168,31 @@ class GroupTracker:
         self.counts.clear()
         self.failed.clear()
         return out
+
+
+class Buffer:
+    """Finished training groups that passed the gates, in completion order, until a step takes them. Bounded by
+    admission (admission.py): no training group opens while in flight + ``rollouts`` + the group would exceed
+    ``scheduler.max_buffered_rollouts``, so a buffer no step empties pauses generation."""
+
+    def __init__(self) -> None:
+        self.groups: deque[Group] = deque()
+        self.rollouts = 0  # the survivors of ``groups``
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def put(self, group: Group) -> None:
+        self.groups.append(group)
+        self.rollouts += len(group.survivors)
+
+    def take(self) -> Group:
+        """The oldest group (there must be one)."""
+        group = self.groups.popleft()
+        self.rollouts -= len(group.survivors)
+        return group
+
+    def remove(self, group: Group) -> None:
+        """Take ``group`` out without a step (dropped: it lost its columns)."""
+        self.groups.remove(group)
+        self.rollouts -= len(group.survivors)

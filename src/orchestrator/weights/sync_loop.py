@@ -88,10 +88,10 @@ class WeightSyncLoop:
         ev = sched.evaluator
         if ev is not None and ev.cfg.hold_weights and not ev.idle.is_set():
             log.info("weights of step %d wait for the evaluation round in progress", ckpt.step)
-            sched.loading = f"weights of step {ckpt.step} wait for the evaluation round in progress"
+            sched.sync_waits(f"weights of step {ckpt.step} wait for the evaluation round in progress")
             await ev.idle.wait()
-        sched.syncing = True  # no evaluation round starts until the new policy is in (set_policy)
-        sched.loading = f"weights of step {ckpt.step} are loading on the inference servers"
+        # no evaluation round starts until the new policy is in (set_policy)
+        sched.sync_started(f"weights of step {ckpt.step} are loading on the inference servers")
         t0 = time.monotonic()
         try:
             result = await self.pool.update_weights(ckpt)

@@ -1,5 +1,5 @@
 """Sorting one ``records`` message of a worker: which records pass on to the scheduler, which are late, which
-are invalid. Pure (no socket, no clock): the hub (hub.py) acts on the outcome: strikes, releases, events.
+are invalid. Pure (no socket, no clock): the hub (dispatch.py) acts on the outcome: strikes, releases, events.
 
 A record passes only for a rollout in flight on the worker that sent it (``rids``: rollout id -> group) and of
 the group the message names; a record of a rollout the worker had in flight once but no longer (``late``:
