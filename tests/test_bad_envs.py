@@ -26,6 +26,7 @@ import pytest
 from orchestrator.app import Orchestrator
 from orchestrator.config import load_config
 from orchestrator.delivery.wire import Batch
+from orchestrator.testing.jobs import Section, write_job_toml
 from orchestrator.testing.procs import processes_mentioning
 from orchestrator.testing.sim import sim_servers
 from orchestrator.trainer.reference import ReferenceTrainer
@@ -33,56 +34,25 @@ from orchestrator.trainer.reference import ReferenceTrainer
 pytestmark = pytest.mark.slow
 
 STEPS = 3
-JOB = """
-[run]
-name = "faulty"
-output_dir = "{out}"
-max_steps = {steps}
 
-[inference]
-servers = ["{url}"]
-request_timeout_s = 120.0  # slow replies on a busy host must not fail rollouts: only a hang would time out
 
-[scheduler]
-batch_size = 8
-max_inflight = 12
-max_buffered_rollouts = 24
+def faulty(name: str, fail_in: str, rate: float, workers: int = 0) -> Section:
+    """An ``orchestrator-faulty`` environment that fails in ``fail_in`` for ``rate`` of its rollouts."""
+    return {"name": name, "taskset": "orchestrator-faulty", "args": {"fail_in": fail_in, "rate": rate},
+            "group_size": 4, "workers": workers, "sampling": {"max_tokens": 6}}
 
-[pipeline]
-gates = []  # every finished group trains: gates are not what this test is about
-# every env worker hosts every environment: workers = 1 in total, so one process loads all four
-[[env]]
-name = "rollout"
-taskset = "orchestrator-faulty"
-args = {{ fail_in = "rollout", rate = 0.5 }}
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 6 }}
 
-[[env]]
-name = "scoring"
-taskset = "orchestrator-faulty"
-args = {{ fail_in = "scoring", rate = 0.5 }}
-group_size = 4
-workers = 0
-sampling = {{ max_tokens = 6 }}
-
-[[env]]
-name = "nan-reward"
-taskset = "orchestrator-faulty"
-args = {{ fail_in = "nan_reward", rate = 0.5 }}
-group_size = 4
-workers = 0
-sampling = {{ max_tokens = 6 }}
-
-[[env]]
-name = "bad-data"
-taskset = "orchestrator-faulty"
-args = {{ fail_in = "data", rate = 1.0 }}
-group_size = 4
-workers = 0
-sampling = {{ max_tokens = 6 }}
-"""
+def write_faulty_job(tmp: Path, url: str) -> Path:
+    """The job of the four faulty environments: every env worker hosts every environment (workers = 1 in total,
+    so one process loads all four)."""
+    return write_job_toml(
+        tmp, run={"name": "faulty", "max_steps": STEPS},
+        # slow replies on a busy host must not fail rollouts: only a hang would time out
+        inference={"servers": [url], "request_timeout_s": 120.0},
+        scheduler={"batch_size": 8, "max_inflight": 12, "max_buffered_rollouts": 24},
+        pipeline={"gates": []},  # every finished group trains: gates are not what this test is about
+        env=[faulty("rollout", "rollout", 0.5, workers=1), faulty("scoring", "scoring", 0.5),
+             faulty("nan-reward", "nan_reward", 0.5), faulty("bad-data", "data", 1.0)])
 
 
 @dataclass
@@ -118,9 +88,7 @@ class ListHandler(logging.Handler):
 
 async def run_faulty_job(tmp: Path) -> FaultyJob:
     async with sim_servers(1) as servers:
-        path = tmp / "job.toml"
-        path.write_text(JOB.format(out=tmp / "out", steps=STEPS, url=servers[0].url))
-        cfg = load_config(path)
+        cfg = load_config(write_faulty_job(tmp, servers[0].url))
         advantages: list[tuple[int, str, float]] = []
 
         def keep(batch: Batch) -> None:
@@ -230,32 +198,17 @@ def test_a_nan_reward_never_reaches_the_trainer(job: FaultyJob) -> None:
 
 
 @pytest.mark.parametrize(("args", "cause"), [
-    ('{ fail_in = "load" }', "InjectedFault: injected fault in load: this taskset cannot load its tasks"),
-    ('{ rate = "lots" }', "env[1].args.rate: Input should be a valid number"),  # verifiers' check, our key
+    ({"fail_in": "load"}, "InjectedFault: injected fault in load: this taskset cannot load its tasks"),
+    ({"rate": "lots"}, "env[1].args.rate: Input should be a valid number"),  # verifiers' check, our key
 ], ids=["raises-in-load", "invalid-taskset-args"])
-async def test_environment_that_fails_to_load_stops_the_run_with_exit_1(args: str, cause: str, tmp_path: Path) -> None:
+async def test_environment_that_fails_to_load_stops_the_run_with_exit_1(args: Section, cause: str,
+                                                                        tmp_path: Path) -> None:
     out = tmp_path / "out"
     async with sim_servers(1) as servers:
-        job = tmp_path / "job.toml"
-        job.write_text(f"""
-[run]
-output_dir = "{out}"
-max_steps = 2
-[inference]
-servers = ["{servers[0].url}"]
-[scheduler]
-batch_size = 4
-[[env]]
-name = "arith"
-taskset = "orchestrator-arithmetic"
-group_size = 4
-[[env]]
-name = "broken"
-taskset = "orchestrator-faulty"
-args = {args}
-group_size = 4
-workers = 0
-""")
+        job = write_job_toml(
+            tmp_path, run={"max_steps": 2}, inference={"servers": [servers[0].url]}, scheduler={"batch_size": 4},
+            env=[{"name": "arith", "taskset": "orchestrator-arithmetic", "group_size": 4},
+                 {"name": "broken", "taskset": "orchestrator-faulty", "args": args, "group_size": 4, "workers": 0}])
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "run", str(job),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

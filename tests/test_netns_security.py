@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from orchestrator.steps.dump import load_dump
+from orchestrator.testing.jobs import ARITHMETIC, write_job_toml
 from orchestrator.testing.keys import KeySet, make_key_set
 from orchestrator.testing.netns import Network, namespaces, prefix, unavailable
 from orchestrator.testing.procs import processes_mentioning, wait_until
@@ -155,37 +156,18 @@ JOB_STEPS = 3
 
 def write_job(tmp_path: Path, orch: str, keys: KeySet, data_plane: str) -> Path:
     """A job whose env workers and trainer are on other hosts, over TCP with CURVE keys."""
-    path = tmp_path / "job.toml"
-    path.write_text(f"""
-[run]
-name = "hosts"
-output_dir = "{tmp_path / 'out'}"
-max_steps = {JOB_STEPS}
-[inference]
-servers = ["http://{orch}:8000/v1"]
-backend = "prime-rl"
-[scheduler]
-batch_size = 8
-max_inflight = 8
-worker_address = "tcp://{orch}:5600"
-remote_workers = 1
-[transport]
-address = "tcp://{orch}:5700"
-data_plane = "{data_plane}"
-worker_pool_mb = 16
-[security]
-server_key = "{keys.server_secret}"
-authorized_keys = "{keys.authorized_dir}"
-[pipeline]
-gates = []  # every finished group trains: gates are not what this test is about
-dump_steps = [1]  # direct mode: the orchestrator reads the step back from the worker's host, as a CURVE client
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 0
-sampling = {{ max_tokens = 4 }}
-""")
-    return path
+    return write_job_toml(
+        tmp_path, run={"name": "hosts", "max_steps": JOB_STEPS},
+        inference={"servers": [f"http://{orch}:8000/v1"], "backend": "prime-rl"},
+        scheduler={"batch_size": 8, "max_inflight": 8, "worker_address": f"tcp://{orch}:5600", "remote_workers": 1},
+        transport={"address": f"tcp://{orch}:5700", "data_plane": data_plane, "worker_pool_mb": 16},
+        security={"server_key": keys.server_secret, "authorized_keys": keys.authorized_dir},
+        pipeline={
+            "gates": [],  # every finished group trains: gates are not what this test is about
+            # direct mode: the orchestrator reads the step back from the worker's host, as a CURVE client
+            "dump_steps": [1],
+        },
+        env=[{**ARITHMETIC, "workers": 0}])
 
 
 @pytest.mark.slow

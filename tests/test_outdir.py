@@ -15,6 +15,7 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.outdir import LOCK_FILE, OutputDir, OutputDirInUse, identity_changes, sampling_identity
 from orchestrator.state import StateError, load_state, save_state
+from orchestrator.testing.jobs import Section, write_job_toml
 from orchestrator.testing.procs import orchestrator_process, write_job
 from orchestrator.testing.sim import sim_process
 from orchestrator.trainer.reference import read_journal
@@ -22,12 +23,10 @@ from orchestrator.trainer.reference import read_journal
 BOUND_S = 240  # hang guard only
 
 
-def config(tmp_path: Path, extra: str = "") -> Path:
-    path = tmp_path / "job.toml"
-    path.write_text(f'[run]\nname = "r"\noutput_dir = "{tmp_path / "out"}"\n[inference]\n'
-                    f'servers = ["http://127.0.0.1:9/v1"]\n[scheduler]\nbatch_size = 8\n'
-                    f'[[env]]\ntaskset = "orchestrator-arithmetic"\n{extra}')
-    return path
+def config(tmp_path: Path, *more_envs: Section) -> Path:
+    """Arithmetic (its defaults: groups of 8), then ``more_envs``, against a closed port."""
+    return write_job_toml(tmp_path, run={"name": "r"}, inference={"servers": ["http://127.0.0.1:9/v1"]},
+                          scheduler={"batch_size": 8}, env=[{"taskset": "orchestrator-arithmetic"}, *more_envs])
 
 
 def test_a_second_orchestrator_on_the_directory_is_refused_with_the_first_ones_pid(tmp_path: Path) -> None:
@@ -55,9 +54,9 @@ def test_a_fresh_run_clears_the_old_outputs_only_once_it_holds_the_lock(tmp_path
 
 
 @pytest.mark.parametrize(("change", "named"), [
-    ("[run]\nseed = 7\n", "run.seed: 0 -> 7"),
-    ("", "env 'orchestrator-arithmetic' group_size: 8 -> 4"),
-    ("[[env]]\ntaskset = \"orchestrator-guess-number\"\n", "env: ['orchestrator-arithmetic'] -> "),
+    ("seed", "run.seed: 0 -> 7"),
+    ("group_size", "env 'orchestrator-arithmetic' group_size: 8 -> 4"),
+    ("another env", "env: ['orchestrator-arithmetic'] -> "),
 ])
 def test_a_resume_that_changes_what_is_sampled_is_refused_naming_it_unless_forced(
         tmp_path: Path, change: str, named: str) -> None:
@@ -65,10 +64,10 @@ def test_a_resume_that_changes_what_is_sampled_is_refused_naming_it_unless_force
     fresh = OutputDir.open(cfg, resume=False)
     save_state(fresh.path, fresh.state)
     fresh.close()
-    if change.startswith("[run]"):
+    if change == "seed":
         changed = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=7))
-    elif change:
-        changed = load_config(config(tmp_path, change))
+    elif change == "another env":
+        changed = load_config(config(tmp_path, {"taskset": "orchestrator-guess-number"}))
     else:
         changed = dataclasses.replace(cfg, env=(dataclasses.replace(cfg.env[0], group_size=4),))
     with pytest.raises(StateError, match="--force") as e:

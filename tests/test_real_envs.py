@@ -16,7 +16,8 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.config import JobConfig, load_config
+from orchestrator.config import JobConfig
+from orchestrator.testing.jobs import Section, job_config
 from orchestrator.testing.sim import sim_servers
 from orchestrator.trainer.reference import ReferenceTrainer
 from orchestrator.workers.host import PrepareError, worker_env
@@ -26,24 +27,14 @@ pytestmark = pytest.mark.slow
 KIT = Path(sys.prefix) / "worker-host"
 CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, a connection is refused at once
 
-HANGMAN = """
-[[env]]
-name = "{name}"
-taskset = "textarena"
-args = {{ game = "Hangman-v0" }}
-group_size = 2
-workers = {workers}
-select = {{ limit = 8 }}
-sampling = {{ max_tokens = 8 }}
 
-[env.verifiers.player]
-harness = {{ id = "null" }}
-max_turns = {max_turns}
-timeout = {{ rollout = 120 }}
-
-[env.verifiers.timeout]
-episode = 180
-"""
+def hangman(name: str, workers: int, max_turns: int) -> Section:
+    """verifiers' TextArena Hangman taskset, played by the ``null`` harness; its ``verifiers`` table is the
+    ``[env.verifiers.player]`` and ``[env.verifiers.timeout]`` tables a user writes."""
+    return {"name": name, "taskset": "textarena", "args": {"game": "Hangman-v0"}, "group_size": 2,
+            "workers": workers, "select": {"limit": 8}, "sampling": {"max_tokens": 8},
+            "verifiers": {"player": {"harness": {"id": "null"}, "max_turns": max_turns, "timeout": {"rollout": 120}},
+                          "timeout": {"episode": 180}}}
 
 
 @pytest.fixture
@@ -63,30 +54,14 @@ def worker_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def hangman_job(tmp_path: Path, url: str) -> JobConfig:
-    text = f"""
-[run]
-name = "hangman"
-output_dir = "{tmp_path / 'out'}"
-max_steps = 2
-
-[inference]
-servers = ["{url}"]
-backend = "vllm"
-request_timeout_s = 30.0
-
-[scheduler]
-batch_size = 4
-max_inflight = 4
-max_async_level = 1
-max_off_policy_steps = 2
-max_buffered_rollouts = 8
-[pipeline]
-gates = []  # a random policy never wins: every group's rewards are equal, and this test is not about gates
-""" + HANGMAN.format(name="hangman", workers=1, max_turns=4) + HANGMAN.format(name="one-turn", workers=0,
-                                                                              max_turns=1)
-    path = tmp_path / "job.toml"
-    path.write_text(text)
-    return load_config(path)
+    return job_config(
+        tmp_path, run={"name": "hangman", "max_steps": 2},
+        inference={"servers": [url], "backend": "vllm", "request_timeout_s": 30.0},
+        scheduler={"batch_size": 4, "max_inflight": 4, "max_async_level": 1, "max_off_policy_steps": 2,
+                   "max_buffered_rollouts": 8},
+        # a random policy never wins: every group's rewards are equal, and this test is not about gates
+        pipeline={"gates": []},
+        env=[hangman("hangman", workers=1, max_turns=4), hangman("one-turn", workers=0, max_turns=1)])
 
 
 @pytest.mark.timeout(400)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import io
-import json
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ import pytest
 from orchestrator import ipc
 from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.progress import StepProgress, describe
+from orchestrator.testing.jobs import ARITHMETIC, write_job_toml
 from orchestrator.testing.procs import logged, orchestrator_process, wait_until, write_job
 from orchestrator.testing.sim import sim_cluster, sim_servers
 from orchestrator.trainer.reference import ReferenceTrainer
@@ -197,28 +197,14 @@ def read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-SERVER_DEATH_JOB = """
-[run]
-name = "server-death"
-output_dir = "{out}"
-max_steps = {steps}
-[inference]
-servers = {servers}
-[scheduler]
-batch_size = 16
-max_inflight = 32
-max_async_level = {steps}  # the trainer announces no weights: every step takes what policy 0 sampled
-max_off_policy_steps = {steps}
-[pipeline]
-gates = []
-[monitor]
-stall_warn_s = 300  # a server's failure lines: one per this (a busy machine may spread them over seconds)
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 4
-workers = 1
-sampling = {{ max_tokens = 4 }}
-"""
+def write_server_death_job(directory: Path, urls: list[str], steps: int) -> Path:
+    """Arithmetic on ``urls`` for ``steps`` steps, every step from policy 0 (the trainer announces no weights)."""
+    return write_job_toml(
+        directory, run={"name": "server-death", "max_steps": steps}, inference={"servers": urls},
+        scheduler={"batch_size": 16, "max_inflight": 32, "max_async_level": steps, "max_off_policy_steps": steps},
+        pipeline={"gates": []},
+        # a server's failure lines: one per stall_warn_s (a busy machine may spread them over seconds)
+        monitor={"stall_warn_s": 300}, env=[ARITHMETIC])
 
 
 @pytest.mark.slow
@@ -230,8 +216,7 @@ async def test_a_server_that_dies_is_one_event_in_the_log(tmp_path: Path) -> Non
     steps, log, out = 4, tmp_path / "run.log", tmp_path / "out"
     env = {**os.environ, "HOME": str(tmp_path / "home")}
     async with sim_cluster(2) as cluster:
-        cfg = tmp_path / "job.toml"
-        cfg.write_text(SERVER_DEATH_JOB.format(out=out, steps=steps, servers=json.dumps(cluster.urls)))
+        cfg = write_server_death_job(tmp_path, cluster.urls, steps)
         trainer = ReferenceTrainer(f"ipc://{out}/trainer.sock", max_steps=steps, announce=False)
         async with (orchestrator_process("run", str(cfg), log_level="INFO", log=log, env=env) as run,
                     asyncio.timeout(400), asyncio.TaskGroup() as tg):  # a bound for a loaded machine, not a pace

@@ -114,10 +114,10 @@ def rollout_bytes(tokens: int) -> int:
 
 def job_toml(out: Path, sim_url: str, p: Pass) -> str:
     pool_mb = p.pool_mb or (8 * p.batch + 64) * rollout_bytes(p.tokens) // 2 // 2**20 + 64  # room: no throttling
-    monitor = (f"[monitor]\nlag_interval_s = {p.lag_interval_s}\nlag_window = 200000\nlag_warn_ms = 1000.0\n"
-               "lag_error_ms = 10000.0\n")
+    monitor = {"lag_interval_s": p.lag_interval_s, "lag_window": 200000, "lag_warn_ms": 1000.0,
+               "lag_error_ms": 10000.0}
     return synthetic_job(out, sim_url, data_plane=p.mode, batch=p.batch, steps=p.steps, workers=2, pool_mb=pool_mb,
-                         buffered=p.buffered or None, extra=monitor)
+                         buffered=p.buffered or None, monitor=monitor)
 
 
 def proc_cpu_s(pid: int) -> float:

@@ -79,34 +79,18 @@ def free_port() -> int:
 async def ours(url: str, rollouts: int, out: Path, lag_interval_s: float, probe: bool = False) -> dict[str, Any]:
     from orchestrator.app import Orchestrator
     from orchestrator.config import load_config
+    from orchestrator.testing.jobs import toml_text
 
     steps = 10
     cfg_path = out / "bench.toml"
-    text = f"""
-[run]
-name = "bench"
-output_dir = "{out / 'run'}"
-max_steps = {steps}
-[inference]
-servers = ["{url}"]
-[scheduler]
-batch_size = {rollouts // steps}
-max_inflight = 64
-max_async_level = {steps}
-max_off_policy_steps = {steps}
-[monitor]
-lag_interval_s = {lag_interval_s}
-lag_window = 200000
-lag_warn_ms = 1000.0
-lag_error_ms = 10000.0
-[[env]]
-taskset = "orchestrator-arithmetic"
-group_size = 8
-workers = 2
-sampling = {{ max_tokens = 8 }}
-"""
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - set-up before anything is measured
-    cfg_path.write_text(text)
+    cfg_path.write_text(toml_text(
+        run={"name": "bench", "output_dir": out / "run", "max_steps": steps}, inference={"servers": [url]},
+        scheduler={"batch_size": rollouts // steps, "max_inflight": 64, "max_async_level": steps,
+                   "max_off_policy_steps": steps},
+        monitor={"lag_interval_s": lag_interval_s, "lag_window": 200000, "lag_warn_ms": 1000.0,
+                 "lag_error_ms": 10000.0},
+        env=[{"taskset": "orchestrator-arithmetic", "group_size": 8, "workers": 2, "sampling": {"max_tokens": 8}}]))
     cfg = load_config(cfg_path)
     async with Orchestrator.open(cfg) as orch:
         trainer = await asyncio.create_subprocess_exec(

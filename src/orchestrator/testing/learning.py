@@ -33,13 +33,14 @@ from typing import Any
 import numpy as np
 
 from orchestrator.delivery.wire import Batch
+from orchestrator.testing.jobs import Section, toml_text
 from orchestrator.trainer.learner import LearnStats, PolicyLearner
 
 CORRUPTIONS = ("shuffle", "shift", "zeros")
 # arithmetic: 12 tasks, so the first steps and the last hold the same tasks (with 8 a step, 3 steps hold each
 # twice, 6 steps four times) and a margin measures the policy, not which tasks came late. guess-number: a guess,
 # the feedback, the guess that counts
-ENV_ARGS = {"arithmetic": "{ num_tasks = 12 }", "guess-number": "{ max_turns = 2 }"}
+ENV_ARGS: dict[str, Section] = {"arithmetic": {"num_tasks": 12}, "guess-number": {"max_turns": 2}}
 
 
 def corrupt(batch: Batch, kind: str, seed: int) -> Batch:
@@ -75,37 +76,16 @@ def job_toml(directory: Path, url: str, seed: int, steps: int, envs: Sequence[st
     """The job: on-policy, ``batch_size`` rollouts a step, groups of 8, one env worker per environment, answers
     of one token (with longer replies a mask one token late still trains mostly sampled tokens, so that
     control could not fail), no gates, the environments' arguments in ``ENV_ARGS``."""
-    tables = "".join(f"""
-[[env]]
-name = "{env}"
-taskset = "orchestrator-{env}"
-group_size = 8
-workers = 1
-sampling = {{ max_tokens = 1, temperature = 1.0 }}
-{f"args = {ENV_ARGS[env]}" if env in ENV_ARGS else ""}
-""" for env in envs)
-    return f"""
-[run]
-name = "learning"
-output_dir = "{directory / 'out'}"
-seed = {seed}
-max_steps = {steps}
-
-[inference]
-servers = ["{url}"]
-backend = "prime-rl"
-request_timeout_s = 120.0
-
-[scheduler]
-batch_size = {batch_size}
-max_inflight = {batch_size}
-max_async_level = 0
-max_off_policy_steps = 0
-group_timeout_s = 300.0
-
-[pipeline]
-gates = []  # every group trains: with gates, which tasks make a step would depend on which groups are rejected
-{tables}"""
+    return toml_text(
+        run={"name": "learning", "output_dir": directory / "out", "seed": seed, "max_steps": steps},
+        inference={"servers": [url], "backend": "prime-rl", "request_timeout_s": 120.0},
+        scheduler={"batch_size": batch_size, "max_inflight": batch_size, "max_async_level": 0,
+                   "max_off_policy_steps": 0, "group_timeout_s": 300.0},
+        # every group trains: with gates, which tasks make a step would depend on which groups are rejected
+        pipeline={"gates": []},
+        env=[{"name": env, "taskset": f"orchestrator-{env}", "group_size": 8, "workers": 1,
+              "sampling": {"max_tokens": 1, "temperature": 1.0},
+              **({"args": ENV_ARGS[env]} if env in ENV_ARGS else {})} for env in envs])
 
 
 @contextlib.asynccontextmanager

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from orchestrator.app import Orchestrator, RunSummary
 from orchestrator.config import load_config
 from orchestrator.realstack.install import StackPaths
 from orchestrator.realstack.server import VLLMServer
+from orchestrator.testing.jobs import Section, toml_text
 from orchestrator.trainer.reference import Learner, ReferenceTrainer, read_journal
 
 ENVS = {
@@ -60,50 +60,27 @@ class RealJob:
     max_async_level: int = 0  # 0: every step trains on rollouts of the weights the trainer saved last
     workers: int = 1  # env workers per environment
     seed: int = 0
-    sampling: str = ""  # more items of each env's sampling table, e.g. 'extra_body = { ignore_eos = true }'
-    extra: str = ""  # more TOML, appended
+    # more keys of each env's sampling table, e.g. {"extra_body": {"ignore_eos": True}}
+    sampling: Section = field(default_factory=dict)
+    extra: Mapping[str, Section | Sequence[Section]] = field(default_factory=dict)  # more sections (testing.jobs)
 
     @property
     def trainer_address(self) -> str:
         return f"ipc://{self.out / 'out'}/trainer.sock"
 
     def config_text(self) -> str:
-        sampling = ", ".join(x for x in (f"max_tokens = {self.max_tokens}", f"temperature = {self.temperature}",
-                                         self.sampling) if x)
-        envs = "".join(f"""
-[[env]]
-name = "{name}"
-taskset = "{ENVS[name]}"
-group_size = {self.group_size}
-workers = {self.workers}
-sampling = {{ {sampling} }}
-""" for name in self.envs)
-        return f"""
-[run]
-name = "real"
-output_dir = "{self.out / 'out'}"
-max_steps = {self.steps}
-seed = {self.seed}
-
-[model]
-name = "tiny"
-tokenizer = "{self.model}"
-
-[inference]
-servers = {json.dumps(list(self.urls))}
-backend = "vllm"
-request_timeout_s = 120.0
-probe_interval_s = 0.5
-
-[scheduler]
-batch_size = {self.batch_size}
-max_inflight = {self.max_inflight or self.batch_size}
-max_async_level = {self.max_async_level}
-max_off_policy_steps = {self.max_async_level + 1}
-
-[pipeline]
-gates = []  # every finished group trains
-{envs}{self.extra}"""
+        sampling = {"max_tokens": self.max_tokens, "temperature": self.temperature, **self.sampling}
+        return toml_text(
+            run={"name": "real", "output_dir": self.out / "out", "max_steps": self.steps, "seed": self.seed},
+            model={"name": "tiny", "tokenizer": self.model},
+            inference={"servers": list(self.urls), "backend": "vllm", "request_timeout_s": 120.0,
+                       "probe_interval_s": 0.5},
+            scheduler={"batch_size": self.batch_size, "max_inflight": self.max_inflight or self.batch_size,
+                       "max_async_level": self.max_async_level, "max_off_policy_steps": self.max_async_level + 1},
+            pipeline={"gates": []},  # every finished group trains
+            env=[{"name": name, "taskset": ENVS[name], "group_size": self.group_size, "workers": self.workers,
+                  "sampling": sampling} for name in self.envs],
+            **self.extra)
 
 
 @dataclass

@@ -35,6 +35,7 @@ import numpy as np
 from orchestrator.columns.layout import SpanLayout
 from orchestrator.columns.samples import Sample
 from orchestrator.columns.store import ColumnStore
+from orchestrator.testing.jobs import Section, toml_text
 from orchestrator.workers.process import LoadedEnv, Worker
 from orchestrator.workers.protocol import AssignedRollout, RolloutHeader, Setup
 
@@ -97,37 +98,19 @@ class SyntheticWorker(Worker):
 
 
 def job_toml(out: Path, sim_url: str, *, data_plane: str, batch: int, steps: int, workers: int, pool_mb: int,
-             buffered: int | None = None, extra: str = "") -> str:
+             buffered: int | None = None, **more: Section | Sequence[Section]) -> str:
     """A job for synthetic workers: ``workers`` remote workers on ``ipc://OUT/workers.sock``, the trainer link on
     ``ipc://OUT/trainer.sock``, one environment ("syn", groups of 8), every finished group trained (no gates),
-    no off-policy bound in the way (no weight syncs: the trainer announces nothing). ``extra``: more TOML."""
-    return f"""
-[run]
-name = "synthetic"
-output_dir = "{out}"
-max_steps = {steps}
-[inference]
-servers = ["{sim_url}"]
-[scheduler]
-batch_size = {batch}
-max_inflight = {min(batch, 256)}
-max_async_level = {steps}
-max_off_policy_steps = {steps}
-max_buffered_rollouts = {buffered or 2 * batch}
-remote_workers = {workers}
-worker_address = "ipc://{out}/workers.sock"
-[transport]
-address = "ipc://{out}/trainer.sock"
-data_plane = "{data_plane}"
-worker_pool_mb = {pool_mb}
-[pipeline]
-gates = []
-[[env]]
-name = "syn"
-taskset = "orchestrator-arithmetic"
-group_size = 8
-workers = 0
-{extra}"""
+    no off-policy bound in the way (no weight syncs: the trainer announces nothing). ``more``: more sections
+    (``monitor={...}``, as ``testing.jobs`` writes them)."""
+    return toml_text(
+        run={"name": "synthetic", "output_dir": out, "max_steps": steps}, inference={"servers": [sim_url]},
+        scheduler={"batch_size": batch, "max_inflight": min(batch, 256), "max_async_level": steps,
+                   "max_off_policy_steps": steps, "max_buffered_rollouts": buffered or 2 * batch,
+                   "remote_workers": workers, "worker_address": f"ipc://{out}/workers.sock"},
+        transport={"address": f"ipc://{out}/trainer.sock", "data_plane": data_plane, "worker_pool_mb": pool_mb},
+        pipeline={"gates": []},
+        env=[{"name": "syn", "taskset": "orchestrator-arithmetic", "group_size": 8, "workers": 0}], **more)
 
 
 def worker_command(address: str, worker_id: str, *, tokens: int, layers: int = 0, top_k: int = 0,
