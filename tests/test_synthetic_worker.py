@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from orchestrator.app import Orchestrator
+from orchestrator.columns.samples import Sample
 from orchestrator.config import load_config
 from orchestrator.delivery.wire import Batch
 from orchestrator.procs import terminate
 from orchestrator.testing.sim import sim_servers
-from orchestrator.testing.synthetic_worker import job_toml, worker_command
+from orchestrator.testing.synthetic_worker import ResidentStore, job_toml, worker_command
 from orchestrator.trainer.reference import ReferenceTrainer
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,8 @@ async def test_synthetic_rollouts_reach_the_trainer_whole(tmp_path: Path, plane:
         async with Orchestrator.open(cfg) as orch:
             orch.on_step = lambda _m: during.append(sys.getswitchinterval())
             worker = await asyncio.create_subprocess_exec(*worker_command(
-                orch.hub.address, "syn-0", tokens=TOKENS, layers=LAYERS, top_k=TOP_K, rate=200))
+                orch.hub.address, "syn-0", tokens=TOKENS, layers=LAYERS, top_k=TOP_K, rate=200,
+                prefault=plane == "direct"))
             try:
                 trainer = ReferenceTrainer(orch.sender.address, max_steps=2, on_batch=batches.append, announce=False)
                 async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
@@ -57,3 +59,25 @@ async def test_synthetic_rollouts_reach_the_trainer_whole(tmp_path: Path, plane:
         assert batch.columns["routed_experts"].shape == (n * TOKENS, LAYERS, TOP_K)
         first = batch.columns["token_ids"][:TOKENS]
         assert np.array_equal(batch.columns["token_ids"][-TOKENS:], first)  # the worker's one sample, each time
+
+
+def rss_shmem_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssShmem in /proc/self/status")
+
+
+def test_a_resident_store_is_faulted_in_when_made_and_still_stores() -> None:
+    before = rss_shmem_mb()
+    store = ResidentStore(32 << 20)
+    try:
+        assert rss_shmem_mb() - before >= 31  # every page of the pool is resident before any rollout
+        sample = Sample(np.arange(TOKENS, dtype=np.int32), np.ones(TOKENS, np.uint8), np.zeros(TOKENS, np.float32),
+                        np.full((TOKENS, LAYERS, TOP_K), 7, np.uint8))
+        span = store.put("r0", [sample])
+        assert span is not None
+        assert np.array_equal(np.frombuffer(store.buffer()[span.offset:span.offset + TOKENS * 4], np.int32),
+                              sample.token_ids)
+    finally:
+        store.close()

@@ -15,8 +15,16 @@ costs (heartbeats, the lag sampler) weigh the same per rollout.
 1. Scaling: rollouts of 1k, 8k and 64k tokens with routed experts 48 x 8 (0.4, 3.2 and 25 MB each), both
    paths: the orchestrator's peak RSS and CPU per rollout. ``rss_ratio_64k_to_1k`` / ``cpu_ratio_64k_to_1k``
    are the direct path's (target <= 1.1 both); ``through_*`` the old path's, same run. These passes sample the
-   loop's lag every 10 ms, not 1 ms: a 1 ms sampler costs CPU of its own every second, which the CPU figure
-   would count.
+   loop's lag every 100 ms (``monitor.lag_interval_s``'s default), not every 1 ms: a sampler costs CPU of its
+   own every second, which the CPU figure would count (at 10 ms its 100 wakeups were most of the orchestrator's
+   cost per second). Costs per second (the sampler, heartbeats, timers) weigh the same per rollout only at the
+   same rate, so ``rate_ratio_64k_to_1k`` reports the rollouts/s the direct 64k passes achieved over the 1k
+   ones' (a warning below 0.95: the CPU ratio then counts those costs over fewer rollouts). A 64k-token rollout
+   costs a worker ~4.5 ms of copying; its pool is faulted in when it is made (``--prefault``), as a long-running
+   worker's is, since first touching its pages (~350 page faults, 2-3 ms) would fall on the rollouts of a short
+   pass and slow the workers further below the rate. ``unwritten_cpu_ratio_64k_to_1k``: the same direct 64k pass
+   with workers that write nothing into their spans (``--no-write``): the orchestrator gets the same messages,
+   without the workers' 3 GB/s of copying competing for the rate, the cores and the shared cache.
 2. 1,024 buffered 64k-token rollouts (direct; one step of 1,024): the orchestrator's peak RSS,
    ``rss_mb_64k_1024`` (target < 300). The workers reserve their spans without writing them
    (``--no-write``): 25 GB of columns do not fit in this machine, and the orchestrator never reads them.
@@ -85,6 +93,7 @@ uvloop.run(main())
 """
 PASS_GUARD_S = 600.0  # a pass takes seconds; this only bounds a hang
 NICE = 5  # the default scheduler.worker_nice: what local env workers get
+SCALE_LAG_S = 0.1  # the scaling passes' lag sampling: monitor.lag_interval_s's default (see the docstring)
 SECTIONS = ("scale", "buffered", "step", "ceiling", "bytes")  # the module docstring's 1, 2, 4, 5, 3; bytes last
 
 
@@ -101,11 +110,13 @@ class Pass:
     pool_mb: int = 0  # per worker (0: sized from the shape)
     section: str = ""
     lag_interval_s: float = 0.001
+    prefault: bool = False  # the workers fault their pools in when they make them
 
     @property
     def name(self) -> str:
         rate = "max" if self.rate is None else f"{self.rate:g}/s"
-        return f"{self.section} {self.mode} {self.tokens // 1024}k x{self.batch} @{rate}"
+        unwritten = "" if self.write else " unwritten"
+        return f"{self.section} {self.mode} {self.tokens // 1024}k x{self.batch} @{rate}{unwritten}"
 
 
 def rollout_bytes(tokens: int) -> int:
@@ -167,7 +178,8 @@ async def orchestrator_pass(tmp: Path, sim_url: str, p: Pass, index: int) -> dic
     cfg.write_text(job_toml(out, sim_url, p))
     py = [sys.executable, "-m", "orchestrator", "--log-level", "WARNING"]
     workers = [worker_command(f"ipc://{out}/workers.sock", f"syn-{i}", tokens=p.tokens, layers=LAYERS, top_k=TOP_K,
-                              rate=None if p.rate is None else p.rate / 2, write=p.write, seed=i) for i in range(2)]
+                              rate=None if p.rate is None else p.rate / 2, write=p.write, prefault=p.prefault,
+                              seed=i) for i in range(2)]
     metrics = out / "metrics.jsonl"
     async with processes([*py, "run", str(cfg)]) as (orch,):
         await wait_for(out / "workers.sock", orch, "binding its worker address")
@@ -375,8 +387,10 @@ async def processes_piped(*cmds: list[str]) -> AsyncIterator[list[str]]:
 def plan(args: argparse.Namespace) -> dict[str, list[Pass]]:
     """The orchestrator passes of one repeat, by section."""
     lengths = LENGTHS[:2] if args.quick else LENGTHS
-    scale = [Pass(mode, n, args.scale_rate, 32, 12, section="scale", lag_interval_s=0.01)  # sampling, a cost of
-             for n in lengths for mode in ("direct", "through")]  # its own per second: 10 ms here, not 1 ms
+    scale = [Pass(mode, n, args.scale_rate, 32, 12, section="scale", lag_interval_s=SCALE_LAG_S,
+                  prefault=mode == "direct") for n in lengths for mode in ("direct", "through")]
+    scale.append(Pass("direct", lengths[-1], args.scale_rate, 32, 12, section="scale", lag_interval_s=SCALE_LAG_S,
+                      write=False))
     buffered_64k = 16 if args.quick else 1024
     buffered = [Pass("direct", 65536, None, buffered_64k, 3, warm=1, buffered=buffered_64k, write=False,
                      pool_mb=4 * buffered_64k * rollout_bytes(65536) // 2 // 2**20 + 64, section="buffered")]
@@ -434,13 +448,23 @@ def summarize(args: argparse.Namespace, passes: dict[str, list[Pass]], med: dict
 
     out: dict[str, Any] = {}
     if "scale" in args.sections:
-        scale = {(p.mode, p.tokens): of(p) for p in passes["scale"]}
+        scale = {(p.mode, p.tokens): of(p) for p in passes["scale"] if p.write}
         lo, hi = min(n for _, n in scale), max(n for _, n in scale)
         for mode, prefix in (("direct", ""), ("through", "through_")):
             out[f"{prefix}rss_ratio_64k_to_1k"] = round(scale[mode, hi]["peak_rss_mb"]
                                                          / scale[mode, lo]["peak_rss_mb"], 3)
             out[f"{prefix}cpu_ratio_64k_to_1k"] = round(scale[mode, hi]["cpu_ms_per_rollout"]
                                                          / scale[mode, lo]["cpu_ms_per_rollout"], 3)
+        out["rate_ratio_64k_to_1k"] = round(scale["direct", hi]["rollouts_per_s"]
+                                            / scale["direct", lo]["rollouts_per_s"], 3)
+        unwritten = next(of(p) for p in passes["scale"] if not p.write)
+        out["unwritten_cpu_ratio_64k_to_1k"] = round(unwritten["cpu_ms_per_rollout"]
+                                                      / scale["direct", lo]["cpu_ms_per_rollout"], 3)
+        if out["rate_ratio_64k_to_1k"] < 0.95:
+            print(f"bench_data_plane: warning: the direct {hi // 1024}k passes ran at "
+                  f"{out['rate_ratio_64k_to_1k']:.2f} x the 1k ones' rate (the workers did not keep up): "
+                  "cpu_ratio_64k_to_1k counts the orchestrator's per-second costs over fewer rollouts",
+                  file=sys.stderr, flush=True)
     if "buffered" in args.sections:
         out["rss_mb_64k_1024"] = round(of(passes["buffered"][0])["peak_rss_mb"], 1)
         out["buffered_rollouts"] = passes["buffered"][0].batch
