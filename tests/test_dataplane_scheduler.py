@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from orchestrator.config import JobConfig, load_config
+from orchestrator.engines import job_scheduler
 from orchestrator.inference.pool import InferencePool
 from orchestrator.rollouts.groups import Group
 from orchestrator.rollouts.scheduler import Scheduler
@@ -32,7 +33,7 @@ async def running(cfg: JobConfig, outcome: Callable[[str, str], Outcome] = lambd
                   ) -> AsyncIterator[tuple[Scheduler, FakeWorkerHub]]:
     hub = FakeWorkerHub({e.label: 50 for e in cfg.env}, outcome, pool="pool-1")
     async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
-        sched = Scheduler(cfg, pool, hub)
+        sched = job_scheduler(cfg, pool, hub)
         task = tg.create_task(sched.run())
         try:
             yield sched, hub

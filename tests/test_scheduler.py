@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from orchestrator.config import JobConfig, load_config
+from orchestrator.engines import job_scheduler
 from orchestrator.inference.pool import InferencePool
 from orchestrator.rollouts.scheduler import EVAL_PREFIX, CheckpointSource, Scheduler, SchedulingError
 from orchestrator.testing.procs import wait_until
@@ -34,7 +35,7 @@ async def running(cfg: JobConfig, outcome: Callable[[str, str], Outcome] = lambd
     hub = FakeWorkerHub({**{e.label: 50 for e in cfg.env}, **{EVAL_PREFIX + e.label: 50 for e in evals}}, outcome,
                         delay_s)
     async with InferencePool.open(cfg.inference) as pool, asyncio.TaskGroup() as tg:
-        sched = Scheduler(cfg, pool, hub, policy, checkpoints=checkpoints)
+        sched = job_scheduler(cfg, pool, hub, policy, checkpoints=checkpoints)
         task = tg.create_task(sched.run())
         try:
             yield sched, hub

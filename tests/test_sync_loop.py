@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import load_config
+from orchestrator.engines import job_scheduler
 from orchestrator.errors import CheckpointError, UnloadableCheckpoint
 from orchestrator.inference.pool import InferencePool
 from orchestrator.policy import Policy
-from orchestrator.rollouts.scheduler import Scheduler
 from orchestrator.state import OrchestratorState
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
@@ -41,7 +41,7 @@ class Job:
         self.dir = tmp_path
         self.fake = FakeInferenceServer()
         self.pool = InferencePool(cfg.inference, [self.fake])
-        self.sched = Scheduler(cfg, self.pool, FakeWorkerHub({"a": 50}), 0)
+        self.sched = job_scheduler(cfg, self.pool, FakeWorkerHub({"a": 50}), 0)
         self.state = OrchestratorState("t")
         self.now = 0.0
         self.loop = WeightSyncLoop(self.pool, self.sched, self.state, cfg.inference, recheck_s=0.01,

@@ -32,12 +32,11 @@ from orchestrator.columns.plane import open_plane
 from orchestrator.config import JobConfig
 from orchestrator.delivery.sender import Sender
 from orchestrator.delivery.wire import LogprobsMode
-from orchestrator.engines import open_engines, open_sender, start_workers
+from orchestrator.engines import job_scheduler, open_engines, open_sender, start_workers
 from orchestrator.errors import UnloadableCheckpoint
 from orchestrator.inference.pool import InferencePool
 from orchestrator.lagmon import LagMonitor
 from orchestrator.outdir import OutputDir
-from orchestrator.rollouts.scheduler import Scheduler
 from orchestrator.sinks import Sinks, open_sinks
 from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
@@ -144,8 +143,9 @@ class Orchestrator:
             await start_workers(tg, self.hub, background, cfg.monitor.stall_warn_s)
             refused = await self._reload_policy()
             try:
-                sched = Scheduler(cfg, self.pool, self.hub, self.state.policy_step, state=self.state.scheduler or None,
-                                  checkpoints=self.sender, first_step=self.state.acked_step + 1)
+                sched = job_scheduler(cfg, self.pool, self.hub, self.state.policy_step,
+                                      state=self.state.scheduler or None, checkpoints=self.sender,
+                                      first_step=self.state.acked_step + 1)
             except (KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign state file
                 raise StateError(f"{self.out / STATE_FILE}: the scheduler's saved state is unusable ({e!r}); fix the "
                                  "file or start fresh (without --resume)") from None

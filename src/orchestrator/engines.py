@@ -24,7 +24,8 @@ from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
-from orchestrator.rollouts.scheduler import EVAL_PREFIX
+from orchestrator.rollouts.links import WorkerLink
+from orchestrator.rollouts.scheduler import EVAL_PREFIX, Scheduler
 from orchestrator.workers.hub import WorkerHub
 from orchestrator.workers.process import Worker
 from orchestrator.workers.protocol import EnvSpec, Setup
@@ -115,3 +116,9 @@ def open_sender(cfg: JobConfig, address: str, resume: bool, acked_before: int = 
                             server_keys=cfg.security.server_keys(address),  # tcp:// with keys: CURVE
                             keep=t.keep_acked if isinstance(t, ZmqTransport) else 0,
                             acked_before=acked_before if resume else -1)
+
+
+def job_scheduler(cfg: JobConfig, pool: InferencePool, hub: WorkerLink, policy: int = 0, **kwargs: Any) -> Scheduler:
+    """The scheduler of ``cfg``'s job, given the sections it reads (``kwargs``: the rest of its arguments)."""
+    return Scheduler(cfg.scheduler, cfg.env, pool, hub, policy, pipeline=cfg.pipeline, evaluation=cfg.eval,
+                     seed=cfg.run.seed, stall_warn_s=cfg.monitor.stall_warn_s, **kwargs)

@@ -73,8 +73,7 @@ async def evaluate(cfg: JobConfig, out: Path, *, step: int = 0, policy: int = 0)
 
     The same code as a training run's online evaluation: the ``[eval]`` section and its environments, env
     workers, the scheduler's evaluation rounds (evaluation only: no training group opens), the same rows."""
-    from orchestrator.engines import open_engines, start_workers
-    from orchestrator.rollouts.scheduler import Scheduler
+    from orchestrator.engines import job_scheduler, open_engines, start_workers
     from orchestrator.steps.outputs import StepOutputs, eval_rollout_rows, format_eval_line
 
     if cfg.eval is None or not cfg.eval.env:
@@ -86,7 +85,7 @@ async def evaluate(cfg: JobConfig, out: Path, *, step: int = 0, policy: int = 0)
         async with asyncio.TaskGroup() as tg:
             background = [tg.create_task(pool.run()), tg.create_task(hub.run())]
             await start_workers(tg, hub, background, cfg.monitor.stall_warn_s)
-            sched = Scheduler(cfg, pool, hub, policy, train=False)
+            sched = job_scheduler(cfg, pool, hub, policy, train=False)
             background.append(tg.create_task(sched.run()))
             sched.start_evaluation(step)
             row, groups = await sched.eval_rows.get()

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from orchestrator.config import EnvConfig, SchedulerConfig
     from orchestrator.inference.pool import InferencePool, Server
+    from orchestrator.rollouts.config import EnvConfig, SchedulerConfig
     from orchestrator.rollouts.evaluation import Evaluator
     from orchestrator.rollouts.groups import Buffer, GroupTracker
     from orchestrator.rollouts.sampler import TaskSampler

@@ -34,12 +34,13 @@ from orchestrator.scoring.advantage import AdvantageFn
 from orchestrator.scoring.gates import Gates, GroupView
 
 if TYPE_CHECKING:
-    from orchestrator.config import EnvConfig, JobConfig
     from orchestrator.inference.pool import InferencePool
     from orchestrator.rollouts.admission import Capacity
+    from orchestrator.rollouts.config import EnvConfig, SchedulerConfig
     from orchestrator.rollouts.evaluation import Evaluator
     from orchestrator.rollouts.links import WorkerLink
     from orchestrator.rollouts.sampler import TaskSampler
+    from orchestrator.scoring.config import PipelineConfig
     from orchestrator.workers.protocol import RolloutRecord
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ EvalRow = tuple[dict[str, Any], list[Group]]
 
 
 class Completion:
-    def __init__(self, cfg: JobConfig, pool: InferencePool, capacity: Capacity, hub: WorkerLink, tracker: GroupTracker,
-                 buffer: Buffer, *, envs: Mapping[str, EnvConfig], sampler: TaskSampler | None,
-                 evaluator: Evaluator | None, counts: Counter[str], clock: Callable[[], float], room: asyncio.Event,
+    def __init__(self, limits: SchedulerConfig, pipeline: PipelineConfig, stall_warn_s: float, pool: InferencePool,
+                 capacity: Capacity, hub: WorkerLink, tracker: GroupTracker, buffer: Buffer, *,
+                 envs: Mapping[str, EnvConfig], sampler: TaskSampler | None, evaluator: Evaluator | None,
+                 counts: Counter[str], clock: Callable[[], float], room: asyncio.Event,
                  finished: asyncio.Event) -> None:
         """``counts``: the scheduler's per-step counts (dropped_groups, rejected_groups, columns_lost, ...).
         ``room`` is set when rollouts leave flight or the buffer (admission re-checks), ``finished`` when a group
@@ -65,11 +67,11 @@ class Completion:
         self.evaluator = evaluator
         self.counts = counts
         self.clock = clock
-        self.size_step = step_size(cfg.scheduler.batch_size)
-        self.max_dropped = cfg.scheduler.max_buffered_rollouts
-        self.fault_lines = ServerFaultLines(cfg.monitor.stall_warn_s)  # server-fault failures: a line per event
-        self.advantage = AdvantageFn(cfg.pipeline)
-        self.gates = Gates(cfg.pipeline.gates)
+        self.size_step = step_size(limits.batch_size)
+        self.max_dropped = limits.max_buffered_rollouts
+        self.fault_lines = ServerFaultLines(stall_warn_s)  # server-fault failures: a line per event
+        self.advantage = AdvantageFn(pipeline)
+        self.gates = Gates(pipeline.gates)
         self.dropped: deque[Group] = deque()  # dropped groups whose rows the next step writes (keep_dropped)
         self.eval_rows: asyncio.Queue[EvalRow] = asyncio.Queue()  # one per round
         self.rejected = 0  # rollouts (or tokens) rejected by gates while the current step waits

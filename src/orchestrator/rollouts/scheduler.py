@@ -58,16 +58,17 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from orchestrator.config import JobConfig
 from orchestrator.inference.pool import InferencePool, Server
 from orchestrator.rollouts.admission import EVAL_PREFIX, Admission, Capacity, Opening
 from orchestrator.rollouts.completion import Completion, EvalRow
+from orchestrator.rollouts.config import EnvConfig, EvalConfig, SchedulerConfig
 from orchestrator.rollouts.evaluation import Evaluator
 from orchestrator.rollouts.filling import SchedulingError, StepFiller
 from orchestrator.rollouts.groups import Buffer, Group, GroupTracker
 from orchestrator.rollouts.links import CheckpointSource, WorkerLink
 from orchestrator.rollouts.sampler import EnvDraws, TaskSampler
 from orchestrator.rollouts.stall import StallLine
+from orchestrator.scoring.config import PipelineConfig
 from orchestrator.workers.events import PoolGone, RecordsIn
 from orchestrator.workers.protocol import Assign, RolloutRecord
 
@@ -77,25 +78,26 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, cfg: JobConfig, pool: InferencePool, hub: WorkerLink, policy: int = 0, *,
-                 state: dict[str, Any] | None = None, clock: Callable[[], float] = time.monotonic,
-                 train: bool = True, checkpoints: CheckpointSource | None = None,
-                 first_step: int | None = None) -> None:
-        """``train=False``: evaluation only (``orchestrator eval``); no training group ever opens.
-        ``checkpoints``: asked for a checkpoint when a step waits for a newer policy. ``first_step``: the step
-        ``next_step`` fills first (default ``policy``)."""
-        self.cfg = cfg
-        self.limits = cfg.scheduler
+    def __init__(self, limits: SchedulerConfig, envs: Sequence[EnvConfig], pool: InferencePool, hub: WorkerLink,
+                 policy: int = 0, *, pipeline: PipelineConfig, evaluation: EvalConfig | None = None, seed: int = 0,
+                 stall_warn_s: float = 30.0, state: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic, train: bool = True,
+                 checkpoints: CheckpointSource | None = None, first_step: int | None = None) -> None:
+        """``limits``: ``[scheduler]``; ``envs``: the ``[[env]]`` tables; ``pipeline``: advantages and gates;
+        ``evaluation``: ``[eval]``; ``seed``: ``run.seed`` (task order). ``train=False``: evaluation only
+        (``orchestrator eval``); no training group ever opens. ``checkpoints``: asked for a checkpoint when a step
+        waits for a newer policy. ``first_step``: the step ``next_step`` fills first (default ``policy``)."""
+        self.limits = limits
         self.pool = pool
         self.hub = hub
         self.clock = clock
-        self.envs = {e.label: e for e in cfg.env}
+        self.envs = {e.label: e for e in envs}
         state = state or {}
         self.sampler = TaskSampler([EnvDraws(e.label, hub.tasks_per_env[e.label], e.weight, e.curriculum)
-                                    for e in cfg.env], cfg.run.seed, state.get("sampler")) if train else None
-        self.evaluator = None if cfg.eval is None else Evaluator(
-            cfg.eval, self.limits.max_inflight,
-            {e.label: hub.tasks_per_env[EVAL_PREFIX + e.label] for e in cfg.eval.env}, state.get("eval"))
+                                    for e in envs], seed, state.get("sampler")) if train else None
+        self.evaluator = None if evaluation is None else Evaluator(
+            evaluation, self.limits.max_inflight,
+            {e.label: hub.tasks_per_env[EVAL_PREFIX + e.label] for e in evaluation.env}, state.get("eval"))
         self.tracker = GroupTracker(self.limits.max_off_policy_steps, self.limits.group_timeout_s)
         self.buffer = Buffer()  # rollouts in accepted groups not yet taken by a step
         self.counts: Counter[str] = Counter()  # per step: dropped_groups, rejected_groups, stale_rollouts, ...
@@ -104,13 +106,13 @@ class Scheduler:
         capacity = Capacity(self.limits.max_inflight, pool, self.tracker)
         self.admission = Admission(self.limits, capacity, self.tracker, self.buffer, self.envs, self.sampler,
                                    self.evaluator, policy, policy if first_step is None else first_step)
-        self.completion = Completion(cfg, pool, capacity, hub, self.tracker, self.buffer, envs=self.envs,
-                                     sampler=self.sampler, evaluator=self.evaluator, counts=self.counts, clock=clock,
-                                     room=self._wake, finished=group_done)
+        self.completion = Completion(limits, pipeline, stall_warn_s, pool, capacity, hub, self.tracker, self.buffer,
+                                     envs=self.envs, sampler=self.sampler, evaluator=self.evaluator,
+                                     counts=self.counts, clock=clock, room=self._wake, finished=group_done)
         self.stall = StallLine(self.admission, hub, pool, self.tracker, self.counts, checkpoints,
                                self.limits.max_rejected_batches)
         self.steps = StepFiller(self.limits, self.admission, self.completion, self.buffer, self.stall,
-                                counts=self.counts, checkpoints=checkpoints, stall_warn_s=cfg.monitor.stall_warn_s,
+                                counts=self.counts, checkpoints=checkpoints, stall_warn_s=stall_warn_s,
                                 clock=clock, room=self._wake, finished=group_done)
         self._worker_seen: dict[str, int] = {}  # worker -> rollouts completed at the last take_counts
         self._rates_t = clock()
