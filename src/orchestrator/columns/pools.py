@@ -1,4 +1,4 @@
-"""``PoolKeeper``: the worker hub's side of the data plane (``data_plane = "direct"``, docs/data-plane.md).
+"""``PoolKeeper``: the worker hub's side of the direct data plane (docs/data-plane.md).
 
 The hub (hub.py) calls it at each event of a worker's life; it keeps the ``SpanLedger`` (spans.py: which spans
 the orchestrator holds in each worker's pool) and acts on it through the hub's socket (``send``) and the hub's

@@ -1,6 +1,6 @@
 """Direct mode: the steps sent and not yet acknowledged, their release, and their rebuild when the trainer lost some.
 
-In ``data_plane = "direct"`` a sent step's columns stay in the env workers' pools until the trainer acknowledges
+On the direct data plane a sent step's columns stay in the env workers' pools until the trainer acknowledges
 it. ``UnackedSteps`` keeps, per step sent and not acknowledged (at most ``transport.send_hwm``), its groups, the
 rollouts it names and its ``attempt``, and:
 

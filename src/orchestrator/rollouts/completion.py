@@ -13,7 +13,7 @@ buffer, and ``finished`` when a step may find something new (a group buffered, o
   ``max_buffered_rollouts`` rollouts' worth are kept, the oldest beyond go unwritten, counted).
 - Gates (gates.py) run on a training group's advantages: a rejected group does not count, and ``rejected``
   adds what it would have added to a step (the step's rejection bound, filling.py).
-- Data plane (``data_plane = "direct"``): every rollout dropped here while its columns are in a worker's pool
+- The direct data plane: every rollout dropped here while its columns are in a worker's pool
   (its group dropped, rejected by a gate, a straggler) is released to that worker at once (``hub.release``).
 """
 

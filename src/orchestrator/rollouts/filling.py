@@ -7,7 +7,7 @@ policy is older than that the step asks the checkpoint source for a newer one, a
 line (stall.py), one per ``monitor.stall_warn_s`` without progress. A step that sees ``max_rejected_batches``
 batches' worth of gate rejections without filling stops the run with SchedulingError naming the gates.
 
-Data plane (``data_plane = "direct"``): a step being taken gives back the rollouts of a pool that is gone
+The direct data plane: a step being taken gives back the rollouts of a pool that is gone
 (``lose_pool``), and fills on from other groups; ``lose_taken`` does the same for a sent step the trainer
 could not read whole, and ``refill`` takes the groups that make it whole, ahead of the step being taken.
 """

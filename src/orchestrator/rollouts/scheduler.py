@@ -40,7 +40,7 @@ Rules, with every bound from the config:
   workers, inference servers, or the rollouts in flight and their failures; again every as long.
 - A step is ``batch_size`` rollouts or ``token_budget`` tokens: whole groups in completion order until the
   count is reached (a step may exceed it by less than one group).
-- Data plane (``data_plane = "direct"``): every rollout the scheduler drops while its columns are in a
+- The direct data plane: every rollout the scheduler drops while its columns are in a
   worker's pool (its group dropped, rejected by a gate, stale, a straggler) is released to that worker at once
   (``hub.release``); those of taken groups are the step's to release. When a worker's pool is gone
   (``PoolGone``), its buffered rollouts, and those a step being taken holds so far, fail with ``worker_died``

@@ -29,7 +29,7 @@ environments: LOAD_TIMEOUT_S) is lost: its rollouts fail with ``worker_died`` at
 and restarted under its name, a remote one re-admitted when it speaks again. Records are sorted by intake.py.
 ``wait_ready`` names what it waits for every ``monitor.stall_warn_s``.
 
-Data plane (``data_plane = "direct"``, docs/data-plane.md; pools.py's ``PoolKeeper`` does it for the hub): a
+The direct data plane (docs/data-plane.md; pools.py's ``PoolKeeper`` does it for the hub): a
 worker's ``ready`` names its column pool, and a record's ``span`` must lie in that pool (the one it announced
 last), else the record is corrupt (a strike; its rollout fails). The spans of records the hub does not pass on
 (corrupt, late) are released at once; those it passes on are released when the scheduler or the step drops

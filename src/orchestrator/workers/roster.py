@@ -42,7 +42,7 @@ class WorkerState:
     strikes: int = 0
     completed: int = 0
     rss_mb: float | None = None
-    pool: PoolInfo | None = None  # data_plane = direct: the column pool it announced last
+    pool: PoolInfo | None = None  # direct data plane: the column pool it announced last
 
 
 class Roster:
