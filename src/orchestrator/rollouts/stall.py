@@ -56,8 +56,8 @@ class StallLine:
                     f"opens until then): {source}")
         if not self.hub.has_ready():
             return ("an env worker that can take a group: none is ready (starting, or restarting after a crash), "
-                    "or (on the direct data plane) every ready one's column pool is full until the trainer acknowledges "
-                    "steps")
+                    "or (on the direct data plane) every ready one's column pool is full until the trainer "
+                    "acknowledges steps")
         if not any(s.in_rotation for s in self.pool.servers):
             return f"an inference server: none is in rotation ({self.pool.out_of_rotation()})"
         out = self.pool.out_of_rotation()
