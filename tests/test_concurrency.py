@@ -8,7 +8,8 @@ import pytest
 from orchestrator.errors import Failure
 from orchestrator.inference.load import ServerLoad
 from orchestrator.inference.pool import Server
-from orchestrator.rollouts.concurrency import ConcurrencyConfig, Rule, ServerCap
+from orchestrator.rollouts.concurrency import Rule, ServerCap
+from orchestrator.rollouts.config import ConcurrencyConfig
 from orchestrator.rollouts.groups import Group, GroupTracker
 from orchestrator.testing.fake_server import FakeInferenceServer
 
@@ -103,11 +104,11 @@ def test_no_cut_goes_below_the_floor() -> None:
                                           (ConcurrencyConfig(trim_to=0.9), "trim_to"),
                                           (ConcurrencyConfig(cancel_above=0.75), "cancel_above")])
 def test_thresholds_out_of_order_are_named(cfg: ConcurrencyConfig, key: str) -> None:
-    problems = cfg.problems("scheduler.concurrency")
+    problems = list(cfg.problems("scheduler.concurrency", lambda key: "job.toml"))
     assert problems
     assert all("scheduler.concurrency." in p for p in problems)
     assert any(key in p for p in problems)
-    assert ConcurrencyConfig().problems("scheduler.concurrency") == []
+    assert list(ConcurrencyConfig().problems("scheduler.concurrency", lambda key: "job.toml")) == []
 
 
 def test_shedding_cancels_whole_groups_not_yet_half_done_youngest_first() -> None:

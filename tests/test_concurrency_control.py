@@ -12,7 +12,8 @@ import pytest
 from orchestrator.config import InferenceConfig
 from orchestrator.errors import InferenceError
 from orchestrator.inference.pool import InferencePool, Server
-from orchestrator.rollouts.concurrency import ConcurrencyConfig, ConcurrencyControl
+from orchestrator.rollouts.concurrency import ConcurrencyControl
+from orchestrator.rollouts.config import ConcurrencyConfig
 from orchestrator.sim.kv import KVLoad
 from orchestrator.sim.metrics import exposition
 from orchestrator.testing.fake_server import FakeInferenceServer

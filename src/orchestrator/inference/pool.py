@@ -96,6 +96,10 @@ class Server:
     def url(self) -> str:
         return self.api.url
 
+    def has_room(self, n: int) -> bool:
+        """Whether ``n`` more rollouts fit under its cap (an idle server takes any ``n``: one group always runs)."""
+        return self.cap is None or self.inflight + n <= self.cap or self.inflight == 0
+
 
 @dataclass
 class WeightSyncResult:
@@ -138,7 +142,7 @@ class InferencePool:
         change."""
         while True:
             live = [s for s in self.servers if s.in_rotation]
-            room = [s for s in live if s.cap is None or s.inflight + n <= s.cap or s.inflight == 0]
+            room = [s for s in live if s.has_room(n)]
             if room:
                 server = min(room, key=lambda s: s.inflight)
                 server.inflight += n
@@ -155,6 +159,10 @@ class InferencePool:
     def release(self, server: Server, n: int = 1) -> None:
         server.inflight -= n
         self._changed.set()
+
+    def has_room(self, n: int) -> bool:
+        """Whether a server in rotation has room for ``n`` more rollouts under its cap now."""
+        return any(s.in_rotation and s.has_room(n) for s in self.servers)
 
     def set_cap(self, server: Server, cap: int | None) -> None:
         """``server`` may have ``cap`` rollouts at once from now (None: no cap of its own)."""

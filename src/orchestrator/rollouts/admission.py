@@ -21,7 +21,7 @@ wake-up (a group finished, a step took rollouts, the policy changed, an evaluati
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,27 +51,31 @@ class Opening:
 class Capacity:
     """How many rollouts may be in flight, and on which inference server. Admission asks ``fits(size)`` before a
     group opens (all of it at once), the admission loop ``acquire(size)`` for its server, and completion
-    ``release(server, size)`` when it finishes (or the loop when it did not open after all). Now: ``max_inflight``
-    in all, on the pool's least-loaded server in rotation. A per-server cap keeps these three: ``fits`` when
-    some server can take ``size`` more, ``acquire`` such a server."""
+    ``release(server, size)`` when it finishes (or the loop when it did not open after all): ``max_inflight`` in
+    all, and each server's own cap where ``[scheduler.concurrency]`` keeps one (concurrency.py; ``done`` paces it
+    by the groups each server finishes)."""
 
-    def __init__(self, max_inflight: int, pool: InferencePool, tracker: GroupTracker) -> None:
+    def __init__(self, max_inflight: int, pool: InferencePool, tracker: GroupTracker,
+                 done: Callable[[Server, int], None] = lambda _server, _size: None) -> None:
         self.max_inflight = max_inflight
         self.pool = pool
         self.tracker = tracker
+        self.done = done
 
     def fits(self, size: int) -> bool:
-        """Whether ``size`` more rollouts fit in flight now."""
-        return self.tracker.inflight_rollouts + size <= self.max_inflight
+        """Whether ``size`` more rollouts fit in flight now, in all and on some server in rotation."""
+        return self.tracker.inflight_rollouts + size <= self.max_inflight and self.pool.has_room(size)
 
     async def acquire(self, size: int) -> Server:
         """The server a group of ``size`` rollouts runs on, held for it until ``release``; waits while no server
-        is in rotation."""
+        is in rotation (or none has room)."""
         return await self.pool.acquire(size)
 
-    def release(self, server: Server, size: int) -> None:
-        """The group of ``size`` rollouts on ``server`` finished (or never opened)."""
+    def release(self, server: Server, size: int, *, finished: bool = True) -> None:
+        """The group of ``size`` rollouts on ``server`` finished (``finished``), or never opened."""
         self.pool.release(server, size)
+        if finished:
+            self.done(server, size)
 
 
 class Admission:

@@ -29,12 +29,12 @@ import numpy as np
 
 from orchestrator.errors import Failure
 from orchestrator.rollouts.faultlog import ServerFaultLines
-from orchestrator.rollouts.groups import Buffer, Group, GroupTracker, failure_summary, lose_columns
+from orchestrator.rollouts.groups import Buffer, Expired, Group, GroupTracker, failure_summary, lose_columns
 from orchestrator.scoring.advantage import AdvantageFn
 from orchestrator.scoring.gates import Gates, GroupView
 
 if TYPE_CHECKING:
-    from orchestrator.inference.pool import InferencePool
+    from orchestrator.inference.pool import InferencePool, Server
     from orchestrator.rollouts.admission import Capacity
     from orchestrator.rollouts.config import EnvConfig, SchedulerConfig
     from orchestrator.rollouts.evaluation import Evaluator
@@ -107,12 +107,28 @@ class Completion:
     def expire(self, policy: int) -> None:
         """End the in-flight groups that must end now (groups.py: ``expire``), cancelling them at the workers."""
         for ended in self.tracker.expire(self.clock(), policy):
-            group = ended.group
             if ended.kind is Failure.GROUP_TIMEOUT:  # a hung server
-                self.pool.report_failure(group.server, Failure.TIMEOUT, f"group {group.gid} {ended.why}")
-            self.hub.cancel(group.gid, sorted(group.missing))
-            for rid in sorted(group.missing):
-                self._settle(self.tracker.fail(group, rid, ended.kind, ended.why))
+                self.pool.report_failure(ended.group.server, Failure.TIMEOUT, f"group {ended.group.gid} {ended.why}")
+            self._end(ended)
+
+    def shed(self, server: Server, n: int) -> None:
+        """``server``'s KV cache is nearly full: cancel groups there for at least ``n`` rollouts (groups.py:
+        ``shed``: whole groups not yet half done, youngest first). Their finished rollouts go on as any partial
+        group's do (completion's rules: trained if enough survive, else dropped and written as dropped rows); the
+        cancelled ones fail as ``kv_pressure``. One line per shedding."""
+        shed = self.tracker.shed(server.url, n, f"its inference server's KV cache was nearly full ({server.url})")
+        if shed:
+            log.warning("inference server %s: KV cache nearly full; cancelled %d group(s), %d rollouts, youngest "
+                        "first", server.url, len(shed), sum(len(e.group.missing) for e in shed))
+        for ended in shed:
+            self.counts["kv_shed_groups"] += 1
+            self._end(ended)
+
+    def _end(self, ended: Expired) -> None:
+        group = ended.group
+        self.hub.cancel(group.gid, sorted(group.missing))
+        for rid in sorted(group.missing):
+            self._settle(self.tracker.fail(group, rid, ended.kind, ended.why))
 
     def lose_pool(self, worker: str, pool: str, why: str) -> int:
         """``worker``'s column pool is gone: its rollouts in groups in flight or buffered fail (a buffered group

@@ -34,42 +34,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
-from orchestrator.configbase import opt
 from orchestrator.errors import InferenceError
 from orchestrator.inference.load import LoadUnreadable, ServerLoad, parse_load
 from orchestrator.inference.pool import InferencePool, Server
 from orchestrator.inference.server import HttpStatusError
+from orchestrator.rollouts.config import ConcurrencyConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ConcurrencyConfig:
-    adaptive: bool = opt(False, doc="follow each inference server's KV cache (its /metrics) with a cap per server; "
-                         "false: scheduler.max_inflight alone, as before")
-    poll_s: float = opt(2.0, gt=0, le=600, doc="how often each server's /metrics is read")
-    start_per_server: int | None = opt(None, ge=1, doc="each server's cap before its first poll (unset: "
-                                       "max_inflight split evenly over the servers)")
-    min_per_server: int = opt(1, ge=1, doc="no cut goes below this many rollouts per server")
-    grow_below: float = opt(0.6, gt=0, le=1, doc="KV usage under which a binding cap may grow")
-    grow_factor: float = opt(1.25, gt=1, le=4, doc="growth per turnover (as many completions as the cap)")
-    trim_above: float = opt(0.8, gt=0, le=1, doc="KV usage over which admission closes and the cap is trimmed")
-    trim_to: float = opt(0.7, gt=0, le=1, doc="the usage a trim aims at: cap = in flight x trim_to / usage")
-    cancel_above: float = opt(0.9, gt=0, le=1, doc="KV usage over which the rollouts above the trimmed cap are "
-                              "cancelled (whole groups not yet half done, youngest first)")
-    cut_factor: float = opt(0.75, gt=0, le=0.95, doc="on preemptions or a persistent queue: cap = in flight x this")
-    queue_polls: int = opt(2, ge=1, doc="polls in a row with requests waiting for KV capacity that make a "
-                           "persistent queue")
-
-    def problems(self, key: str) -> list[str]:
-        """What is wrong across fields (each field's own bounds are checked by the loader)."""
-        out = []
-        if not self.grow_below < self.trim_above:
-            out.append(f"{key}.grow_below: must be below {key}.trim_above ({self.grow_below} >= {self.trim_above})")
-        if not self.trim_to < self.trim_above <= self.cancel_above:
-            out.append(f"{key}.trim_to < {key}.trim_above <= {key}.cancel_above must hold (got {self.trim_to}, "
-                       f"{self.trim_above}, {self.cancel_above})")
-        return out
 
 
 class Rule(Enum):

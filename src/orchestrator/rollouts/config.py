@@ -16,6 +16,34 @@ from orchestrator.rollouts.curriculum import CurriculumConfig
 
 
 @dataclass(frozen=True)
+class ConcurrencyConfig:
+    adaptive: bool = opt(False, doc="follow each inference server's KV cache (its /metrics) with a cap per server; "
+                         "false: scheduler.max_inflight alone, as before")
+    poll_s: float = opt(2.0, gt=0, le=600, doc="how often each server's /metrics is read")
+    start_per_server: int | None = opt(None, ge=1, doc="each server's cap before its first poll (unset: "
+                                       "max_inflight split evenly over the servers)")
+    min_per_server: int = opt(1, ge=1, doc="no cut goes below this many rollouts per server")
+    grow_below: float = opt(0.6, gt=0, le=1, doc="KV usage under which a binding cap may grow")
+    grow_factor: float = opt(1.25, gt=1, le=4, doc="growth per turnover (as many completions as the cap)")
+    trim_above: float = opt(0.8, gt=0, le=1, doc="KV usage over which admission closes and the cap is trimmed")
+    trim_to: float = opt(0.7, gt=0, le=1, doc="the usage a trim aims at: cap = in flight x trim_to / usage")
+    cancel_above: float = opt(0.9, gt=0, le=1, doc="KV usage over which the rollouts above the trimmed cap are "
+                              "cancelled (whole groups not yet half done, youngest first)")
+    cut_factor: float = opt(0.75, gt=0, le=0.95, doc="on preemptions or a persistent queue: cap = in flight x this")
+    queue_polls: int = opt(2, ge=1, doc="polls in a row with requests waiting for KV capacity that make a "
+                           "persistent queue")
+
+    def problems(self, key: str, source: Source) -> Iterable[str]:
+        """What is wrong across fields (each field's own bounds are checked by the loader)."""
+        if not self.grow_below < self.trim_above:
+            yield (f"{source(f'{key}.grow_below')}: {key}.grow_below: must be below {key}.trim_above "
+                   f"({self.grow_below} >= {self.trim_above})")
+        if not self.trim_to < self.trim_above <= self.cancel_above:
+            yield (f"{source(f'{key}.trim_to')}: {key}.trim_to < {key}.trim_above <= {key}.cancel_above must hold "
+                   f"(got {self.trim_to}, {self.trim_above}, {self.cancel_above})")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     batch_size: int | None = opt(None, ge=1, doc="rollouts per step (set this or token_budget)")
     token_budget: int | None = opt(None, ge=1, doc="tokens per step (set this or batch_size)")
@@ -35,6 +63,8 @@ class SchedulerConfig:
     # probability ~1e-11; with 2% passing, 40% of steps stop, after 50 steps' worth of inference
     max_rejected_batches: int = opt(50, ge=0, doc="a step that has seen this many batches' worth of rollouts "
                                     "rejected by gates without filling stops the run (0: never)")
+    concurrency: ConcurrencyConfig = opt(ConcurrencyConfig(), doc="[scheduler.concurrency]: a cap per inference "
+                                         "server that follows its KV cache (off by default)")
 
     def problems(self, key: str, source: Source) -> Iterable[str]:
         if (self.batch_size is None) == (self.token_budget is None):

@@ -61,6 +61,7 @@ from typing import Any
 from orchestrator.inference.pool import InferencePool, Server
 from orchestrator.rollouts.admission import EVAL_PREFIX, Admission, Capacity, Opening
 from orchestrator.rollouts.completion import Completion, EvalRow
+from orchestrator.rollouts.concurrency import ConcurrencyControl
 from orchestrator.rollouts.config import EnvConfig, EvalConfig, SchedulerConfig
 from orchestrator.rollouts.evaluation import Evaluator
 from orchestrator.rollouts.filling import SchedulingError, StepFiller
@@ -103,7 +104,11 @@ class Scheduler:
         self.counts: Counter[str] = Counter()  # per step: dropped_groups, rejected_groups, stale_rollouts, ...
         self._wake = asyncio.Event()  # admission: room, a new policy or step, an evaluation round due
         group_done = asyncio.Event()  # a step: a group buffered or rejected, a refill ended
-        capacity = Capacity(self.limits.max_inflight, pool, self.tracker)
+        # [scheduler.concurrency]: each server's cap follows its KV cache; a hard trim sheds groups there
+        self.concurrency = None if not limits.concurrency.adaptive else ConcurrencyControl(
+            limits.concurrency, pool, limits.max_inflight, lambda server, n: self.completion.shed(server, n))
+        done = self.concurrency.done if self.concurrency is not None else (lambda _server, _size: None)
+        capacity = Capacity(self.limits.max_inflight, pool, self.tracker, done)
         self.admission = Admission(self.limits, capacity, self.tracker, self.buffer, self.envs, self.sampler,
                                    self.evaluator, policy, policy if first_step is None else first_step)
         self.completion = Completion(limits, pipeline, stall_warn_s, pool, capacity, hub, self.tracker, self.buffer,
@@ -167,6 +172,8 @@ class Scheduler:
         """Admission and intake (see the module docstring), until cancelled."""
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._intake())
+            if self.concurrency is not None:
+                tg.create_task(self.concurrency.run())
             await self._admit()
 
     async def _intake(self) -> None:
@@ -199,7 +206,7 @@ class Scheduler:
                 continue
             server = await capacity.acquire(opening.size)  # may wait for a server to rejoin rotation
             if not self.hub.has_ready() or self.admission.next() != opening:  # the last worker left, or room changed
-                capacity.release(server, opening.size)
+                capacity.release(server, opening.size, finished=False)
                 continue
             self._open(opening, server)
             await asyncio.sleep(0)  # let records in before the next group, even when every await above was ready
@@ -305,6 +312,8 @@ class Scheduler:
                    gates=self.completion.gates.take_counts())
         if self.sampler is not None and (curricula := self.sampler.metrics()):
             out["curriculum"] = curricula
+        if self.concurrency is not None:
+            out["concurrency"] = self.concurrency.snapshot()
         self.counts.clear()
         return out
 

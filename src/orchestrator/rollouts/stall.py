@@ -2,8 +2,9 @@
 
 Stale discards and gate rejections are not progress. The line names the first cause that holds: a refill of an
 earlier step, a checkpoint (and where it comes from: the weight sync's ``loading``, or the trainer link asked
-for it), env workers, inference servers, or else the rollouts in flight; then the rollouts in flight, the
-step's discards, drops and gate rejections, and the failures by kind.
+for it), env workers, inference servers, the servers' own caps (``[scheduler.concurrency]``), or else the
+rollouts in flight; then the rollouts in flight, the step's discards, drops and gate rejections, and the failures
+by kind.
 """
 
 from __future__ import annotations
@@ -60,5 +61,8 @@ class StallLine:
                     "acknowledges steps")
         if not any(s.in_rotation for s in self.pool.servers):
             return f"an inference server: none is in rotation ({self.pool.out_of_rotation()})"
+        capped = self.pool.capped()
+        if capped and self.tracker.inflight_rollouts < self.admission.capacity.max_inflight:
+            return f"room under the servers' caps ([scheduler.concurrency]: {capped})"
         out = self.pool.out_of_rotation()
         return "rollouts" + (f" (servers out of rotation: {out})" if out else "")
