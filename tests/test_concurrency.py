@@ -111,7 +111,7 @@ def test_thresholds_out_of_order_are_named(cfg: ConcurrencyConfig, key: str) -> 
     assert list(ConcurrencyConfig().problems("scheduler.concurrency", lambda key: "job.toml")) == []
 
 
-def test_shedding_cancels_whole_groups_not_yet_half_done_youngest_first() -> None:
+def test_shedding_cancels_whole_groups_not_yet_half_done_youngest_first_never_the_oldest() -> None:
     here = Server(FakeInferenceServer("http://a.invalid/v1"))
     there = Server(FakeInferenceServer("http://b.invalid/v1"))
     tracker = GroupTracker(max_off_policy_steps=2, group_timeout_s=600)
@@ -127,4 +127,14 @@ def test_shedding_cancels_whole_groups_not_yet_half_done_youngest_first() -> Non
     assert [(e.group.gid, e.kind) for e in shed] == [("young", Failure.KV_PRESSURE), ("mid", Failure.KV_PRESSURE)]
     assert tracker.counts["cancelled"] == 4 + 3
     assert tracker.shed(there.url, 0, "nothing asked") == []
-    assert [e.group.gid for e in tracker.shed(here.url, 100, "all")] == ["young", "mid", "old"]
+    assert [e.group.gid for e in tracker.shed(here.url, 100, "all")] == ["young", "mid"]  # the oldest runs on
+    assert tracker.shed(there.url, 100, "its only group") == []
+
+
+def test_a_hard_trim_cancels_once_then_only_trims_until_drained() -> None:
+    cap = ServerCap(CFG, ceiling=64, start=40)
+    assert cap.observe(load(0.95), inflight=40, completed=0).cancel == 11
+    again = cap.observe(load(0.97), inflight=36, completed=0)  # the cancelled requests are still leaving
+    assert (again.rule, again.cap, again.cancel) == (Rule.TRIM, 25, 0)  # floor(36 x 0.7 / 0.97)
+    cap.observe(load(0.5), inflight=25, completed=11)  # drained to the cap
+    assert cap.observe(load(0.95), inflight=25, completed=11).rule is Rule.CANCEL

@@ -134,35 +134,42 @@ class InferencePool:
     # ------------------------------------------------------------------------------- choice and pinning
 
     async def acquire(self, n: int = 1) -> Server:
-        """The least-loaded server in rotation with room for ``n`` rollouts under its cap, with ``n`` rollouts
-        counted on it until ``release(server, n)``. An idle server has room for any ``n``: a cap below a group's
-        size still lets one group run.
+        """``take(n)``, waiting (``wait_room``) until it gives a server."""
+        while (server := self.take(n)) is None:
+            await self.wait_room()
+        return server
 
-        Waits while no server is in rotation, or none has room; woken by a server rejoining, a release or a cap
-        change."""
-        while True:
-            live = [s for s in self.servers if s.in_rotation]
-            room = [s for s in live if s.has_room(n)]
-            if room:
-                server = min(room, key=lambda s: s.inflight)
-                server.inflight += n
-                if server.waiting_since is None:
-                    server.waiting_since = time.monotonic()
-                return server
-            if not live:
-                self._warn_no_server()
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.cfg.no_server_warn_interval_s):  # wait_for can lose a cancel
-                    await self._changed.wait()
+    def take(self, n: int = 1) -> Server | None:
+        """The least-loaded server in rotation with room for ``n`` rollouts under its cap, with ``n`` rollouts
+        counted on it until ``release(server, n)``; None when none is in rotation or none has room. An idle server
+        has room for any ``n``: a cap below a group's size still lets one group run."""
+        room = [s for s in self.servers if s.in_rotation and s.has_room(n)]
+        if not room:
+            return None
+        server = min(room, key=lambda s: s.inflight)
+        server.inflight += n
+        if server.waiting_since is None:
+            server.waiting_since = time.monotonic()
+        return server
+
+    async def wait_room(self) -> None:
+        """Wait until a server may have room: one rejoins rotation, a release, a cap change; at most
+        ``no_server_warn_interval_s``, warning (at that interval) while no server is in rotation."""
+        if not any(s.in_rotation for s in self.servers):
+            self._warn_no_server()
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.cfg.no_server_warn_interval_s):  # wait_for can lose a cancel
+                await self._changed.wait()
+
+    def capped_out(self, n: int) -> bool:
+        """Whether servers are in rotation and every one is at its cap for ``n`` more rollouts."""
+        live = [s for s in self.servers if s.in_rotation]
+        return bool(live) and not any(s.has_room(n) for s in live)
 
     def release(self, server: Server, n: int = 1) -> None:
         server.inflight -= n
         self._changed.set()
-
-    def has_room(self, n: int) -> bool:
-        """Whether a server in rotation has room for ``n`` more rollouts under its cap now."""
-        return any(s.in_rotation and s.has_room(n) for s in self.servers)
 
     def set_cap(self, server: Server, cap: int | None) -> None:
         """``server`` may have ``cap`` rollouts at once from now (None: no cap of its own)."""

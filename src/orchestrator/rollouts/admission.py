@@ -50,8 +50,8 @@ class Opening:
 
 class Capacity:
     """How many rollouts may be in flight, and on which inference server. Admission asks ``fits(size)`` before a
-    group opens (all of it at once), the admission loop ``acquire(size)`` for its server, and completion
-    ``release(server, size)`` when it finishes (or the loop when it did not open after all): ``max_inflight`` in
+    group opens (all of it at once), the admission loop ``take(size)`` for its server (``wait`` when none is in
+    rotation), and completion ``release(server, size)`` when it finishes: ``max_inflight`` in
     all, and each server's own cap where ``[scheduler.concurrency]`` keeps one (concurrency.py; ``done`` paces it
     by the groups each server finishes)."""
 
@@ -63,19 +63,27 @@ class Capacity:
         self.done = done
 
     def fits(self, size: int) -> bool:
-        """Whether ``size`` more rollouts fit in flight now, in all and on some server in rotation."""
-        return self.tracker.inflight_rollouts + size <= self.max_inflight and self.pool.has_room(size)
+        """Whether ``size`` more rollouts fit in flight now: in all, and not every server in rotation at its cap
+        (with none in rotation the group waits for one in ``take``'s caller, which says so)."""
+        return self.tracker.inflight_rollouts + size <= self.max_inflight and not self.pool.capped_out(size)
+
+    def take(self, size: int) -> Server | None:
+        """The server a group of ``size`` rollouts runs on, held for it until ``release``; None when no server is
+        in rotation (or none has room): then ``wait``."""
+        return self.pool.take(size)
+
+    async def wait(self) -> None:
+        """Until a server may have room (bounded; see ``InferencePool.wait_room``)."""
+        await self.pool.wait_room()
 
     async def acquire(self, size: int) -> Server:
-        """The server a group of ``size`` rollouts runs on, held for it until ``release``; waits while no server
-        is in rotation (or none has room)."""
+        """``take``, waiting until it gives a server."""
         return await self.pool.acquire(size)
 
-    def release(self, server: Server, size: int, *, finished: bool = True) -> None:
-        """The group of ``size`` rollouts on ``server`` finished (``finished``), or never opened."""
+    def release(self, server: Server, size: int) -> None:
+        """The group of ``size`` rollouts on ``server`` finished."""
         self.pool.release(server, size)
-        if finished:
-            self.done(server, size)
+        self.done(server, size)
 
 
 class Admission:

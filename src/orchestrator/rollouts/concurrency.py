@@ -8,13 +8,15 @@ whose contexts grow in place. ``ServerCap`` is one server's cap, moved by what i
 The rules, in order, each with its setting (defaults from prime-rl's controller at 559b447, whose values are
 module constants there):
 
-1. **Preemptions** since the last poll, or a **persistent queue** (requests waiting for KV capacity in
-   ``queue_polls`` polls in a row): cut the cap to ``cut_factor`` x what is in flight. Then no further cut until
+1. **Hard** (KV usage above ``cancel_above``): the cap becomes what would hold the cache at ``trim_to`` (in flight
+   x ``trim_to`` / usage), and the rollouts above it are cancelled (whole groups not yet half done, youngest
+   first, never a server's oldest group: groups.py ``shed``). Then nothing more is cancelled or cut until the
+   in-flight count has drained to the cap: the cancelled requests are still leaving (a hard load only trims).
+2. **Preemptions** since the last poll, or a **persistent queue** (requests waiting for KV capacity in
+   ``queue_polls`` polls in a row): cut the cap to ``cut_factor`` x what is in flight, then no further cut until
    the in-flight count has drained to the cap: the overload seen while draining is the old cap's.
-2. **Hard** (KV usage above ``cancel_above``): as soft, and the rollouts above the new cap are cancelled (the
-   admission stage picks whole groups not yet half done, youngest first).
-3. **Soft** (KV usage above ``trim_above``): the cap becomes what would hold the cache at ``trim_to``
-   (in flight x ``trim_to`` / usage); admission closes and completions drain it. Nothing is cancelled.
+3. **Soft** (KV usage above ``trim_above``): the cap is trimmed to hold the cache at ``trim_to``; admission
+   closes and completions drain it. Nothing is cancelled.
 4. **Growth**: while KV usage is below ``grow_below``, nothing waits, and the cap binds (as many in flight as it
    allows), the cap grows by ``grow_factor`` once per turnover (as many completions on the server as the cap
    since the last growth).
@@ -91,7 +93,8 @@ class ServerCap:
         waiting = load.waiting_for_capacity if load.waiting_for_capacity is not None else load.waiting
         self._queued_polls = self._queued_polls + 1 if waiting > 0 else 0
         cfg = self.cfg
-        if load.usage > cfg.cancel_above:  # also while draining: the cache is about to preempt
+        if load.usage > cfg.cancel_above and not self.draining:
+            self.draining = True  # the cancelled requests leave the cache by the next poll; wait for that
             target = self._trimmed(inflight, load.usage)
             return Decision(Rule.CANCEL, min(target, self.cap), max(inflight - target, 0))
         if (preempted or self._queued_polls >= cfg.queue_polls) and not self.draining:

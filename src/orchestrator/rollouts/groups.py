@@ -150,9 +150,10 @@ class GroupTracker:
     def shed(self, server: str, n: int, why: str) -> list[Expired]:
         """In-flight groups on ``server`` to cancel for at least ``n`` of their rollouts: whole groups, those not
         yet half done, youngest first (their missing rollouts are not failed yet: ``fail`` them). Fewer when not
-        enough such groups run there: a group half done is let finish."""
-        young = sorted((g for g in self.inflight.values() if g.server.url == server and len(g.records) * 2 < g.size),
-                       key=lambda g: g.started, reverse=True)
+        enough such groups run there: a group half done is let finish, and so is the server's oldest group (one
+        group always runs: cancelling the last would only open another)."""
+        here = sorted((g for g in self.inflight.values() if g.server.url == server), key=lambda g: g.started)
+        young = [g for g in reversed(here[1:]) if len(g.records) * 2 < g.size]
         out: list[Expired] = []
         for group in young:
             if n <= 0:

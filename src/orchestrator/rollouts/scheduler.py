@@ -204,9 +204,9 @@ class Scheduler:
                 except TimeoutError:
                     pass
                 continue
-            server = await capacity.acquire(opening.size)  # may wait for a server to rejoin rotation
-            if not self.hub.has_ready() or self.admission.next() != opening:  # the last worker left, or room changed
-                capacity.release(server, opening.size, finished=False)
+            server = capacity.take(opening.size)
+            if server is None:  # no server in rotation: wait for one (warned), then look again
+                await capacity.wait()
                 continue
             self._open(opening, server)
             await asyncio.sleep(0)  # let records in before the next group, even when every await above was ready

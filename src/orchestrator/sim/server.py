@@ -179,7 +179,11 @@ class SimServer:
         """Serve until the block exits; ``server.url`` is the OpenAI-style base URL (ending in ``/v1``)."""
         server = cls(**kwargs)
         # shutdown_timeout 0 means "no limit" in aiohttp 3.14: exit would wait for held (paused, hung) requests
-        runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=0.01)
+        # handler_cancellation: a client that goes away cancels its request, as vLLM's generate route does
+        # (v031:entrypoints/scale_out/token_in_token_out/api_router.py, @with_cancellation): a cancelled rollout's
+        # request leaves the KV cache at once instead of decoding to its end for nobody
+        runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, shutdown_timeout=0.01,
+                               handler_cancellation=True)
         await runner.setup()
         async with asyncio.TaskGroup() as tg:  # the KV engine's iterations, while it serves
             if server.kv is not None:
