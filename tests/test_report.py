@@ -76,3 +76,16 @@ def test_eval_rows_get_their_own_plot_and_stay_out_of_the_step_plots(tmp_path: P
     printed = capsys.readouterr().out.split()
     assert printed == [str(tmp_path / "plots" / f"{n}.png") for n in [*NAMES, "eval"]]
     assert (tmp_path / "plots" / "eval.png").read_bytes()[:8] == PNG
+
+
+def test_report_plots_each_servers_cap_when_the_run_kept_caps(tmp_path: Path) -> None:
+    outputs = StepOutputs(tmp_path)
+    for step in range(3):
+        rows = [rollout_row(env="arith", reward=0.5, tokens=10)]
+        caps = {url: {"cap": 32 - 8 * step + i, "rule": "trim", "cancelled": 0, "kv_usage": 0.5 + 0.1 * step,
+                      "waiting": 0, "preemptions": step} for i, url in enumerate(["http://a/v1", "http://b/v1"])}
+        metrics = step_metrics(step, rows, phase_s={"wait": 1.0}, lag=LagStats(1, 0, 0, 0, 0, 0), rss_mb=1.0,
+                               wall_s=1.0, extra={"scheduler": {"concurrency": caps}})
+        outputs.write(rows, metrics)
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "plots" / "concurrency.png").read_bytes()[:8] == PNG

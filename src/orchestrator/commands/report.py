@@ -3,7 +3,8 @@
 Writes ``reward.png`` (mean reward per environment), ``lag.png`` (loop lag p99 and max), ``rss.png``,
 ``phases.png`` (each step's phase times, stacked) and ``throughput.png`` (rollouts/s and tokens/s), all over
 steps, and with online evaluation ``eval.png`` (per eval env: mean reward, pass@1 and pass@k over the steps
-evaluated), into ``OUTPUT_DIR/plots`` (or ``--out``). Needs matplotlib, the ``plots`` extra; renders with the Agg
+evaluated), and with ``[scheduler.concurrency]`` on ``concurrency.png`` (each server's cap and KV-cache usage),
+into ``OUTPUT_DIR/plots`` (or ``--out``). Needs matplotlib, the ``plots`` extra; renders with the Agg
 backend through matplotlib's object API (no pyplot state), so it runs in any thread.
 """
 
@@ -88,6 +89,9 @@ def render_report(output_dir: Path, plots_dir: Path | None = None) -> list[Path]
     if evals:
         paths.append(_save(plots_dir / "eval.png", "online evaluation", [int(r["step"]) for r in evals], evals,
                            _eval))
+    if any(r.get("scheduler", {}).get("concurrency") for r in rows):
+        paths.append(_save(plots_dir / "concurrency.png", "each server's cap and KV cache ([scheduler.concurrency])",
+                           [int(r["step"]) for r in rows], rows, _concurrency))
     return paths
 
 
@@ -170,6 +174,22 @@ def _eval(ax: Axes, steps: list[int], rows: Sequence[dict[str, Any]]) -> None:
                     label=f"{env} {key}")
     ax.set_ylabel("reward / pass rate")
     ax.set_ylim(-0.02, 1.02)
+
+
+def _concurrency(ax: Axes, steps: list[int], rows: Sequence[dict[str, Any]]) -> None:
+    """Per server: its cap (solid, left axis) and KV-cache usage (dotted, right axis) at each step's end."""
+    servers = sorted({url for r in rows for url in r.get("scheduler", {}).get("concurrency", {})})
+    usage = ax.twinx()
+    for i, url in enumerate(servers):
+        got = [(s, r["scheduler"]["concurrency"][url]) for s, r in zip(steps, rows, strict=True)
+               if url in r.get("scheduler", {}).get("concurrency", {})]
+        ax.plot([s for s, _ in got], [c["cap"] for _, c in got], marker="o", ms=3, color=f"C{i}", label=url)
+        usage.plot([s for s, _ in got], [c["kv_usage"] if c["kv_usage"] is not None else float("nan") for _, c in got],
+                   ls=":", color=f"C{i}")
+    ax.set_ylabel("cap (rollouts in flight)")
+    ax.set_ylim(bottom=0)
+    usage.set_ylabel("KV-cache usage (dotted)")
+    usage.set_ylim(0, 1.02)
 
 
 PLOTS: list[tuple[str, str, Callable[[Axes, list[int], Sequence[dict[str, Any]]], None]]] = [
