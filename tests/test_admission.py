@@ -40,7 +40,8 @@ async def open_next(adm: Admission) -> Opening:
     assert opening is not None
     assert adm.sampler is not None
     draw = adm.sampler.take()
-    server = await adm.capacity.acquire(opening.size)
+    server = adm.capacity.take(opening.size)
+    assert server is not None
     adm.tracker.open(Group(f"g{draw.number + 1}", opening.env, opening.task, adm.policy, opening.size, server, 0.0))
     return opening
 

@@ -71,6 +71,11 @@ def line_of(text: str, needle: str) -> int:
 SYNTAX_ERROR = BASE.replace("batch_size = 8", "batch_size = 8\nmax_inflight = ")
 
 CASES = [
+    # [scheduler.concurrency]: thresholds out of order, a bound above max_inflight
+    Case("concurrency-thresholds-out-of-order", BASE + "\n[scheduler.concurrency]\ntrim_to = 0.85\n",
+         "must be below scheduler.concurrency.trim_above", key="scheduler.concurrency.trim_to"),
+    Case("concurrency-floor-above-max-inflight", BASE + "\n[scheduler.concurrency]\nmin_per_server = 100\n",
+         "must be <= scheduler.max_inflight (100 > 64)", key="scheduler.concurrency.min_per_server"),
     # unknown keys: top level, nested, inside [[env]] and inside an array of tables
     Case("unknown-top-level-scalar", "verbose = true\n" + BASE, "unknown key; valid keys: run, model,", key="verbose"),
     Case("unknown-nested-key", BASE + '\n[transport]\naddres = "ipc:///tmp/x"\n',

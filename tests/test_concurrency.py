@@ -138,3 +138,11 @@ def test_a_hard_trim_cancels_once_then_only_trims_until_drained() -> None:
     assert (again.rule, again.cap, again.cancel) == (Rule.TRIM, 25, 0)  # floor(36 x 0.7 / 0.97)
     cap.observe(load(0.5), inflight=25, completed=11)  # drained to the cap
     assert cap.observe(load(0.95), inflight=25, completed=11).rule is Rule.CANCEL
+
+
+def test_a_cap_binds_when_another_group_does_not_fit() -> None:
+    """In flight moves in whole groups: 16 of a cap of 21 with groups of 8 is as full as it gets."""
+    cap = ServerCap(CFG, ceiling=64, start=21, group=8)
+    grown = cap.observe(load(0.3), inflight=16, completed=21)
+    assert (grown.rule, grown.cap) == (Rule.GROW, 27)  # ceil(21 x 1.25)
+    assert cap.observe(load(0.3), inflight=8, completed=100).rule is Rule.HOLD  # room for three more groups

@@ -12,11 +12,13 @@ import pytest
 from orchestrator.config import InferenceConfig
 from orchestrator.errors import InferenceError
 from orchestrator.inference.pool import InferencePool, Server
+from orchestrator.inference.server import HttpStatusError
 from orchestrator.rollouts.concurrency import ConcurrencyControl
 from orchestrator.rollouts.config import ConcurrencyConfig
 from orchestrator.sim.kv import KVLoad
 from orchestrator.sim.metrics import exposition
 from orchestrator.testing.fake_server import FakeInferenceServer
+from orchestrator.testing.procs import wait_until
 
 CFG = ConcurrencyConfig(adaptive=True, start_per_server=8)
 
@@ -33,7 +35,7 @@ def setup(n: int = 2) -> tuple[list[FakeInferenceServer], InferencePool, list[tu
 
 
 def control(pool: InferencePool, cancels: list[tuple[str, int]], ceiling: int = 32) -> ConcurrencyControl:
-    return ConcurrencyControl(CFG, pool, ceiling, lambda server, n: cancels.append((server.url, n)))
+    return ConcurrencyControl(CFG, pool, ceiling, 1, lambda server, n: cancels.append((server.url, n)))
 
 
 async def test_each_server_gets_its_own_cap_from_its_own_cache() -> None:
@@ -50,7 +52,7 @@ async def test_each_server_gets_its_own_cap_from_its_own_cache() -> None:
     assert [s.cap for s in pool.servers] == [10, 6]  # grew once (8 completions); trimmed to floor(8 x 0.7 / 0.85)
     snap = ctl.snapshot()
     assert snap[fakes[0].url]["rule"] == "grow"
-    assert snap[fakes[1].url] == {"cap": 6, "rule": "trim", "cancelled": 0, "kv_usage": 0.85, "waiting": 0,
+    assert snap[fakes[1].url] == {"cap": 6, "rule": "trim", "cancel_asked": 0, "kv_usage": 0.85, "waiting": 0,
                                   "preemptions": 0}
     assert cancels == []
 
@@ -101,32 +103,52 @@ async def test_a_server_leaving_rotation_mid_poll_changes_nothing() -> None:
     fakes[0].metrics_text = metrics(0.99)
     fakes[0].hang_paths.add("/metrics")
     poll = asyncio.create_task(ctl.poll())
-    await asyncio.sleep(0)  # the poll's request is waiting
+    await wait_until(lambda: any(c[1] == "/metrics" for c in fakes[0].calls), 30, "the poll's request",
+                     poll_s=0.001)  # the request is out, hanging
     pool.servers[0].in_rotation = False
     fakes[0].release()  # the connection is cut as the server goes
-    await poll
+    await asyncio.wait_for(poll, 5)
     assert pool.servers[0].cap == 8
     assert cancels == []
 
 
-async def test_acquire_waits_for_room_under_the_caps_and_a_release_wakes_it() -> None:
+async def test_take_obeys_the_caps_and_a_release_wakes_a_wait() -> None:
     _, pool, _ = setup(2)
     a, b = pool.servers
     pool.set_cap(a, 4)
     pool.set_cap(b, 2)
-    first = await pool.acquire(4)
-    second = await pool.acquire(2)
+    first, second = pool.take(4), pool.take(2)
     assert {first, second} == {a, b}
-    waiting = asyncio.create_task(pool.acquire(2))
+    assert pool.take(2) is None  # both at their caps
+    assert pool.capped_out(2)
+    assert "at its cap" in pool.capped(2)
+    waiting = asyncio.create_task(pool.wait_room())
     await asyncio.sleep(0)
-    assert not waiting.done()  # both at their caps
-    assert "at its cap" in pool.capped()
+    assert not waiting.done()
     pool.release(a, 4)
-    server: Server = await asyncio.wait_for(waiting, 5)
+    await asyncio.wait_for(waiting, 5)  # woken by the release, not its timeout
+    server: Server | None = pool.take(2)
     assert server is a
+
+
+async def test_a_cap_that_does_not_fit_another_group_is_named_as_holding_work_back() -> None:
+    _, pool, _ = setup(1)
+    pool.set_cap(pool.servers[0], 21)
+    for _ in range(2):
+        assert pool.take(8) is not None
+    assert pool.take(8) is None  # 16 in flight: a third group of 8 does not fit under 21
+    assert pool.capped(8) == f"{pool.servers[0].url} at its cap of 21"
 
 
 async def test_an_idle_server_takes_a_group_larger_than_its_cap() -> None:
     _, pool, _ = setup(1)
     pool.set_cap(pool.servers[0], 1)
-    assert await asyncio.wait_for(pool.acquire(8), 5) is pool.servers[0]
+    assert pool.take(8) is pool.servers[0]
+
+
+async def test_a_busy_server_answering_503_keeps_its_cap() -> None:
+    fakes, pool, cancels = setup(1)
+    ctl = control(pool, cancels)
+    fakes[0].fail_paths["/metrics"] = HttpStatusError("GET /metrics: HTTP 503", 503, b"")
+    await ctl.poll()
+    assert pool.servers[0].cap == 8  # not the static ceiling: a busy server is no reason to open up

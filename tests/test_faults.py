@@ -35,7 +35,8 @@ import numpy as np
 import orjson
 import pytest
 
-from orchestrator.app import Orchestrator, load_metrics
+from orchestrator.app import Orchestrator
+from orchestrator.commands.report import read_metrics
 from orchestrator.config import JobConfig
 from orchestrator.delivery.wire import Batch
 from orchestrator.inference.pool import PROBE_CACHE_SALT
@@ -222,7 +223,7 @@ async def run_job(cfg: JobConfig, cluster: SimCluster, chaos: Chaos | None = Non
     rss_after = rss_mb()
     out = Path(cfg.run.output_dir)
     rows = [orjson.loads(line) for line in (out / "rollouts.jsonl").read_bytes().splitlines()]
-    return Run(orch, trainer, watch, load_metrics(out / "metrics.jsonl"), rows, bad, rss_before, rss_after)
+    return Run(orch, trainer, watch, read_metrics(out / "metrics.jsonl"), rows, bad, rss_before, rss_after)
 
 
 def check_delivery_and_memory(run: Run, steps: int) -> None:

@@ -19,7 +19,7 @@ SRC = Path(orchestrator.__file__).parent
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry points", ("__main__", "cli", "commands", "testing", "transport")),
-    ("the job", ("app", "stepping", "engines", "outdir", "progress", "evaluate")),
+    ("the job", ("app", "stepping", "engines", "outdir", "progress")),
     ("config", ("config",)),
     ("data plane", ("columns.plane", "columns.direct", "columns.unacked", "columns.readback")),
     ("step boundary", ("steps", "sinks")),

@@ -22,7 +22,7 @@ import pytest
 
 from orchestrator.config import InferenceConfig
 from orchestrator.errors import CheckpointError, Failure, InferenceError, MalformedReply, UnloadableCheckpoint
-from orchestrator.inference.pool import PROBE_CACHE_SALT, InferencePool
+from orchestrator.inference.pool import PROBE_CACHE_SALT, InferencePool, Server
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.policy import Policy
 from orchestrator.testing.fake_server import FakeInferenceServer
@@ -52,17 +52,25 @@ async def pool_of(n: int, *, probe: bool = True, **kw: object
             prober.cancel()
 
 
+async def acquire(pool: InferencePool, n: int) -> Server:
+    """A server for a group of ``n``, waiting while none is in rotation, as the scheduler's admission loop does."""
+    while (server := pool.take(n)) is None:
+        await pool.wait_room()
+    return server
+
+
 def admin(fake: FakeInferenceServer) -> list[tuple[str, dict[str, str], object]]:
     return [(path, query, body) for _, path, query, body in fake.calls if path != "/health"]
 
 
 async def test_least_loaded_choice_and_pinning() -> None:
     async with pool_of(3, probe=False) as (pool, _):
-        chosen = [await pool.acquire(4) for _ in range(3)]
-        assert sorted(s.url for s in chosen) == sorted(s.url for s in pool.servers)  # one group each
+        chosen = [pool.take(4) for _ in range(3)]
+        assert sorted(s.url for s in chosen if s is not None) == sorted(s.url for s in pool.servers)  # one each
         assert [s.inflight for s in pool.servers] == [4, 4, 4]
+        assert chosen[1] is not None
         pool.release(chosen[1], 4)
-        assert await pool.acquire(4) is chosen[1]  # the least loaded again
+        assert pool.take(4) is chosen[1]  # the least loaded again
 
 
 @pytest.mark.parametrize(("backend", "load"), [
@@ -169,7 +177,7 @@ async def test_failures_evict_and_waiters_share_one_warning(caplog: pytest.LogCa
         assert not server.in_rotation
         assert (pool.metrics["failed:provider_error"], pool.metrics["failed:malformed_reply"]) == (1, 1)
         with caplog.at_level(logging.WARNING):
-            waiters = [asyncio.ensure_future(pool.acquire(1)) for _ in range(5)]
+            waiters = [asyncio.ensure_future(acquire(pool, 1)) for _ in range(5)]
             for _ in range(5):
                 await asyncio.sleep(0)
             assert not any(w.done() for w in waiters)
@@ -326,7 +334,7 @@ async def test_a_server_whose_work_never_answers_is_checked_and_evicted(caplog: 
     with caplog.at_level(logging.WARNING, logger="orchestrator"):
         async with asyncio.TaskGroup() as tg:
             prober = tg.create_task(pool.run())
-            hung, slow = await pool.acquire(4), await pool.acquire(4)  # one group each, never answered
+            hung, slow = await acquire(pool, 4), await acquire(pool, 4)  # one group each, never answered
             assert (hung.url, slow.url) == (fakes[0].url, fakes[1].url)
             await wait_until(lambda: not hung.in_rotation, 20, "the hung server checked and evicted", poll_s=0.01)
             await wait_until(lambda: pool.metrics["liveness_checks"] >= 3, 20, "more checks", poll_s=0.01)

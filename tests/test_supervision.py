@@ -28,7 +28,8 @@ import aiohttp
 import orjson
 import pytest
 
-from orchestrator.app import Orchestrator, load_metrics
+from orchestrator.app import Orchestrator
+from orchestrator.commands.report import read_metrics
 from orchestrator.config import InferenceConfig, JobConfig
 from orchestrator.inference.pool import PROBE_CACHE_SALT, InferencePool
 from orchestrator.sim.server import SimServer
@@ -106,7 +107,7 @@ async def run_job(cfg: JobConfig, chaos: Chaos, *, stop_after_chaos: bool = Fals
                 running.cancel()
                 training.cancel()
     out = Path(cfg.run.output_dir)
-    done = [m["step"] for m in load_metrics(out / "metrics.jsonl")]
+    done = [m["step"] for m in read_metrics(out / "metrics.jsonl")]
     assert done == list(range(len(done)))
     assert len(steps.metrics) == len(done)
     assert done == list(range(cfg.run.max_steps)) or stop_after_chaos

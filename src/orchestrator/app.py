@@ -25,8 +25,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import orjson
-
 from orchestrator.assets import tokenizer_dir, vocab_size
 from orchestrator.columns.plane import open_plane
 from orchestrator.config import JobConfig
@@ -42,10 +40,7 @@ from orchestrator.sinks.samples import SampleTable
 from orchestrator.state import STATE_FILE, OrchestratorState, StateError, save_state
 from orchestrator.stepping import OrchestratorSteps, evaluations, last_evaluation
 from orchestrator.steps.boundary import StepBuilder
-from orchestrator.steps.outputs import (
-    StepOutputs,
-    format_step_line,
-)
+from orchestrator.steps.outputs import StepOutputs, format_step_line
 from orchestrator.weights.checkpoints import Checkpoint
 from orchestrator.weights.sync_loop import WeightSyncLoop
 from orchestrator.workers.hub import WorkerHub
@@ -203,6 +198,3 @@ class Orchestrator:
         self.summary.steps += 1
         self.summary.metrics.append(metrics)
         self.on_step(metrics)
-
-def load_metrics(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]

@@ -4,12 +4,13 @@ Use (the orchestrator)::
 
     async with InferencePool.open(cfg.inference, cfg.model.name) as pool, asyncio.TaskGroup() as tg:
         tg.create_task(pool.run())                  # background probes: owned by the caller
-        server = await pool.acquire(group_size)     # ... pool.release(server, group_size)
+        server = pool.take(group_size)              # ... pool.release(server, group_size)
         result = await pool.update_weights(Checkpoint(step, path))  # WeightSyncResult(updated, failed)
 
-- **Choice and pinning.** ``acquire(n)`` picks the in-rotation server with the fewest rollouts in flight and
-  counts ``n`` more on it until ``release``: a group of ``n`` rollouts acquires once, so the whole group is
-  pinned to one server (``server.url`` is what its env worker talks to).
+- **Choice and pinning.** ``take(n)`` picks the in-rotation server with room under its cap (``Server.cap``; none:
+  no cap of its own) with the fewest rollouts in flight and counts ``n`` more on it until ``release``: a group of
+  ``n`` rollouts is taken once, so the whole group is pinned to one server (``server.url`` is what its env worker
+  talks to). None when no server is in rotation or none has room: ``wait_room`` until one may.
 - **Health.** ``report_failure`` / ``report_success`` come from whoever talked to the server (the scheduler,
   for env workers' calls: an error, a malformed reply or a request timeout alike). ``failures_to_evict``
   consecutive failures take a server out of rotation; ``run()`` probes servers out of rotation every
@@ -133,12 +134,6 @@ class InferencePool:
 
     # ------------------------------------------------------------------------------- choice and pinning
 
-    async def acquire(self, n: int = 1) -> Server:
-        """``take(n)``, waiting (``wait_room``) until it gives a server."""
-        while (server := self.take(n)) is None:
-            await self.wait_room()
-        return server
-
     def take(self, n: int = 1) -> Server | None:
         """The least-loaded server in rotation with room for ``n`` rollouts under its cap, with ``n`` rollouts
         counted on it until ``release(server, n)``; None when none is in rotation or none has room. An idle server
@@ -177,12 +172,12 @@ class InferencePool:
             server.cap = cap
             self._changed.set()
 
-    def capped(self) -> str:
-        """The servers whose caps hold work back now (every one in rotation full), for a stall line; "" if none."""
-        live = [s for s in self.servers if s.in_rotation]
-        if not live or any(s.cap is None or s.inflight < s.cap for s in live):
+    def capped(self, n: int) -> str:
+        """The servers whose caps hold back a group of ``n`` now (every one in rotation without room), for a
+        stall line; "" if none."""
+        if not self.capped_out(n):
             return ""
-        return ", ".join(f"{s.url} at its cap of {s.cap}" for s in live)
+        return ", ".join(f"{s.url} at its cap of {s.cap}" for s in self.servers if s.in_rotation)
 
     def _warn_no_server(self) -> None:
         now = time.monotonic()

@@ -1,12 +1,14 @@
 """Admission: which group opens next, when, and on which inference server.
 
 The scheduler's admission loop (scheduler.py) asks ``Admission.next()`` for the group to open now, then
-``Capacity.acquire`` for the server it runs on; ``None`` means no group may open now, and the loop waits for a
-wake-up (a group finished, a step took rollouts, the policy changed, an evaluation round is due) to ask again.
+``Capacity.take`` for the server it runs on (``Capacity.wait`` while no server is in rotation); ``None`` means no
+group may open now, and the loop waits for a wake-up (a group finished, a step took rollouts, the policy changed,
+an evaluation round is due, a server's cap rose) to ask again.
 
 - ``Capacity`` is how many rollouts may be in flight, and on which server: all of a group must fit under
-  ``max_inflight`` (counting every rollout not back yet), and it runs on the pool's least-loaded server in
-  rotation, held until the group finishes. A per-server cap (e.g. from each server's KV-cache load) goes there.
+  ``max_inflight`` (counting every rollout not back yet) and under its server's own cap where
+  ``[scheduler.concurrency]`` keeps one (concurrency.py), and it runs on the least-loaded server in rotation with
+  room, held until the group finishes.
 - Evaluation groups (evaluation.py) open first, within ``eval.max_inflight``; a due evaluation round starts only
   while no weight sync is under way (``syncing``).
 - A training group opens only when in flight + buffered + the group stays within ``max_buffered_rollouts`` (a
@@ -76,10 +78,6 @@ class Capacity:
         """Until a server may have room (bounded; see ``InferencePool.wait_room``)."""
         await self.pool.wait_room()
 
-    async def acquire(self, size: int) -> Server:
-        """``take``, waiting until it gives a server."""
-        return await self.pool.acquire(size)
-
     def release(self, server: Server, size: int) -> None:
         """The group of ``size`` rollouts on ``server`` finished."""
         self.pool.release(server, size)
@@ -107,6 +105,14 @@ class Admission:
         self.refilling: int | None = None  # the step being refilled (direct mode: the trainer lost it), meanwhile
         self.syncing = False  # a weight sync is under way: no evaluation round starts
         self.eval_due: int | None = None  # the step whose evaluation round waits to start
+
+    @property
+    def smallest_group(self) -> int:
+        """The smallest group that may open (training or evaluation): what "no room" is measured in."""
+        sizes = [e.group_size for e in self.envs.values()]
+        if self.evaluator is not None:
+            sizes.append(self.evaluator.size)
+        return min(sizes, default=1)
 
     def inflight_eval(self) -> int:
         return sum(len(g.missing) for g in self.tracker.inflight.values() if g.eval_round is not None)

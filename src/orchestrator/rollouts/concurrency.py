@@ -63,11 +63,13 @@ class Decision:
 
 
 class ServerCap:
-    """One server's cap (see the module docstring). ``ceiling``: ``scheduler.max_inflight``."""
+    """One server's cap (see the module docstring). ``ceiling``: ``scheduler.max_inflight``; ``group``: the
+    smallest group size (rollouts are in flight in whole groups: the cap binds when another group does not fit)."""
 
-    def __init__(self, cfg: ConcurrencyConfig, ceiling: int, start: int) -> None:
+    def __init__(self, cfg: ConcurrencyConfig, ceiling: int, start: int, group: int = 1) -> None:
         self.cfg = cfg
         self.ceiling = ceiling
+        self.group = group
         self.cap = self._clamp(start)
         self.draining = False  # after a cut: no further cut until in flight <= cap
         self.last = Decision(Rule.HOLD, self.cap)
@@ -111,8 +113,9 @@ class ServerCap:
 
     def _grows(self, load: ServerLoad, inflight: int, completed: int, waiting: int) -> bool:
         turned_over = completed - self._completed_at_growth >= self.cap
-        return (not self.draining and load.usage < self.cfg.grow_below and waiting == 0 and inflight >= self.cap
-                and turned_over and self.cap < self.ceiling)
+        binds = inflight + self.group > self.cap  # no room for one more group
+        return (not self.draining and load.usage < self.cfg.grow_below and waiting == 0 and binds and turned_over
+                and self.cap < self.ceiling)
 
     def _trimmed(self, inflight: int, usage: float) -> int:
         return self._clamp(math.floor(inflight * self.cfg.trim_to / usage))
@@ -126,16 +129,18 @@ class ConcurrencyControl:
 
     ``run()`` consumes, every ``poll_s``, each in-rotation server's ``/metrics`` (read concurrently, each bounded by
     ``poll_s``; parsed in a worker thread: a real server's text is ~570 lines) and produces each server's cap in
-    ``pool`` (``Server.cap``, which ``InferencePool.acquire`` obeys) and, for a hard trim, a call of ``cancel(server,
-    n)``. A server out of rotation is not polled and keeps its cap; a call that fails (the server is going away)
-    changes nothing. A server whose ``/metrics`` cannot be read (not found, or not vLLM's families) gets the
-    static cap, said once in the log until it can be read again."""
+    ``pool`` (``Server.cap``, which ``InferencePool.take`` obeys), a call of ``raised()`` when a cap goes up (the
+    admission stage looks again) and, for a hard trim, a call of ``cancel(server, n)``. A server out of rotation
+    (also one that left while its poll ran) keeps its cap; a call that fails or an HTTP error other than 404
+    (the server is going away, or busy) changes nothing. A server whose ``/metrics`` cannot be read (404, or not
+    vLLM's families) gets the static cap, said once in the log until it can be read again. ``group``: the
+    smallest group size. Completions pace growth: every group that leaves a server counts, cancelled or not."""
 
-    def __init__(self, cfg: ConcurrencyConfig, pool: InferencePool, ceiling: int,
-                 cancel: Callable[[Server, int], None]) -> None:
-        self.cfg, self.pool, self.cancel = cfg, pool, cancel
+    def __init__(self, cfg: ConcurrencyConfig, pool: InferencePool, ceiling: int, group: int,
+                 cancel: Callable[[Server, int], None], raised: Callable[[], None] = lambda: None) -> None:
+        self.cfg, self.pool, self.cancel, self.raised = cfg, pool, cancel, raised
         start = cfg.start_per_server or max(1, ceiling // len(pool.servers))
-        self.caps = {s.url: ServerCap(cfg, ceiling, start) for s in pool.servers}
+        self.caps = {s.url: ServerCap(cfg, ceiling, start, group) for s in pool.servers}
         self.loads: dict[str, ServerLoad | None] = {}
         self.completed: Counter[str] = Counter()  # completed rollouts per server (``done``)
         self._unreadable: set[str] = set()
@@ -156,7 +161,7 @@ class ConcurrencyControl:
         """One poll of every server in rotation, and the caps it decides."""
         live = [s for s in self.pool.servers if s.in_rotation]
         for server, load in zip(live, await asyncio.gather(*(self._read(s) for s in live)), strict=True):
-            if load is not False:
+            if load is not False and server.in_rotation:  # one that left meanwhile keeps its cap
                 self._decide(server, load)
 
     async def _read(self, server: Server) -> ServerLoad | Literal[False] | None:
@@ -166,6 +171,8 @@ class ConcurrencyControl:
                 raw = await server.api.request("GET", "/metrics")
             load = await asyncio.to_thread(parse_load, raw.decode("utf-8", "replace"))
         except HttpStatusError as e:
+            if e.status not in (404, 405):  # busy or failing, not without metrics: no news
+                return False
             self._cannot_read(server, f"GET /metrics: HTTP {e.status}")
             return None
         except (InferenceError, TimeoutError):
@@ -190,6 +197,8 @@ class ConcurrencyControl:
         self.loads[server.url] = load
         d = cap.observe(load, server.inflight, self.completed[server.url])
         self.pool.set_cap(server, d.cap)
+        if d.cap > before:
+            self.raised()
         if d.cap != before and d.rule is not Rule.UNREADABLE:
             usage = f"{load.usage:.2f}" if load is not None else "?"
             log.info("inference server %s: cap %d -> %d (%s; KV usage %s, %d in flight)", server.url, before, d.cap,
@@ -202,7 +211,7 @@ class ConcurrencyControl:
         out = {}
         for url, cap in self.caps.items():
             load = self.loads.get(url)
-            out[url] = {"cap": cap.cap, "rule": cap.last.rule.value, "cancelled": cap.last.cancel,
+            out[url] = {"cap": cap.cap, "rule": cap.last.rule.value, "cancel_asked": cap.last.cancel,
                         "kv_usage": load.usage if load else None, "waiting": load.waiting if load else None,
                         "preemptions": load.preemptions if load else None}
         return out

@@ -39,8 +39,8 @@ class ConcurrencyConfig:
             yield (f"{source(f'{key}.grow_below')}: {key}.grow_below: must be below {key}.trim_above "
                    f"({self.grow_below} >= {self.trim_above})")
         if not self.trim_to < self.trim_above <= self.cancel_above:
-            yield (f"{source(f'{key}.trim_to')}: {key}.trim_to < {key}.trim_above <= {key}.cancel_above must hold "
-                   f"(got {self.trim_to}, {self.trim_above}, {self.cancel_above})")
+            yield (f"{source(f'{key}.trim_to')}: {key}.trim_to: must be below {key}.trim_above, and that at most "
+                   f"{key}.cancel_above (got {self.trim_to}, {self.trim_above}, {self.cancel_above})")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,11 @@ class SchedulerConfig:
             yield (f"{source(f'{key}.max_off_policy_steps')}: {key}.max_off_policy_steps: must be >= "
                    f"{key}.max_async_level ({self.max_off_policy_steps} < {self.max_async_level}), or rollouts "
                    "still usable would be cancelled")
+        c, ckey = self.concurrency, f"{key}.concurrency"
+        for name, value in (("min_per_server", c.min_per_server), ("start_per_server", c.start_per_server)):
+            if value is not None and value > self.max_inflight:
+                yield (f"{source(f'{ckey}.{name}')}: {ckey}.{name}: must be <= {key}.max_inflight ({value} > "
+                       f"{self.max_inflight}): no server's cap goes above it")
         if self.batch_size is not None and self.max_buffered_rollouts < self.batch_size:
             yield (f"{source(f'{key}.max_buffered_rollouts')}: {key}.max_buffered_rollouts: must be >= "
                    f"{key}.batch_size ({self.max_buffered_rollouts} < {self.batch_size}), or no step can fill")

@@ -52,6 +52,7 @@ class Group:
     def rewards(self) -> list[float]:
         return [r.reward for r in self.survivors]
 
+
 def failure_summary(records: list[RolloutRecord]) -> str:
     """Why the failed ``records`` failed, in a clause: each kind and its count, most common first, and the
     first error of that kind, e.g. ``stale x4 (sampled with policy 3, now 6)``."""
@@ -160,7 +161,7 @@ class GroupTracker:
                 break
             out.append(Expired(group, Failure.KV_PRESSURE, why))
             self.counts["cancelled"] += len(group.missing)
-            n -= len(group.missing)
+            n -= group.size  # the server holds whole groups: cancelling one frees all of its slots
         return out
 
     def take_counts(self) -> dict[str, Any]:

@@ -105,8 +105,10 @@ class Scheduler:
         self._wake = asyncio.Event()  # admission: room, a new policy or step, an evaluation round due
         group_done = asyncio.Event()  # a step: a group buffered or rejected, a refill ended
         # [scheduler.concurrency]: each server's cap follows its KV cache; a hard trim sheds groups there
+        smallest = min([e.group_size for e in envs] + ([evaluation.group_size] if evaluation else []), default=1)
         self.concurrency = None if not limits.concurrency.adaptive else ConcurrencyControl(
-            limits.concurrency, pool, limits.max_inflight, lambda server, n: self.completion.shed(server, n))
+            limits.concurrency, pool, limits.max_inflight, smallest, lambda server, n: self.completion.shed(server, n),
+            raised=self._wake.set)
         done = self.concurrency.done if self.concurrency is not None else (lambda _server, _size: None)
         capacity = Capacity(self.limits.max_inflight, pool, self.tracker, done)
         self.admission = Admission(self.limits, capacity, self.tracker, self.buffer, self.envs, self.sampler,

@@ -61,7 +61,7 @@ class StallLine:
                     "acknowledges steps")
         if not any(s.in_rotation for s in self.pool.servers):
             return f"an inference server: none is in rotation ({self.pool.out_of_rotation()})"
-        capped = self.pool.capped()
+        capped = self.pool.capped(self.admission.smallest_group)
         if capped and self.tracker.inflight_rollouts < self.admission.capacity.max_inflight:
             return f"room under the servers' caps ([scheduler.concurrency]: {capped})"
         out = self.pool.out_of_rotation()

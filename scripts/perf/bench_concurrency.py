@@ -1,0 +1,146 @@
+"""Benchmark: concurrency that follows the KV cache (``[scheduler.concurrency] adaptive``) against static caps.
+
+One simulated inference server with a KV model (a subprocess: ``sim-inference --kv-capacity-tokens``, vLLM 0.31's
+scheduler as sim/kv.py models it: continuous batching, recompute preemption of the youngest request) serves
+multi-turn rollouts of the built-in guess-the-number environment, whose contexts grow turn by turn. Each pass is
+a whole ``Orchestrator`` job in this process with two local env workers and the reference trainer, under one
+setting: a static ``max_inflight`` that is too low, about right or too high for the cache (``--static``), or the
+adaptive cap (with ``max_inflight`` the highest static one as its ceiling). Passes are interleaved and repeated
+(``--repeats``); figures are medians.
+
+Measured over each pass's steady state (from the end of its first third of steps to its end): tokens/s and
+rollouts/s (rollouts.jsonl's rows of those steps over that wall time), and the preemption rate: the server's
+``vllm:num_preemptions_total`` over the window (read every 0.2 s from its ``/metrics``) per generate request
+(the rows' turns). Prints ``adaptive_to_best_static`` and ``adaptive_to_worst_static`` (tokens/s ratios;
+targets >= 0.9 and >= 1.5) and ``steady_preemption_rate`` (adaptive; target <= 0.01). ``--json``: one JSON object
+as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from orchestrator.cli import run_async
+from orchestrator.inference.load import parse_load
+from orchestrator.sim.process import sim_process
+from orchestrator.testing.jobs import write_job_toml
+
+
+def guess_env(max_tokens: int) -> dict[str, Any]:
+    """Guess-the-number, up to 6 turns of ``max_tokens`` each: contexts grow turn by turn and within a reply."""
+    return {"taskset": "orchestrator-guess-number", "group_size": 4, "workers": 2, "args": {"max_turns": 6},
+            "sampling": {"max_tokens": max_tokens}}
+
+
+def kv_flags(args: argparse.Namespace) -> list[str]:
+    return ["--kv-capacity-tokens", str(args.kv_tokens), "--kv-block-tokens", "16", "--kv-step-ms",
+            str(args.step_ms), "--kv-prefill-ms-per-1k", str(args.prefill_ms_per_1k), "--max-model-len",
+            str(args.kv_tokens), "--seed", "0"]
+
+
+async def preemptions(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(url.removesuffix("/v1") + "/metrics") as resp:
+        return parse_load(await resp.text()).preemptions
+
+
+async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: int, adaptive: bool
+                   ) -> dict[str, Any]:
+    from orchestrator.app import Orchestrator
+    from orchestrator.config import load_config
+    from orchestrator.trainer.reference import ReferenceTrainer
+
+    steps, batch = args.steps, args.batch
+    concurrency = {"adaptive": True, "poll_s": 0.5} if adaptive else {}
+    path = write_job_toml(out, run={"name": "bench", "max_steps": steps},
+                          inference={"servers": [url], "request_timeout_s": 600.0},
+                          scheduler={"batch_size": batch, "max_inflight": max_inflight, "max_async_level": 2,
+                                     "max_off_policy_steps": 4, "max_buffered_rollouts": 4 * max(batch, max_inflight),
+                                     "concurrency": concurrency},
+                          pipeline={"gates": []}, env=[guess_env(args.max_tokens)])
+    cfg = load_config(path)
+    marks: list[float] = []  # wall time at each step's end
+    polled: list[tuple[float, int]] = []
+    async with aiohttp.ClientSession() as http:
+        async def poll() -> None:
+            while True:
+                polled.append((time.perf_counter(), await preemptions(http, url)))
+                await asyncio.sleep(0.2)
+
+        async with Orchestrator.open(cfg) as orch:
+            trainer = ReferenceTrainer(orch.sender.address, max_steps=steps, checkpoint_dir=out / "ckpt")
+            orch.on_step = lambda _m: marks.append(time.perf_counter())
+            async with asyncio.TaskGroup() as tg:
+                poller = tg.create_task(poll())
+                tg.create_task(trainer.run())
+                await orch.run()
+                poller.cancel()
+    first = steps // 3
+    t0, t1 = marks[first - 1], marks[-1]
+    rows = [orjson.loads(line) for line in (Path(cfg.run.output_dir) / "rollouts.jsonl").read_bytes().splitlines()]
+    window = [r for r in rows if r["step"] >= first]
+    before = max((p for t, p in polled if t <= t0), default=polled[0][1])
+    after = max(p for _, p in polled)
+    requests = sum(r.get("turns") or 0 for r in window)
+    return {"tokens_per_s": sum(r["tokens"] for r in window) / (t1 - t0),
+            "rollouts_per_s": len(window) / (t1 - t0), "preemptions": after - before,
+            "requests": requests, "preemption_rate": (after - before) / max(requests, 1)}
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    settings = [(f"static_{n}", n, False) for n in args.static] + [("adaptive", max(args.static), True)]
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in settings}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["HOME"] = tmp  # verifiers writes ~/.cache/verifiers
+        async with sim_process(kv_flags(args)) as sim:
+            for rep in range(args.repeats):
+                for name, cap, adaptive in settings:
+                    got = await one_pass(sim.url, Path(tmp) / f"{name}-{rep}", args, cap, adaptive)
+                    results[name].append(got)
+                    print(f"{name} (pass {rep + 1}): {got['tokens_per_s']:.0f} tokens/s, "
+                          f"{got['rollouts_per_s']:.2f} rollouts/s, preemptions {got['preemptions']} of "
+                          f"{got['requests']} requests", file=sys.stderr)
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
+    statics = [med[name]["tokens_per_s"] for name, _, adaptive in settings if not adaptive]
+    ours = med["adaptive"]
+    return {"passes": {n: {k: round(v, 4) for k, v in m.items()} for n, m in med.items()},
+            "adaptive_to_best_static": round(ours["tokens_per_s"] / max(statics), 3),
+            "adaptive_to_worst_static": round(ours["tokens_per_s"] / min(statics), 3),
+            "steady_preemption_rate": round(ours["preemption_rate"], 4), "repeats": args.repeats}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--static", type=int, nargs="+", default=[4, 16, 64], help="static caps (default: 4 16 64)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--batch", type=int, default=16, help="rollouts per step")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per turn (default 96)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-tokens", type=int, default=4096, help="the sim server's KV cache (tokens)")
+    p.add_argument("--step-ms", type=float, default=20.0, help="one decode iteration of the sim server")
+    p.add_argument("--prefill-ms-per-1k", type=float, default=50.0, help="(re)computing 1k tokens of context")
+    p.add_argument("--quick", action="store_true", help="one repeat of 6 steps: does it run")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = p.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 1, 6
+    result = run_async(main_async(args))
+    if not args.json:
+        print(f"adaptive / best static {result['adaptive_to_best_static']}, / worst static "
+              f"{result['adaptive_to_worst_static']}, steady preemption rate {result['steady_preemption_rate']}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
