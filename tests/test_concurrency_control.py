@@ -1,11 +1,13 @@
 """Polling each server's /metrics into its cap (``ConcurrencyControl``), over in-memory servers and a real pool:
 caps follow each server's KV cache, a hard trim asks for cancellations, an unreadable server keeps the static cap
-(said once), a server out of rotation or not answering keeps its cap, and ``acquire`` obeys the caps."""
+(said once), a server out of rotation or not answering keeps its cap, ``take`` obeys the caps, and the stall line
+names caps that hold a step back."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 
 import pytest
 
@@ -13,12 +15,16 @@ from orchestrator.config import InferenceConfig
 from orchestrator.errors import InferenceError
 from orchestrator.inference.pool import InferencePool, Server
 from orchestrator.inference.server import HttpStatusError
+from orchestrator.rollouts.admission import Admission, Capacity
 from orchestrator.rollouts.concurrency import ConcurrencyControl
-from orchestrator.rollouts.config import ConcurrencyConfig
+from orchestrator.rollouts.config import ConcurrencyConfig, SchedulerConfig
+from orchestrator.rollouts.groups import Buffer, GroupTracker
+from orchestrator.rollouts.stall import StallLine
 from orchestrator.sim.kv import KVLoad
 from orchestrator.sim.metrics import exposition
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
+from orchestrator.testing.workers import FakeWorkerHub
 
 CFG = ConcurrencyConfig(adaptive=True, start_per_server=8)
 
@@ -152,3 +158,16 @@ async def test_a_busy_server_answering_503_keeps_its_cap() -> None:
     fakes[0].fail_paths["/metrics"] = HttpStatusError("GET /metrics: HTTP 503", 503, b"")
     await ctl.poll()
     assert pool.servers[0].cap == 8  # not the static ceiling: a busy server is no reason to open up
+
+
+def test_the_stall_line_names_the_caps_that_hold_a_step_back() -> None:
+    _, pool, _ = setup(1)
+    tracker = GroupTracker(max_off_policy_steps=2, group_timeout_s=600)
+    limits = SchedulerConfig(batch_size=8)
+    admission = Admission(limits, Capacity(limits.max_inflight, pool, tracker), tracker, Buffer(), {}, None, None, 0, 0)
+    stall = StallLine(admission, FakeWorkerHub({"a": 10}), pool, tracker, Counter(), None, 50, smallest_group=4)
+    assert stall.cause(0) == "rollouts"
+    pool.set_cap(pool.servers[0], 6)
+    assert pool.take(4) is not None  # 4 in flight: another group of 4 does not fit under 6
+    assert stall.cause(0) == f"room under the servers' caps ([scheduler.concurrency]: {pool.servers[0].url} at its " \
+                             "cap of 6)"

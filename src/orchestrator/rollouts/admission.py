@@ -106,14 +106,6 @@ class Admission:
         self.syncing = False  # a weight sync is under way: no evaluation round starts
         self.eval_due: int | None = None  # the step whose evaluation round waits to start
 
-    @property
-    def smallest_group(self) -> int:
-        """The smallest group that may open (training or evaluation): what "no room" is measured in."""
-        sizes = [e.group_size for e in self.envs.values()]
-        if self.evaluator is not None:
-            sizes.append(self.evaluator.size)
-        return min(sizes, default=1)
-
     def inflight_eval(self) -> int:
         return sum(len(g.missing) for g in self.tracker.inflight.values() if g.eval_round is not None)
 

@@ -213,3 +213,8 @@ def _eval_fit_problems(ev: EvalConfig, scheduler: SchedulerConfig, source: Sourc
     if ev.max_inflight is not None and ev.max_inflight >= scheduler.max_inflight:
         yield (f"{source('eval.max_inflight')}: eval.max_inflight: must be below scheduler.max_inflight "
                f"({ev.max_inflight} >= {scheduler.max_inflight}), or evaluation could take every slot from training")
+
+
+def smallest_group(envs: Sequence[EnvConfig], evaluation: EvalConfig | None) -> int:
+    """The smallest group any of these environments opens: what "room for another group" is measured in."""
+    return min([e.group_size for e in envs] + ([evaluation.group_size] if evaluation is not None else []), default=1)

@@ -62,7 +62,7 @@ from orchestrator.inference.pool import InferencePool, Server
 from orchestrator.rollouts.admission import EVAL_PREFIX, Admission, Capacity, Opening
 from orchestrator.rollouts.completion import Completion, EvalRow
 from orchestrator.rollouts.concurrency import ConcurrencyControl
-from orchestrator.rollouts.config import EnvConfig, EvalConfig, SchedulerConfig
+from orchestrator.rollouts.config import EnvConfig, EvalConfig, SchedulerConfig, smallest_group
 from orchestrator.rollouts.evaluation import Evaluator
 from orchestrator.rollouts.filling import SchedulingError, StepFiller
 from orchestrator.rollouts.groups import Buffer, Group, GroupTracker
@@ -105,10 +105,10 @@ class Scheduler:
         self._wake = asyncio.Event()  # admission: room, a new policy or step, an evaluation round due
         group_done = asyncio.Event()  # a step: a group buffered or rejected, a refill ended
         # [scheduler.concurrency]: each server's cap follows its KV cache; a hard trim sheds groups there
-        smallest = min([e.group_size for e in envs] + ([evaluation.group_size] if evaluation else []), default=1)
+        self.smallest_group = smallest_group(envs, evaluation)
         self.concurrency = None if not limits.concurrency.adaptive else ConcurrencyControl(
-            limits.concurrency, pool, limits.max_inflight, smallest, lambda server, n: self.completion.shed(server, n),
-            raised=self._wake.set)
+            limits.concurrency, pool, limits.max_inflight, self.smallest_group,
+            lambda server, n: self.completion.shed(server, n), raised=self._wake.set)
         done = self.concurrency.done if self.concurrency is not None else (lambda _server, _size: None)
         capacity = Capacity(self.limits.max_inflight, pool, self.tracker, done)
         self.admission = Admission(self.limits, capacity, self.tracker, self.buffer, self.envs, self.sampler,
@@ -117,7 +117,7 @@ class Scheduler:
                                      envs=self.envs, sampler=self.sampler, evaluator=self.evaluator,
                                      counts=self.counts, clock=clock, room=self._wake, finished=group_done)
         self.stall = StallLine(self.admission, hub, pool, self.tracker, self.counts, checkpoints,
-                               self.limits.max_rejected_batches)
+                               self.limits.max_rejected_batches, self.smallest_group)
         self.steps = StepFiller(self.limits, self.admission, self.completion, self.buffer, self.stall,
                                 counts=self.counts, checkpoints=checkpoints, stall_warn_s=stall_warn_s,
                                 clock=clock, room=self._wake, finished=group_done)

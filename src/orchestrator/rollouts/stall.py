@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 class StallLine:
     def __init__(self, admission: Admission, hub: WorkerLink, pool: InferencePool, tracker: GroupTracker,
-                 counts: Counter[str], checkpoints: CheckpointSource | None, max_rejected_batches: int) -> None:
+                 counts: Counter[str], checkpoints: CheckpointSource | None, max_rejected_batches: int,
+                 smallest_group: int = 1) -> None:
         self.admission = admission
         self.hub = hub
         self.pool = pool
@@ -32,6 +33,7 @@ class StallLine:
         self.counts = counts
         self.checkpoints = checkpoints
         self.max_rejected_batches = max_rejected_batches
+        self.smallest_group = smallest_group  # a server without room for a group this size is at its cap
         # what the weight sync to a newer policy waits for while it runs, or why its checkpoint was refused
         self.loading: str | None = None
 
@@ -61,7 +63,7 @@ class StallLine:
                     "acknowledges steps")
         if not any(s.in_rotation for s in self.pool.servers):
             return f"an inference server: none is in rotation ({self.pool.out_of_rotation()})"
-        capped = self.pool.capped(self.admission.smallest_group)
+        capped = self.pool.capped(self.smallest_group)
         if capped and self.tracker.inflight_rollouts < self.admission.capacity.max_inflight:
             return f"room under the servers' caps ([scheduler.concurrency]: {capped})"
         out = self.pool.out_of_rotation()
