@@ -70,9 +70,8 @@ class ServerCap:
         self.cfg = cfg
         self.ceiling = ceiling
         self.group = group
-        self.cap = self._clamp(start)
+        self.last = Decision(Rule.HOLD, self._clamp(start))  # the last decision: its cap is the cap now
         self.draining = False  # after a cut: no further cut until in flight <= cap
-        self.last = Decision(Rule.HOLD, self.cap)
         self._preemptions: int | None = None  # the server's counter at the last poll
         self._queued_polls = 0
         self._completed_at_growth = 0
@@ -81,8 +80,11 @@ class ServerCap:
         """One poll: ``load`` (None: unreadable), this server's rollouts in flight, and its completions so far
         (cumulative). The decision is kept in ``last``."""
         self.last = self._decide(load, inflight, completed)
-        self.cap = self.last.cap
         return self.last
+
+    @property
+    def cap(self) -> int:
+        return self.last.cap
 
     def _decide(self, load: ServerLoad | None, inflight: int, completed: int) -> Decision:
         if load is None:
