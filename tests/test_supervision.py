@@ -53,14 +53,14 @@ WAIT_S = 120.0  # hang guard of each wait for an event inside a job
 
 def job(tmp_path: Path, urls: list[str], data_plane: str, *, steps: int, workers: int = 1,
         inference: Section | None = None, scheduler: Section | None = None, silence_s: float = WORKER_SILENCE_S,
-        monitor: Section | None = None) -> JobConfig:
+        monitor: Section | None = None, env: Section | None = None) -> JobConfig:
     return job_config(
         tmp_path, run={"name": "supervision", "max_steps": steps},
         inference={"servers": urls, "failures_to_evict": 3, "probe_interval_s": 0.2, **(inference or {})},
         scheduler={"batch_size": 8, "max_inflight": 8, "max_async_level": 2, "max_buffered_rollouts": 16,
                    "worker_silence_s": silence_s, **(scheduler or {})},
         transport={"data_plane": data_plane},
-        env=[{**ARITHMETIC, "name": "arith", "workers": workers}], monitor=monitor or {})
+        env=[{**(env or ARITHMETIC), "name": "arith", "workers": workers}], monitor=monitor or {})
 
 
 class Steps:
@@ -185,6 +185,44 @@ async def test_frozen_local_workers_are_killed_and_restarted_and_the_step_comple
     why = r"silent for \d+ s" + (r"|its column pool is gone" if data_plane == "direct" else "")
     died = [r for r in rows if r["failure"] == "worker_died"]
     assert all(re.fullmatch(rf"env worker local-\d: ({why})", r["error"]) for r in died), died
+
+
+def holding(how: str, hold_s: float) -> Section:
+    """orchestrator-faulty: the first rollout each worker process scores holds its event loop ``hold_s`` seconds,
+    spinning on the CPU (``cpu``) or asleep in a blocking call (``sleep``)."""
+    return {"taskset": "orchestrator-faulty", "args": {"fail_in": f"hold_{how}", "hold_s": hold_s}}
+
+
+async def test_a_worker_whose_loop_is_held_by_work_is_not_lost_and_one_asleep_is(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A CI run lost a worker and its 32 rollouts after 10 s without a heartbeat while its process was busy (the
+    machine's disk and cores were shared with a real vLLM and a PyTorch trainer). Now a local worker silent past
+    worker_silence_s whose process is at work (running, waiting on the disk, using CPU) is given up to
+    AT_WORK_FACTOR times the bound, said once; one asleep in a blocking call doing nothing is lost at the bound."""
+    silence_s = 2.0
+    async with sim_cluster(1) as cluster:
+        cfg = job(tmp_path / "cpu", cluster.urls, "through", steps=2, silence_s=silence_s,
+                  env=holding("cpu", 3 * silence_s))
+        with caplog.at_level(logging.INFO, logger="orchestrator"):
+            orch, rows = await run_job(cfg, lambda *_: asyncio.sleep(0))
+        assert orch.hub.metrics["lost"] == 0, caplog.text
+        assert not [r for r in rows if r["failure"]], rows
+        assert re.search(r"env worker local-0 silent for \d+ s, but its process \(pid \d+\) is (running|working): "
+                         r"its event loop is held, not frozen; lost if still silent at 12 s", caplog.text)
+
+        cfg = job(tmp_path / "sleep", cluster.urls, "through", steps=2, silence_s=silence_s,
+                  env=holding("sleep", 3 * silence_s))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="orchestrator"):
+            async with Orchestrator.open(cfg) as orch, asyncio.TaskGroup() as tg:
+                trainer = ReferenceTrainer(orch.sender.address, max_steps=2)
+                tasks = [tg.create_task(trainer.run()), tg.create_task(orch.run())]
+                # each process the hub restarts sleeps again: the job cannot end, so it is cancelled
+                await wait_until(lambda: orch.hub.metrics["lost"] >= 1, START_TIMEOUT_S, "the sleeping worker lost")
+                for task in tasks:
+                    task.cancel()
+        assert re.search(r"env worker local-0 silent for [2-5] s: lost", caplog.text), caplog.text
+        assert "its event loop is held" not in caplog.text
 
 
 async def test_local_workers_stopped_as_they_start_are_named_then_killed_and_restarted(

@@ -45,11 +45,20 @@ def die_with_parent() -> None:
 def process_state(pid: int) -> str | None:
     """The state letter of process ``pid`` in /proc (``R``, ``S``, ``D``, ``T`` stopped, ``t`` stopped by a
     debugger, ``Z``...), or None when it is gone or there is no /proc (not Linux)."""
+    seen = process_activity(pid)
+    return None if seen is None else seen[0]
+
+
+def process_activity(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter (``process_state``) and a count that grows while it does anything: its
+    CPU time in clock ticks plus its page faults that read the disk (all threads). None as ``process_state``."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[-1].split()[0]  # the name, in parentheses, may hold anything
+    fields = stat.rsplit(")", 1)[-1].split()  # the name, in parentheses, may hold anything; fields from the 3rd
+    majflt, utime, stime = int(fields[9]), int(fields[11]), int(fields[12])  # proc(5): fields 12, 14 and 15
+    return fields[0], majflt + utime + stime
 
 
 async def terminate(proc: asyncio.subprocess.Process, timeout_s: float = 10.0, *, signal_first: bool = True) -> None:

@@ -58,7 +58,8 @@ class SchedulerConfig:
     worker_nice: int = opt(5, ge=0, le=19, doc="niceness added to local env workers, so the loop gets a busy CPU first")
     worker_silence_s: float = opt(10.0, ge=2, doc="an env worker that sends nothing (not even its heartbeat, every "
                                   "second) this long is lost: its rollouts fail; a local one is killed and restarted, "
-                                  "a remote one re-admitted when it speaks again")
+                                  "a remote one re-admitted when it speaks again. A local one whose process is at "
+                                  "work (running, reading the disk) is given 6 times this")
     # 50 (groups of 4, steps of 8): with a quarter of groups passing the gates a step stops by chance with
     # probability ~1e-11; with 2% passing, 40% of steps stop, after 50 steps' worth of inference
     max_rejected_batches: int = opt(50, ge=0, doc="a step that has seen this many batches' worth of rollouts "

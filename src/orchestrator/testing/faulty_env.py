@@ -17,6 +17,9 @@ environments are registered). It is the arithmetic environment plus one injected
 - ``"nan_reward"``: the reward function returns NaN, without raising, for a ``rate`` share of rollouts.
 - ``"data"``: a ``rate`` share of tasks carry invalid data (an ``answer`` that is not an integer, as a
   dataset row read without validation would); every rollout of such a task fails when the harness checks its data.
+- ``"hold_cpu"`` / ``"hold_sleep"``: the first rollout each worker process scores holds the process's event loop
+  for ``hold_s`` seconds, spinning on the CPU (environment code doing heavy work inline) or asleep in a blocking
+  call (a synchronous request that hangs); nothing fails. ``rate`` does not apply.
 
 The share is spread evenly and deterministically, not drawn at random: with ``rate = 0.5`` every second
 rollout of each task fails (counted per worker process; ``rollout``, ``scoring``, ``nan_reward``) and every
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Literal, cast
@@ -40,7 +44,7 @@ from orchestrator.envs.harness import ChatHarness
 
 __all__ = ["FaultyHarness", "FaultyTaskset"]
 
-FaultSite = Literal["none", "load", "rollout", "scoring", "nan_reward", "data"]
+FaultSite = Literal["none", "load", "rollout", "scoring", "nan_reward", "data", "hold_cpu", "hold_sleep"]
 
 
 class InjectedFault(RuntimeError):
@@ -56,10 +60,19 @@ def nth_fails(n: int, rate: float) -> bool:
     return math.floor(n * rate) > math.floor((n - 1) * rate)
 
 
+def hold(seconds: float, *, spin: bool) -> None:
+    """Hold the calling thread (in a reward function: the worker's event loop) for ``seconds``."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if not spin:
+            time.sleep(left)
+
+
 class FaultyData(vf.TaskData):
     answer: int | str  # a string is invalid data: check_data rejects it when a rollout starts
     fail_in: str = "none"
     rate: float = 1.0
+    hold_s: float = 0.0
 
 
 def check_data(data: vf.TaskData) -> FaultyData:
@@ -90,12 +103,16 @@ class FaultyTask(vf.Task[FaultyData]):
             raise InjectedFault(f"injected fault in scoring (task {data.idx})")
         if fails_here(data, "nan_reward"):
             return math.nan
+        if data.fail_in in ("hold_cpu", "hold_sleep") and not _reached[(data.fail_in, None)]:
+            _reached[(data.fail_in, None)] += 1
+            hold(data.hold_s, spin=data.fail_in == "hold_cpu")
         return closeness(last_number(trace), int(data.answer))
 
 
 class FaultyTasksetConfig(vf.TasksetConfig):
     fail_in: FaultSite = "none"
     rate: float = 1.0
+    hold_s: float = 0.0
     num_tasks: int = 100
     max_operand: int = 50
     seed: int = 0
@@ -113,9 +130,10 @@ class FaultyTaskset(vf.Taskset[FaultyTask, FaultyTasksetConfig]):
             a, b = rng.randint(0, cfg.max_operand), rng.randint(0, cfg.max_operand)
             prompt = f"What is {a} + {b}? Answer with the number."
             if cfg.fail_in == "data" and nth_fails(i + 1, cfg.rate):
-                data = FaultyData(prompt=prompt, answer=f"{a} plus {b}", fail_in=cfg.fail_in, rate=cfg.rate)
+                data = FaultyData(prompt=prompt, answer=f"{a} plus {b}", fail_in=cfg.fail_in, rate=cfg.rate,
+                                 hold_s=cfg.hold_s)
             else:
-                data = FaultyData(prompt=prompt, answer=a + b, fail_in=cfg.fail_in, rate=cfg.rate)
+                data = FaultyData(prompt=prompt, answer=a + b, fail_in=cfg.fail_in, rate=cfg.rate, hold_s=cfg.hold_s)
             yield FaultyTask(data)
 
 

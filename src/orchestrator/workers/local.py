@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Collection
 
-from orchestrator.procs import child_env, process_state, terminate
+from orchestrator.procs import child_env, process_activity, process_state, terminate
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class LocalWorkers:
         self._spawned = 0
         self._started: dict[str, float] = {}  # slot -> when its current process started (monotonic)
         self._stopped_since: dict[str, float] = {}  # slots whose process was seen stopped -> since when
+        self._activity: dict[str, int] = {}  # slot -> its process's activity count at the last ``at_work``
 
     async def spawn(self, name: str | None = None) -> str:
         """Start a worker process (a new slot, or ``name``'s again); its name."""
@@ -63,6 +64,7 @@ class LocalWorkers:
         )
         self.procs[name] = proc
         self._became_ready.discard(name)
+        self._activity.pop(name, None)
         self._started[name] = time.monotonic()
         self._stopped_since.pop(name, None)
         log.info("started env worker %s (pid %d)", name, proc.pid)
@@ -107,6 +109,25 @@ class LocalWorkers:
             self._stopped_since.pop(name, None)
             return 0.0
         return now - self._stopped_since.setdefault(name, now)
+
+    def at_work(self, name: str) -> str | None:
+        """Why ``name``'s process looks at work though it is silent: "running" (on a core or waiting for one),
+        "waiting on the disk", or "working" (CPU time or disk reads since the previous call); None when it is
+        stopped, asleep with nothing done since the previous call, gone, or not one of ours. The hub asks from
+        half its silence bound on, so two calls bracket the last part of the silence."""
+        pid = self.alive(name)
+        seen = None if pid is None else process_activity(pid)
+        if seen is None:
+            self._activity.pop(name, None)
+            return None
+        state, activity = seen
+        before = self._activity.get(name)
+        self._activity[name] = activity
+        if state in ("T", "t", "Z", "X"):
+            return None
+        if state in ("R", "D"):
+            return "running" if state == "R" else "waiting on the disk"
+        return "working" if before is not None and activity > before else None
 
     def not_ready(self, connected: dict[str, bool], now: float) -> list[str]:
         """Each slot not ready (``connected``: the hub's workers, name -> ready) as a start-up line shows it:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator.errors import WorkerError
 from orchestrator.workers.protocol import HEARTBEAT_S
-from orchestrator.workers.roster import Roster
+from orchestrator.workers.roster import Roster, WorkerState
 
 if TYPE_CHECKING:
     from orchestrator.columns.pools import PoolKeeper
@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 300.0  # a worker that said hello loads its environments (importing verifiers, ...) within this
+# a local worker silent past worker_silence_s whose process is at work (local.py: ``at_work``) is given up to this
+# many times the bound: its loop is held (CPU-bound environment code, a disk that stalls reads for seconds, a core
+# shared with busier processes at its nice level), it is not frozen. A CI run lost a busy worker and its 32 rollouts
+# this way. Stopped, or asleep doing nothing, it is lost at the bound as before.
+AT_WORK_FACTOR = 6.0
 
 
 class Supervisor:
@@ -42,14 +47,17 @@ class Supervisor:
         self.ready = ready
         self.address = address
         self.remote = remote
+        self._excused: set[str] = set()  # workers silent past the bound but at work, said once
 
     async def run(self) -> None:
         """Every HEARTBEAT_S: lose silent workers (killing local ones), kill local ones stuck starting (local.py:
         ``starting``), restart local workers that exited. Wakes on its timer only; produces ``WorkerLost``
         (roster.py) and restarts (``metrics["restarts"]``)."""
         while True:
+            due = time.monotonic() + HEARTBEAT_S
             await asyncio.sleep(HEARTBEAT_S)
             now = time.monotonic()
+            self._excuse_stall(now - due)
             self._lose_silent(now)
             self._kill_stuck(now)
             self._reap(now)
@@ -58,17 +66,45 @@ class Supervisor:
             for name in restarted:
                 self.roster.banned.discard(name.encode())  # a fresh process under the name of one that was dropped
 
+    def _excuse_stall(self, late: float) -> None:
+        """This loop woke ``late`` seconds late: the event loop was held (the lag monitor says by what), so nothing
+        the workers sent meanwhile was read (it waits in the socket). That time is not theirs to be silent in."""
+        if late > HEARTBEAT_S:
+            log.info("env worker supervision ran %.1f s late: the workers' silence does not count that time", late)
+            for w in self.roster.workers.values():
+                w.last_seen += late
+
     def _lose_silent(self, now: float) -> None:
         for w in list(self.roster.workers.values()):
             # a worker heartbeats once it is ready; before, it is importing and loading (blocking calls)
             silent, limit = now - w.last_seen, self.silence_s if w.ready else LOAD_TIMEOUT_S
+            if not w.ready or silent <= limit / 2:
+                self._excused.discard(w.name)
+            else:  # sampled from half the bound on, so two looks bracket the end of the silence
+                at_work = self.procs.at_work(w.name)
+                if silent <= limit:
+                    continue
+                if at_work is not None and silent <= limit * AT_WORK_FACTOR:
+                    self._excuse(w.name, silent, at_work)
+                    continue
             if silent > limit:
-                pid = self.procs.alive(w.name)
-                then = f"killed (pid {pid}) to be restarted" if pid is not None else "re-admitted if it speaks again"
-                log.error("env worker %s silent for %.0f s%s: lost, %d rollouts in flight fail; %s", w.name,
-                          silent, "" if w.ready else " while loading its environments", len(w.rids), then)
-                self.roster.lose(w, f"silent for {silent:.0f} s", pool_gone=pid is not None)
-                self.procs.kill(w.name)
+                self._lose(w, silent)
+
+    def _excuse(self, name: str, silent: float, at_work: str) -> None:
+        if name not in self._excused:
+            self._excused.add(name)
+            log.warning("env worker %s silent for %.0f s, but its process (pid %s) is %s: its event loop is held, "
+                        "not frozen; lost if still silent at %.0f s", name, silent, self.procs.alive(name), at_work,
+                        self.silence_s * AT_WORK_FACTOR)
+
+    def _lose(self, w: WorkerState, silent: float) -> None:
+        self._excused.discard(w.name)
+        pid = self.procs.alive(w.name)
+        then = f"killed (pid {pid}) to be restarted" if pid is not None else "re-admitted if it speaks again"
+        log.error("env worker %s silent for %.0f s%s: lost, %d rollouts in flight fail; %s", w.name,
+                  silent, "" if w.ready else " while loading its environments", len(w.rids), then)
+        self.roster.lose(w, f"silent for {silent:.0f} s", pool_gone=pid is not None)
+        self.procs.kill(w.name)
 
     def _kill_stuck(self, now: float) -> None:
         """Local workers not ready yet whose process is stopped, or that never connected: lost and killed (the

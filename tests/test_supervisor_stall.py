@@ -1,0 +1,42 @@
+"""The supervisor does not count its own event loop's stalls against the workers: while the loop is held, what the
+workers send waits unread in the socket, so a worker was not silent for that time. A worker silent while the loop
+runs is still lost at the bound."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from orchestrator.columns.pools import PoolKeeper
+from orchestrator.testing.procs import wait_until
+from orchestrator.workers.events import HubEvent
+from orchestrator.workers.local import LocalWorkers
+from orchestrator.workers.roster import Roster, WorkerState
+from orchestrator.workers.supervision import Supervisor
+
+SILENCE_S = 2.0
+HANG_GUARD_S = 60.0
+
+
+def supervisor() -> tuple[Supervisor, WorkerState]:
+    events: asyncio.Queue[HubEvent] = asyncio.Queue()
+    metrics: Counter[str] = Counter()
+    roster = Roster(lambda *_: True, events, metrics, PoolKeeper(lambda *_: True, events, metrics),
+                    LocalWorkers("ipc://unused", {}, nice=0))
+    worker = WorkerState(b"remote-0", "remote-0", ready=True)  # not local: no process to look at
+    roster.workers[worker.ident] = worker
+    return Supervisor(roster, silence_s=SILENCE_S, ready=asyncio.Event(), address="ipc://unused", remote=1), worker
+
+
+async def test_a_stall_of_the_loop_is_not_the_workers_silence_but_silence_after_it_is() -> None:
+    sup, worker = supervisor()
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(sup.run())
+        await asyncio.sleep(0.1)
+        worker.last_seen = time.monotonic()
+        time.sleep(SILENCE_S + 1.5)  # noqa: ASYNC251 (the point: the loop held past the bound, as a blocking call would)
+        await asyncio.sleep(0.05)  # the supervisor's overdue tick runs first, before any message could be read
+        assert sup.roster.metrics["lost"] == 0  # without the credit: silent for 3.5 s, lost on that tick
+        await wait_until(lambda: sup.roster.metrics["lost"] == 1, HANG_GUARD_S, "the silent worker lost")
+        task.cancel()
