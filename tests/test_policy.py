@@ -157,6 +157,25 @@ def test_greedy_sampling_takes_the_most_likely_token_and_reports_raw_logprobs(mo
     assert np.all(sample.ranks == 1)
 
 
+def test_min_tokens_holds_back_every_stop_id_and_eos_until_that_many_are_sampled() -> None:
+    """vLLM's min-tokens processor masks the stop ids and EOS (even with ignore_eos) for the first ``min_tokens``
+    tokens; raw logprobs are reported before that mask. A policy that stops at once otherwise replies at length."""
+    sim = SimPolicy(SimVocab.load(), seed=3)
+    sim.model = perturbed(seed=5, scale=0.3)
+    prompt = sequences(sim.model)[0][:10].tolist()
+    eos = sim.vocab.eos_id
+    stop = int(np.argmax(sim.model.logits_at(Sequences(np.array(prompt), np.array([0, len(prompt)]),
+                                                       np.array([len(prompt) - 1])))[0]))  # its likeliest next id
+    free = [len(sim.sample(prompt, SamplingParams(max_tokens=40, stop_token_ids=frozenset({stop}))).token_ids)
+            for _ in range(20)]
+    held = [sim.sample(prompt, SamplingParams(max_tokens=40, min_tokens=30, stop_token_ids=frozenset({stop}),
+                                              ignore_eos=ignore)) for _ in range(10) for ignore in (False, True)]
+    assert min(free) < 30  # it stops early on its own ...
+    for sample in held:  # ... and not while min_tokens hold the stops back
+        assert len(sample.token_ids) >= 30
+        assert not {stop, eos} & set(sample.token_ids[:30].tolist())
+
+
 def test_new_weights_forget_every_prompt_s_sampling_state() -> None:
     """A prompt seen before the weights changed is sampled from the new weights (the server keeps the state
     after each prompt it sees, for the rest of its group)."""

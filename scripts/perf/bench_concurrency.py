@@ -39,9 +39,10 @@ from orchestrator.testing.jobs import write_job_toml
 
 
 def guess_env(max_tokens: int) -> dict[str, Any]:
-    """Guess-the-number, up to 6 turns of ``max_tokens`` each: contexts grow turn by turn and within a reply."""
+    """Guess-the-number, 6 turns of exactly ``max_tokens`` each (``min_tokens``: the sim's tiny policy would end
+    its turn after ~15): contexts grow turn by turn and within a reply, as long reasoning rollouts' do."""
     return {"taskset": "orchestrator-guess-number", "group_size": 4, "workers": 2, "args": {"max_turns": 6},
-            "sampling": {"max_tokens": max_tokens}}
+            "sampling": {"max_tokens": max_tokens, "extra_body": {"min_tokens": max_tokens}}}
 
 
 def kv_flags(args: argparse.Namespace) -> list[str]:
@@ -122,13 +123,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--static", type=int, nargs="+", default=[4, 16, 64], help="static caps (default: 4 16 64)")
+    p.add_argument("--static", type=int, nargs="+", default=[4, 8, 32],
+                   help="static caps, in rollouts (default: 4 8 32; groups of 4)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=16, help="rollouts per step")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens per turn (default 96)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per turn (default 64)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kv-tokens", type=int, default=4096, help="the sim server's KV cache (tokens)")
-    p.add_argument("--step-ms", type=float, default=20.0, help="one decode iteration of the sim server")
+    p.add_argument("--kv-tokens", type=int, default=2048, help="the sim server's KV cache (tokens; default 2048)")
+    p.add_argument("--step-ms", type=float, default=10.0, help="one decode iteration of the sim server")
     p.add_argument("--prefill-ms-per-1k", type=float, default=50.0, help="(re)computing 1k tokens of context")
     p.add_argument("--quick", action="store_true", help="one repeat of 6 steps: does it run")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")

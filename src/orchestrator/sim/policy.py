@@ -160,9 +160,16 @@ class SimPolicy:
         ids: list[int] = []
         logprobs, ranks, top_ids, top_lps = [], [], [], []
         finish, stop_reason = "length", None
+        # masked until sp.min_tokens are sampled: the stop ids and EOS, even with ignore_eos (vLLM 0.31:
+        # SamplingParams.update_from_generation_config adds EOS to the ids its min-tokens processor masks)
+        banned = np.array(sorted({*sp.stop_token_ids, self.vocab.eos_id}), np.int64)
         for _ in range(max(sp.max_tokens, 1)):
             logits = cursor.logits()
-            z = processed_logits(logits, sp)  # its maximum is 0
+            masked = logits
+            if len(ids) < sp.min_tokens and banned.size:  # raw logprobs are reported before any processing
+                masked = logits.copy()
+                masked[banned[banned < logits.size]] = -np.inf
+            z = processed_logits(masked, sp)  # its maximum is 0
             cdf = np.cumsum(np.exp(z))
             token = int(min(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"), cdf.size - 1))
             lp = self._reported(logits, z, float(np.log(cdf[-1])), sp)

@@ -34,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs in the reply; -1: every id; else the top-k per token
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    min_tokens: int = 0  # no stop token (EOS or stop_token_ids) is sampled before this many
     routed_experts_prompt_start: int = 0
 
 
@@ -128,6 +129,13 @@ def _sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
     if not isinstance(stops, list) or not all(_is_int(t) for t in stops):
         raise validation_error((*loc, "stop_token_ids"), "list_type", "Input should be a valid list of integers",
                                stops)
+    min_tokens = raw.get("min_tokens", 0)
+    if min_tokens is None:
+        min_tokens = 0
+    if not _is_int(min_tokens) or min_tokens < 0:
+        raise bad(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if min_tokens > max_tokens:
+        raise bad(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
     start = raw.get("routed_experts_prompt_start", 0)
     if start is None:
         start = 0
@@ -136,7 +144,8 @@ def _sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
                                start)
     return SamplingParams(max_tokens=min(max_tokens, max_model_len - prompt_len), temperature=float(temperature),
                           top_k=top_k, top_p=float(top_p), n=n, logprobs=logprobs, stop_token_ids=frozenset(stops),
-                          ignore_eos=bool(raw.get("ignore_eos", False)), routed_experts_prompt_start=start)
+                          ignore_eos=bool(raw.get("ignore_eos", False)), min_tokens=min_tokens,
+                          routed_experts_prompt_start=start)
 
 
 def parse_generate(body: Any, profile: Profile, *, model: str, vocab_size: int, max_model_len: int) -> GenerateRequest:
