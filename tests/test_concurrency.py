@@ -53,8 +53,20 @@ def test_soft_trim_aims_at_trim_to_and_cancels_nothing() -> None:
 
 def test_hard_trim_cancels_the_excess_over_what_the_cache_holds() -> None:
     cap = ServerCap(CFG, ceiling=64, start=40)
-    d = cap.observe(load(0.95), inflight=40, completed=0)
+    cap.observe(load(0.5, preemptions=3), inflight=40, completed=0)  # the first poll only learns the counter
+    d = cap.observe(load(0.95, preemptions=4), inflight=40, completed=0)
     assert (d.rule, d.cap, d.cancel) == (Rule.CANCEL, 29, 11)  # floor(40 x 0.7 / 0.95) = 29
+
+
+def test_a_full_cache_that_does_not_preempt_is_trimmed_not_cancelled_unless_asked() -> None:
+    """vLLM queues what does not fit: throwing work away helps only while it preempts."""
+    cap = ServerCap(CFG, ceiling=64, start=40)
+    cap.observe(load(0.5, preemptions=3), inflight=40, completed=0)
+    d = cap.observe(load(0.95, preemptions=3), inflight=40, completed=0)
+    assert (d.rule, d.cap, d.cancel) == (Rule.TRIM, 29, 0)
+    always = ServerCap(ConcurrencyConfig(adaptive=True, cancel_only_preempting=False), ceiling=64, start=40)
+    d = always.observe(load(0.95), inflight=40, completed=0)  # prime-rl's rule: at any full cache
+    assert (d.rule, d.cap, d.cancel) == (Rule.CANCEL, 29, 11)
 
 
 def test_preemptions_cut_the_cap_then_no_cut_until_in_flight_drains_to_it() -> None:
@@ -133,11 +145,12 @@ def test_shedding_cancels_whole_groups_not_yet_half_done_youngest_first_never_th
 
 def test_a_hard_trim_cancels_once_then_only_trims_until_drained() -> None:
     cap = ServerCap(CFG, ceiling=64, start=40)
-    assert cap.observe(load(0.95), inflight=40, completed=0).cancel == 11
-    again = cap.observe(load(0.97), inflight=36, completed=0)  # the cancelled requests are still leaving
+    cap.observe(load(0.5, preemptions=1), inflight=40, completed=0)
+    assert cap.observe(load(0.95, preemptions=2), inflight=40, completed=0).cancel == 11
+    again = cap.observe(load(0.97, preemptions=3), inflight=36, completed=0)  # the cancelled are still leaving
     assert (again.rule, again.cap, again.cancel) == (Rule.TRIM, 25, 0)  # floor(36 x 0.7 / 0.97)
-    cap.observe(load(0.5), inflight=25, completed=11)  # drained to the cap
-    assert cap.observe(load(0.95), inflight=25, completed=11).rule is Rule.CANCEL
+    cap.observe(load(0.5, preemptions=3), inflight=25, completed=11)  # drained to the cap
+    assert cap.observe(load(0.95, preemptions=4), inflight=25, completed=11).rule is Rule.CANCEL
 
 
 def test_a_cap_binds_when_another_group_does_not_fit() -> None:
@@ -146,3 +159,23 @@ def test_a_cap_binds_when_another_group_does_not_fit() -> None:
     grown = cap.observe(load(0.3), inflight=16, completed=21)
     assert (grown.rule, grown.cap) == (Rule.GROW, 27)  # ceil(21 x 1.25)
     assert cap.observe(load(0.3), inflight=8, completed=100).rule is Rule.HOLD  # room for three more groups
+
+
+def test_after_a_cut_on_preemptions_growth_stays_below_what_preempted_then_probes_it() -> None:
+    cfg = ConcurrencyConfig(adaptive=True, probe_after=2)
+    cap = ServerCap(cfg, ceiling=64, start=8)
+    cap.observe(load(0.3, preemptions=0), inflight=8, completed=0)
+    assert cap.observe(load(0.5, preemptions=1), inflight=8, completed=0).cap == 6  # cut: 8 in flight preempted
+    assert cap.observe(load(0.2, preemptions=1), inflight=6, completed=6).cap == 7  # grows, but below 8 ...
+    assert cap.observe(load(0.2, preemptions=1), inflight=7, completed=13).rule is Rule.HOLD  # ... and stays there
+    assert cap.observe(load(0.2, preemptions=1), inflight=7, completed=14).cap == 8  # 2 turnovers: probes 8
+    assert cap.observe(load(0.5, preemptions=2), inflight=8, completed=14).cap == 6  # it preempted: cut again,
+    cap.observe(load(0.2, preemptions=2), inflight=6, completed=20)
+    assert cap.cap == 7
+    assert cap.observe(load(0.2, preemptions=2), inflight=7, completed=41).rule is Rule.HOLD  # and 4 to wait now
+    assert cap.observe(load(0.2, preemptions=2), inflight=7, completed=42).cap == 8
+    assert cap.observe(load(0.2, preemptions=2), inflight=8, completed=78).cap == 10  # held 8 turnovers: past it
+    at_once = ServerCap(ConcurrencyConfig(adaptive=True, probe_after=0), ceiling=64, start=8)
+    at_once.observe(load(0.3), inflight=8, completed=0)
+    at_once.observe(load(0.5, preemptions=1), inflight=8, completed=0)
+    assert at_once.observe(load(0.2, preemptions=1), inflight=6, completed=6).cap == 8  # prime-rl's: straight back

@@ -67,7 +67,9 @@ async def test_a_hard_trim_asks_for_the_excess_to_be_cancelled() -> None:
     fakes, pool, cancels = setup(1)
     ctl = control(pool, cancels)
     pool.servers[0].inflight = 8
-    fakes[0].metrics_text = metrics(0.95)
+    fakes[0].metrics_text = metrics(0.5, preemptions=2)
+    await ctl.poll()  # learns the counter
+    fakes[0].metrics_text = metrics(0.95, preemptions=3)  # full, and preempting
     await ctl.poll()
     assert cancels == [(fakes[0].url, 3)]  # floor(8 x 0.7 / 0.95) = 5 kept
     assert pool.servers[0].cap == 5

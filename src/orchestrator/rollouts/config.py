@@ -29,7 +29,13 @@ class ConcurrencyConfig:
     trim_to: float = opt(0.7, gt=0, le=1, doc="the usage a trim aims at: cap = in flight x trim_to / usage")
     cancel_above: float = opt(0.9, gt=0, le=1, doc="KV usage over which the rollouts above the trimmed cap are "
                               "cancelled (whole groups not yet half done, youngest first)")
+    cancel_only_preempting: bool = opt(True, doc="cancel past cancel_above only while the server preempts (its "
+                                        "counter rose since the last poll); a full cache that does not preempt "
+                                        "is trimmed, nothing thrown away. false: cancel past cancel_above always "
+                                        "(prime-rl's rule)")
     cut_factor: float = opt(0.75, gt=0, le=0.95, doc="on preemptions or a persistent queue: cap = in flight x this")
+    probe_after: int = opt(10, ge=0, doc="turnovers after a cut on preemptions before growth may reach the cap "
+                           "that preempted again (0: at once, as prime-rl)")
     queue_polls: int = opt(2, ge=1, doc="polls in a row with requests waiting for KV capacity that make a "
                            "persistent queue")
 

@@ -60,6 +60,7 @@ class RealJob:
     max_async_level: int = 0  # 0: every step trains on rollouts of the weights the trainer saved last
     workers: int = 1  # env workers per environment
     seed: int = 0
+    concurrency: Section = field(default_factory=dict)  # [scheduler.concurrency], e.g. {"adaptive": True}
     # more keys of each env's sampling table, e.g. {"extra_body": {"ignore_eos": True}}
     sampling: Section = field(default_factory=dict)
     extra: Mapping[str, Section | Sequence[Section]] = field(default_factory=dict)  # more sections (testing.jobs)
@@ -76,7 +77,8 @@ class RealJob:
             inference={"servers": list(self.urls), "backend": "vllm", "request_timeout_s": 120.0,
                        "probe_interval_s": 0.5},
             scheduler={"batch_size": self.batch_size, "max_inflight": self.max_inflight or self.batch_size,
-                       "max_async_level": self.max_async_level, "max_off_policy_steps": self.max_async_level + 1},
+                       "max_async_level": self.max_async_level, "max_off_policy_steps": self.max_async_level + 1,
+                       "concurrency": self.concurrency},
             pipeline={"gates": []},  # every finished group trains
             env=[{"name": name, "taskset": ENVS[name], "group_size": self.group_size, "workers": self.workers,
                   "sampling": sampling} for name in self.envs],
