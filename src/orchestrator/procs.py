@@ -42,6 +42,9 @@ def die_with_parent() -> None:
         raise SystemExit(f"parent process {parent} is gone; exiting")
 
 
+STOPPED = ("T", "t")  # process_state of a process stopped by a signal (SIGSTOP) or by a debugger
+
+
 def process_state(pid: int) -> str | None:
     """The state letter of process ``pid`` in /proc (``R``, ``S``, ``D``, ``T`` stopped, ``t`` stopped by a
     debugger, ``Z``...), or None when it is gone or there is no /proc (not Linux)."""

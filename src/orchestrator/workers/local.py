@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Collection
 
-from orchestrator.procs import child_env, process_activity, process_state, terminate
+from orchestrator.procs import STOPPED, child_env, process_activity, process_state, terminate
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class LocalWorkers:
     def stopped_for(self, name: str, now: float) -> float:
         """How long ``name``'s process has been seen stopped, 0 if it is not (or /proc cannot say)."""
         proc = self.procs[name]
-        if process_state(proc.pid) not in ("T", "t"):
+        if process_state(proc.pid) not in STOPPED:
             self._stopped_since.pop(name, None)
             return 0.0
         return now - self._stopped_since.setdefault(name, now)
@@ -123,7 +123,7 @@ class LocalWorkers:
         state, activity = seen
         before = self._activity.get(name)
         self._activity[name] = activity
-        if state in ("T", "t", "Z", "X"):
+        if state in STOPPED or state in ("Z", "X"):  # stopped, or dead and not yet reaped
             return None
         if state in ("R", "D"):
             return "running" if state == "R" else "waiting on the disk"

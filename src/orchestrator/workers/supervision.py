@@ -80,14 +80,14 @@ class Supervisor:
             silent, limit = now - w.last_seen, self.silence_s if w.ready else LOAD_TIMEOUT_S
             if not w.ready or silent <= limit / 2:
                 self._excused.discard(w.name)
+                at_work = None
             else:  # sampled from half the bound on, so two looks bracket the end of the silence
                 at_work = self.procs.at_work(w.name)
-                if silent <= limit:
-                    continue
-                if at_work is not None and silent <= limit * AT_WORK_FACTOR:
-                    self._excuse(w.name, silent, at_work)
-                    continue
-            if silent > limit:
+            if silent <= limit:
+                continue
+            if at_work is not None and silent <= limit * AT_WORK_FACTOR:
+                self._excuse(w.name, silent, at_work)
+            else:
                 self._lose(w, silent)
 
     def _excuse(self, name: str, silent: float, at_work: str) -> None:
