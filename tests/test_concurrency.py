@@ -179,3 +179,13 @@ def test_after_a_cut_on_preemptions_growth_stays_below_what_preempted_then_probe
     at_once.observe(load(0.3), inflight=8, completed=0)
     at_once.observe(load(0.5, preemptions=1), inflight=8, completed=0)
     assert at_once.observe(load(0.2, preemptions=1), inflight=6, completed=6).cap == 8  # prime-rl's: straight back
+
+
+def test_preemptions_seen_while_draining_are_blamed_on_the_load_before_it() -> None:
+    # 32 in flight at one poll, 20 at the next, and a preemption between: it happened under the 32 (a sim run
+    # blamed the 20 and held the cap a group below it for the rest of the job)
+    cap = ServerCap(ConcurrencyConfig(adaptive=True, probe_after=2), ceiling=64, start=32)
+    cap.observe(load(0.5, preemptions=0), inflight=32, completed=0)
+    cut = cap.observe(load(0.5, preemptions=1), inflight=20, completed=12)
+    assert (cut.rule, cut.cap) == (Rule.PREEMPTED, 24)  # floor(32 x 0.75), not floor(20 x 0.75) = 15
+    assert cap.observe(load(0.2, preemptions=1), inflight=24, completed=36).cap == 30  # below 32, not below 20

@@ -14,7 +14,8 @@ Measured over each pass's steady state (from the end of its first third of steps
 rollouts/s of the rollouts trained (rollouts.jsonl's ok rows of those steps over that wall time: a rollout the
 controller cancelled is work lost, counted as ``cancelled``), and the preemption rate: the server's
 ``vllm:num_preemptions_total`` over the window (read every 0.2 s from its ``/metrics``) per generate request
-(the rows' turns). Prints ``adaptive_to_best_static`` and ``adaptive_to_worst_static`` (tokens/s ratios;
+(the rows' turns), and how full the setting kept the cache (``kv_usage_mean`` and ``kv_usage_p90`` of the same
+readings). Prints ``adaptive_to_best_static`` and ``adaptive_to_worst_static`` (tokens/s ratios;
 targets >= 0.9 and >= 1.5), ``adaptive_to_best_unpreempted_static`` (against the best static cap whose
 preemption rate kept within PREEMPTION_BUDGET) and ``steady_preemption_rate`` (adaptive; target <= 0.01).
 ``--json``: one JSON object as the last line.
@@ -38,7 +39,7 @@ import aiohttp
 import orjson
 
 from orchestrator.cli import run_async
-from orchestrator.inference.load import parse_load
+from orchestrator.inference.load import ServerLoad, parse_load
 from orchestrator.sim.process import sim_process
 from orchestrator.testing.jobs import write_job_toml
 
@@ -69,9 +70,9 @@ def setting(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with a TOML value ({e})") from None
 
 
-async def preemptions(http: aiohttp.ClientSession, url: str) -> int:
+async def load(http: aiohttp.ClientSession, url: str) -> ServerLoad:
     async with http.get(url.removesuffix("/v1") + "/metrics") as resp:
-        return parse_load(await resp.text()).preemptions
+        return parse_load(await resp.text())
 
 
 async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: int, adaptive: bool
@@ -90,11 +91,11 @@ async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: 
                           pipeline={"gates": []}, env=[guess_env(args.max_tokens)])
     cfg = load_config(path)
     marks: list[float] = []  # wall time at each step's end
-    polled: list[tuple[float, int]] = []
+    polled: list[tuple[float, ServerLoad]] = []
     async with aiohttp.ClientSession() as http:
         async def poll() -> None:
             while True:
-                polled.append((time.perf_counter(), await preemptions(http, url)))
+                polled.append((time.perf_counter(), await load(http, url)))
                 await asyncio.sleep(0.2)
 
         async with Orchestrator.open(cfg) as orch:
@@ -109,14 +110,16 @@ async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: 
     t0, t1 = marks[first - 1], marks[-1]
     rows = [orjson.loads(line) for line in (Path(cfg.run.output_dir) / "rollouts.jsonl").read_bytes().splitlines()]
     window = [r for r in rows if r["step"] >= first]
-    before = max((p for t, p in polled if t <= t0), default=polled[0][1])
-    after = max(p for _, p in polled)
+    before = max((p.preemptions for t, p in polled if t <= t0), default=polled[0][1].preemptions)
+    after = max(p.preemptions for _, p in polled)
+    usage = sorted(p.usage for t, p in polled if t0 <= t <= t1)  # how full this cap kept the cache
     trained = [r for r in window if r["ok"]]  # a cancelled (kv_pressure) rollout's tokens are work thrown away
     requests = sum(r.get("turns") or 0 for r in window)
     return {"tokens_per_s": sum(r["tokens"] for r in trained) / (t1 - t0),
             "rollouts_per_s": len(trained) / (t1 - t0), "preemptions": after - before,
             "requests": requests, "preemption_rate": (after - before) / max(requests, 1),
-            "cancelled": sum(r["failure"] == "kv_pressure" for r in window)}
+            "cancelled": sum(r["failure"] == "kv_pressure" for r in window),
+            "kv_usage_mean": statistics.fmean(usage), "kv_usage_p90": usage[int(0.9 * (len(usage) - 1))]}
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -131,7 +134,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     results[name].append(got)
                     print(f"{name} (pass {rep + 1}): {got['tokens_per_s']:.0f} tokens/s, "
                           f"{got['rollouts_per_s']:.2f} rollouts/s, preemptions {got['preemptions']} of "
-                          f"{got['requests']} requests, {got['cancelled']} rollouts cancelled", file=sys.stderr)
+                          f"{got['requests']} requests, {got['cancelled']} rollouts cancelled, KV usage mean "
+                          f"{got['kv_usage_mean']:.2f} p90 {got['kv_usage_p90']:.2f}", file=sys.stderr)
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
     statics = [med[name]["tokens_per_s"] for name, _, adaptive in settings if not adaptive]
     # the best static cap that kept to the preemption budget: what a user tuning by hand for no preemption gets

@@ -17,8 +17,9 @@ module constants there):
    cache): against a real vLLM with 15 free blocks, cancelling at every full poll threw away 26 of 80 rollouts
    in a job where the static cap preempted nothing (tests/real/test_vllm_concurrency.py).
 2. **Preemptions** since the last poll, or a **persistent queue** (requests waiting for KV capacity in
-   ``queue_polls`` polls in a row): cut the cap to ``cut_factor`` x what is in flight, then no further cut until
-   the in-flight count has drained to the cap: the overload seen while draining is the old cap's.
+   ``queue_polls`` polls in a row): cut the cap to ``cut_factor`` x what is in flight (for preemptions: the
+   most in flight at this poll or the last, the load they happened under), then no further cut until the
+   in-flight count has drained to the cap: the overload seen while draining is the old cap's.
 3. **Soft** (KV usage above ``trim_above``): the cap is trimmed to hold the cache at ``trim_to``; admission
    closes and completions drain it. Nothing is cancelled.
 4. **Growth**: while KV usage is below ``grow_below``, nothing waits, and the cap binds (as many in flight as it
@@ -81,6 +82,7 @@ class ServerCap:
         self.draining = False  # after a cut: no further cut until in flight <= cap
         self._preemptions: int | None = None  # the server's counter at the last poll
         self._queued_polls = 0
+        self._inflight = 0  # in flight at the last poll
         self._completed_at_growth = 0
         # after a cut on preemptions: (the in-flight count that preempted, completions then, turnovers to wait)
         self._hurt: tuple[int, int, int] | None = None
@@ -96,6 +98,9 @@ class ServerCap:
         return self.last.cap
 
     def _decide(self, load: ServerLoad | None, inflight: int, completed: int) -> Decision:
+        # preemptions since the last poll happened under the in-flight count then or now, whichever is more:
+        # blaming what was left after a drain held a simulated job's cap a group low to its end
+        peak, self._inflight = max(inflight, self._inflight), inflight
         if load is None:
             self._preemptions, self._queued_polls = None, 0
             return Decision(Rule.UNREADABLE, self.ceiling)
@@ -113,10 +118,10 @@ class ServerCap:
         if (preempted or self._queued_polls >= cfg.queue_polls) and not self.draining:
             self.draining = True
             self._queued_polls = 0
-            cap = self._clamp(math.floor(max(inflight, cfg.min_per_server) * cfg.cut_factor))
+            cap = self._clamp(math.floor(max(peak if preempted else inflight, cfg.min_per_server) * cfg.cut_factor))
             if preempted:  # preempting again while the last one is remembered (a probe failed): wait twice as long
                 wait = cfg.probe_after if self._hurt is None else min(2 * self._hurt[2], 8 * cfg.probe_after)
-                self._hurt = (max(inflight, 1), completed, wait)
+                self._hurt = (max(peak, 1), completed, wait)
             return Decision(Rule.PREEMPTED if preempted else Rule.QUEUED, min(cap, self.cap))
         if load.usage > cfg.trim_above:
             return Decision(Rule.TRIM, min(self._trimmed(inflight, load.usage), self.cap))
