@@ -31,14 +31,16 @@ import statistics
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import orjson
 
 from orchestrator.cli import run_async
+from orchestrator.config import JobConfig, load_config
+from orchestrator.errors import ConfigError
 from orchestrator.inference.load import ServerLoad, parse_load
 from orchestrator.sim.process import sim_process
 from orchestrator.testing.jobs import write_job_toml
@@ -59,37 +61,31 @@ def kv_flags(args: argparse.Namespace) -> list[str]:
             str(args.kv_tokens), "--seed", "0"]
 
 
-def setting(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` (VALUE in TOML) as a pair; the job's config checks the key and the value."""
-    key, sep, value = text.partition("=")
-    try:
-        if not sep:
-            raise ValueError("no '='")
-        return key.strip(), tomllib.loads(f"v = {value}")["v"]
-    except (ValueError, tomllib.TOMLDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE with a TOML value ({e})") from None
-
-
 async def load(http: aiohttp.ClientSession, url: str) -> ServerLoad:
     async with http.get(url.removesuffix("/v1") + "/metrics") as resp:
         return parse_load(await resp.text())
 
 
-async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: int, adaptive: bool
-                   ) -> dict[str, Any]:
-    from orchestrator.app import Orchestrator
-    from orchestrator.config import load_config
-    from orchestrator.trainer.reference import ReferenceTrainer
-
+def job_config(url: str, out: Path, args: argparse.Namespace, max_inflight: int, adaptive: bool) -> JobConfig:
+    """One pass's job; the adaptive one with ``--set`` applied as ``orchestrator run --set`` would (ConfigError)."""
     steps, batch = args.steps, args.batch
-    concurrency = {"adaptive": True, "poll_s": 0.5, **args.setting} if adaptive else {}
+    concurrency = {"adaptive": True, "poll_s": 0.5} if adaptive else {}
     path = write_job_toml(out, run={"name": "bench", "max_steps": steps},
                           inference={"servers": [url], "request_timeout_s": 600.0},
                           scheduler={"batch_size": batch, "max_inflight": max_inflight, "max_async_level": 2,
                                      "max_off_policy_steps": 4, "max_buffered_rollouts": 4 * max(batch, max_inflight),
                                      "concurrency": concurrency},
                           pipeline={"gates": []}, env=[guess_env(args.max_tokens)])
-    cfg = load_config(path)
+    return load_config(path, [f"scheduler.concurrency.{s}" for s in args.setting] if adaptive else ())
+
+
+async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: int, adaptive: bool
+                   ) -> dict[str, Any]:
+    from orchestrator.app import Orchestrator
+    from orchestrator.trainer.reference import ReferenceTrainer
+
+    steps = args.steps
+    cfg = job_config(url, out, args, max_inflight, adaptive)
     marks: list[float] = []  # wall time at each step's end
     polled: list[tuple[float, ServerLoad]] = []
     async with aiohttp.ClientSession() as http:
@@ -112,14 +108,14 @@ async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: 
     window = [r for r in rows if r["step"] >= first]
     before = max((p.preemptions for t, p in polled if t <= t0), default=polled[0][1].preemptions)
     after = max(p.preemptions for _, p in polled)
-    usage = sorted(p.usage for t, p in polled if t0 <= t <= t1)  # how full this cap kept the cache
+    usage = [p.usage for t, p in polled if t0 <= t <= t1]  # how full this cap kept the cache
     trained = [r for r in window if r["ok"]]  # a cancelled (kv_pressure) rollout's tokens are work thrown away
     requests = sum(r.get("turns") or 0 for r in window)
     return {"tokens_per_s": sum(r["tokens"] for r in trained) / (t1 - t0),
             "rollouts_per_s": len(trained) / (t1 - t0), "preemptions": after - before,
             "requests": requests, "preemption_rate": (after - before) / max(requests, 1),
             "cancelled": sum(r["failure"] == "kv_pressure" for r in window),
-            "kv_usage_mean": statistics.fmean(usage), "kv_usage_p90": usage[int(0.9 * (len(usage) - 1))]}
+            "kv_usage_mean": statistics.fmean(usage), "kv_usage_p90": float(np.percentile(usage, 90))}
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,13 +164,17 @@ def main() -> None:
     p.add_argument("--kv-tokens", type=int, default=8192, help="the sim server's KV cache (tokens; default 8192)")
     p.add_argument("--step-ms", type=float, default=5.0, help="one decode iteration of the sim server (default 5)")
     p.add_argument("--prefill-ms-per-1k", type=float, default=50.0, help="(re)computing 1k tokens of context")
-    p.add_argument("--set", dest="setting", action="append", type=setting, default=[], metavar="KEY=VALUE",
-                   help="a [scheduler.concurrency] setting for the adaptive passes, VALUE in TOML "
-                        "(e.g. --set trim_above=0.9); repeatable")
+    p.add_argument("--set", dest="setting", action="append", default=[], metavar="KEY=VALUE",
+                   help="a [scheduler.concurrency] setting for the adaptive passes, as orchestrator run --set "
+                        "scheduler.concurrency.KEY=VALUE takes it (e.g. --set trim_above=0.9); repeatable")
     p.add_argument("--quick", action="store_true", help="one repeat of 6 steps: does it run")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args()
-    args.setting = dict(args.setting)
+    with tempfile.TemporaryDirectory() as tmp:  # a bad --set is said now, not after the static passes
+        try:
+            job_config("http://127.0.0.1:1/v1", Path(tmp), args, max(args.static), True)
+        except ConfigError as e:
+            p.error(str(e))
     if args.quick:
         args.repeats, args.steps = 1, 6
     result = run_async(main_async(args))
