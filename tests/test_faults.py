@@ -233,7 +233,12 @@ def check_delivery_and_memory(run: Run, steps: int) -> None:
     assert [{**m, "phase_s": None} for m in run.metrics] == [{**m, "phase_s": None} for m in run.watch.metrics]
     assert not run.bad_batches
     rss = [m["rss_mb"] for m in run.metrics]
-    assert max(rss[2:]) - rss[1] < RSS_STEP_GROWTH_MB, f"RSS per step {rss}"
+    # A leak raises the floor step over step; a one-step peak that is given back is not one (CI saw step 2 of 14
+    # read 58 MB over its neighbours, then return to them). So: the floor of the last two steps against the early
+    # floor, and any peak against the job's whole bound.
+    early = min(rss[1:max(2, steps // 2)])
+    assert min(rss[-2:]) - early < RSS_STEP_GROWTH_MB, f"RSS per step {rss}"
+    assert max(rss[1:]) - early < RSS_JOB_GROWTH_MB, f"RSS per step {rss}"
     assert run.rss_after - run.rss_before < RSS_JOB_GROWTH_MB, (run.rss_before, run.rss_after)
 
 
