@@ -45,10 +45,14 @@ def test_growth_stops_at_the_ceiling() -> None:
     assert cap.observe(load(0.1), inflight=9, completed=100).rule is Rule.HOLD
 
 
-def test_soft_trim_aims_at_trim_to_and_cancels_nothing() -> None:
+def test_soft_trim_closes_admission_at_what_is_in_flight_and_cancels_nothing() -> None:
+    """Not trimmed to trim_to: a reading past trim_above is often the peak of rollouts about to finish (a simulated
+    job's usage swung 0.05-0.95 between polls at a steady cap), and sizing the cap from it cut a group each time."""
     cap = ServerCap(CFG, ceiling=64, start=40)
-    d = cap.observe(load(0.85), inflight=40, completed=0)
-    assert (d.rule, d.cap, d.cancel) == (Rule.TRIM, 32, 0)  # floor(40 x 0.7 / 0.85)
+    d = cap.observe(load(0.85), inflight=36, completed=0)
+    assert (d.rule, d.cap, d.cancel) == (Rule.TRIM, 36, 0)
+    assert cap.observe(load(0.85), inflight=38, completed=0).cap == 36  # never raised
+    assert cap.observe(load(0.3), inflight=30, completed=0).cap == 36  # nor lowered by completions
 
 
 def test_hard_trim_cancels_the_excess_over_what_the_cache_holds() -> None:
@@ -62,8 +66,8 @@ def test_a_full_cache_that_does_not_preempt_is_trimmed_not_cancelled_unless_aske
     """vLLM queues what does not fit: throwing work away helps only while it preempts."""
     cap = ServerCap(CFG, ceiling=64, start=40)
     cap.observe(load(0.5, preemptions=3), inflight=40, completed=0)
-    d = cap.observe(load(0.95, preemptions=3), inflight=40, completed=0)
-    assert (d.rule, d.cap, d.cancel) == (Rule.TRIM, 29, 0)
+    d = cap.observe(load(0.95, preemptions=3), inflight=38, completed=0)
+    assert (d.rule, d.cap, d.cancel) == (Rule.TRIM, 38, 0)
     always = ServerCap(ConcurrencyConfig(adaptive=True, cancel_only_preempting=False), ceiling=64, start=40)
     d = always.observe(load(0.95), inflight=40, completed=0)  # prime-rl's rule: at any full cache
     assert (d.rule, d.cap, d.cancel) == (Rule.CANCEL, 29, 11)
@@ -82,17 +86,33 @@ def test_preemptions_cut_the_cap_then_no_cut_until_in_flight_drains_to_it() -> N
 
 def test_a_queue_cuts_only_when_it_persists() -> None:
     cap = ServerCap(CFG, ceiling=64, start=20)
-    assert cap.observe(load(0.5, waiting=4, capacity_waiting=3), inflight=20, completed=0).rule is Rule.HOLD
-    assert cap.observe(load(0.5, waiting=4, capacity_waiting=0), inflight=20, completed=0).rule is Rule.HOLD
-    assert cap.observe(load(0.5, waiting=2, capacity_waiting=2), inflight=20, completed=0).rule is Rule.HOLD
-    d = cap.observe(load(0.5, waiting=2, capacity_waiting=2), inflight=20, completed=0)
+    busy = 0.7  # over grow_below, under trim_above: only the queue rule can act
+    assert cap.observe(load(busy, waiting=4, capacity_waiting=3), inflight=20, completed=0).rule is Rule.HOLD
+    assert cap.observe(load(busy, waiting=4, capacity_waiting=0), inflight=20, completed=0).rule is Rule.HOLD
+    assert cap.observe(load(busy, waiting=2, capacity_waiting=2), inflight=20, completed=0).rule is Rule.HOLD
+    d = cap.observe(load(busy, waiting=2, capacity_waiting=2), inflight=20, completed=0)
     assert (d.rule, d.cap) == (Rule.QUEUED, 15)
 
 
 def test_without_a_breakdown_by_reason_every_waiting_request_counts() -> None:
     cap = ServerCap(CFG, ceiling=64, start=20)
-    cap.observe(load(0.5, waiting=1), inflight=20, completed=0)
-    assert cap.observe(load(0.5, waiting=1), inflight=20, completed=0).rule is Rule.QUEUED
+    cap.observe(load(0.7, waiting=1), inflight=20, completed=0)
+    assert cap.observe(load(0.7, waiting=1), inflight=20, completed=0).rule is Rule.QUEUED
+
+
+@pytest.mark.parametrize(("usage", "running", "waiting"), [
+    (0.05, 1, 3),  # a clear cache: requests that arrived between two engine iterations (seen at usage 0.01-0.16
+                   # in a simulated job, cutting its cap a group at a time)
+    (0.7, 12, 6),  # a busy cache, but no more waiting than queue_ratio (0.5) x running
+])
+def test_waiting_requests_are_not_a_capacity_queue_unless_the_cache_is_busy_and_they_are_many(
+        usage: float, running: int, waiting: int) -> None:
+    cap = ServerCap(CFG, ceiling=64, start=20)
+    for _ in range(3 * CFG.queue_polls):
+        assert cap.observe(load(usage, running=running, waiting=waiting), inflight=20, completed=0).rule is Rule.HOLD
+    d = cap.observe(load(0.7, running=running, waiting=waiting + 1), inflight=20, completed=0)
+    assert d.rule is Rule.HOLD  # the first poll of a queue that counts
+    assert cap.observe(load(0.7, running=running, waiting=running), inflight=20, completed=0).rule is Rule.QUEUED
 
 
 def test_an_unreadable_server_keeps_the_static_cap_and_relearns_its_counter() -> None:
@@ -107,7 +127,8 @@ def test_an_unreadable_server_keeps_the_static_cap_and_relearns_its_counter() ->
 def test_no_cut_goes_below_the_floor() -> None:
     cfg = ConcurrencyConfig(adaptive=True, min_per_server=4)
     cap = ServerCap(cfg, ceiling=64, start=5)
-    assert cap.observe(load(0.99), inflight=5, completed=0).cap == 4
+    cap.observe(load(0.5, preemptions=1), inflight=5, completed=0)
+    assert cap.observe(load(0.5, preemptions=2), inflight=5, completed=0).cap == 4  # not floor(5 x 0.75) = 3
     cap = ServerCap(cfg, ceiling=64, start=1)
     assert cap.cap == 4
 
@@ -148,9 +169,9 @@ def test_a_hard_trim_cancels_once_then_only_trims_until_drained() -> None:
     cap.observe(load(0.5, preemptions=1), inflight=40, completed=0)
     assert cap.observe(load(0.95, preemptions=2), inflight=40, completed=0).cancel == 11
     again = cap.observe(load(0.97, preemptions=3), inflight=36, completed=0)  # the cancelled are still leaving
-    assert (again.rule, again.cap, again.cancel) == (Rule.TRIM, 25, 0)  # floor(36 x 0.7 / 0.97)
-    cap.observe(load(0.5, preemptions=3), inflight=25, completed=11)  # drained to the cap
-    assert cap.observe(load(0.95, preemptions=4), inflight=25, completed=11).rule is Rule.CANCEL
+    assert (again.rule, again.cap, again.cancel) == (Rule.TRIM, 29, 0)
+    cap.observe(load(0.5, preemptions=3), inflight=29, completed=11)  # drained to the cap
+    assert cap.observe(load(0.95, preemptions=4), inflight=29, completed=11).rule is Rule.CANCEL
 
 
 def test_a_cap_binds_when_another_group_does_not_fit() -> None:

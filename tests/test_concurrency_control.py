@@ -48,14 +48,13 @@ async def test_each_server_gets_its_own_cap_from_its_own_cache() -> None:
     fakes, pool, cancels = setup()
     ctl = control(pool, cancels)
     assert [s.cap for s in pool.servers] == [8, 8]
-    for s in pool.servers:
-        s.inflight = 8
+    pool.servers[0].inflight, pool.servers[1].inflight = 8, 6
     fakes[0].metrics_text = metrics(0.3)
     fakes[1].metrics_text = metrics(0.85)
     await ctl.poll()
     ctl.done(pool.servers[0], 8)
     await ctl.poll()
-    assert [s.cap for s in pool.servers] == [10, 6]  # grew once (8 completions); trimmed to floor(8 x 0.7 / 0.85)
+    assert [s.cap for s in pool.servers] == [10, 6]  # grew once (8 completions); admission closed at its 6
     snap = ctl.snapshot()
     assert snap[fakes[0].url]["rule"] == "grow"
     assert snap[fakes[1].url] == {"cap": 6, "rule": "trim", "cancel_asked": 0, "kv_usage": 0.85, "waiting": 0,

@@ -16,12 +16,17 @@ module constants there):
    blocks are free), so it is trimmed, not cancelled (``cancel_only_preempting``; prime-rl cancels at any full
    cache): against a real vLLM with 15 free blocks, cancelling at every full poll threw away 26 of 80 rollouts
    in a job where the static cap preempted nothing (tests/real/test_vllm_concurrency.py).
-2. **Preemptions** since the last poll, or a **persistent queue** (requests waiting for KV capacity in
-   ``queue_polls`` polls in a row): cut the cap to ``cut_factor`` x what is in flight (for preemptions: the
-   most in flight at this poll or the last, the load they happened under), then no further cut until the
-   in-flight count has drained to the cap: the overload seen while draining is the old cap's.
-3. **Soft** (KV usage above ``trim_above``): the cap is trimmed to hold the cache at ``trim_to``; admission
-   closes and completions drain it. Nothing is cancelled.
+2. **Preemptions** since the last poll, or a **persistent queue** (``queue_polls`` polls in a row with KV usage at
+   least ``grow_below`` and more requests waiting for capacity than ``queue_ratio`` x those running: a request
+   that arrived between two engine iterations waits at any load, and is no sign of a full cache): cut the cap
+   to ``cut_factor`` x what is in flight (for preemptions: the most in flight at this poll or the last, the load
+   they happened under), then no further cut until the in-flight count has drained to the cap: the overload
+   seen while draining is the old cap's.
+3. **Soft** (KV usage above ``trim_above``): admission closes: the cap becomes what is in flight (never raised).
+   Nothing is cancelled, and the cap is not sized from this reading: a poll past ``trim_above`` is often the
+   peak of rollouts about to finish (usage swung 0.05-0.95 between polls of a simulated job at a steady cap),
+   and trimming to ``trim_to`` there cut the cap a group at a time, to 0.81 of the best static cap's
+   throughput. What grows past it in place ends in preemptions (a cut) or a full cache that preempts (hard).
 4. **Growth**: while KV usage is below ``grow_below``, nothing waits, and the cap binds (as many in flight as it
    allows), the cap grows by ``grow_factor`` once per turnover (as many completions on the server as the cap
    since the last growth). After a cut on preemptions it stays below the in-flight count that preempted for
@@ -108,9 +113,10 @@ class ServerCap:
             self.draining = False
         preempted = self._preemptions is not None and load.preemptions > self._preemptions
         self._preemptions = load.preemptions
-        waiting = load.waiting_for_capacity if load.waiting_for_capacity is not None else load.waiting
-        self._queued_polls = self._queued_polls + 1 if waiting > 0 else 0
         cfg = self.cfg
+        waiting = load.waiting_for_capacity if load.waiting_for_capacity is not None else load.waiting
+        queued = load.usage >= cfg.grow_below and waiting > cfg.queue_ratio * load.running
+        self._queued_polls = self._queued_polls + 1 if queued else 0
         if load.usage > cfg.cancel_above and not self.draining and (preempted or not cfg.cancel_only_preempting):
             self.draining = True  # the cancelled requests leave the cache by the next poll; wait for that
             target = self._trimmed(inflight, load.usage)
@@ -124,7 +130,7 @@ class ServerCap:
                 self._hurt = (max(peak, 1), completed, wait)
             return Decision(Rule.PREEMPTED if preempted else Rule.QUEUED, min(cap, self.cap))
         if load.usage > cfg.trim_above:
-            return Decision(Rule.TRIM, min(self._trimmed(inflight, load.usage), self.cap))
+            return Decision(Rule.TRIM, min(max(inflight, cfg.min_per_server), self.cap))
         if self._grows(load, inflight, completed, waiting) and (grown := self._grown(completed)) > self.cap:
             self._completed_at_growth = completed
             return Decision(Rule.GROW, grown)

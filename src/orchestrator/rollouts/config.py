@@ -25,8 +25,9 @@ class ConcurrencyConfig:
     min_per_server: int = opt(1, ge=1, doc="no cut goes below this many rollouts per server")
     grow_below: float = opt(0.6, gt=0, le=1, doc="KV usage under which a binding cap may grow")
     grow_factor: float = opt(1.25, gt=1, le=4, doc="growth per turnover (as many completions as the cap)")
-    trim_above: float = opt(0.8, gt=0, le=1, doc="KV usage over which admission closes and the cap is trimmed")
-    trim_to: float = opt(0.7, gt=0, le=1, doc="the usage a trim aims at: cap = in flight x trim_to / usage")
+    trim_above: float = opt(0.8, gt=0, le=1, doc="KV usage over which admission closes (the cap becomes what is "
+                            "in flight)")
+    trim_to: float = opt(0.7, gt=0, le=1, doc="the usage a hard trim aims at: cap = in flight x trim_to / usage")
     cancel_above: float = opt(0.9, gt=0, le=1, doc="KV usage over which the rollouts above the trimmed cap are "
                               "cancelled (whole groups not yet half done, youngest first)")
     cancel_only_preempting: bool = opt(True, doc="cancel past cancel_above only while the server preempts (its "
@@ -36,8 +37,11 @@ class ConcurrencyConfig:
     cut_factor: float = opt(0.75, gt=0, le=0.95, doc="on preemptions or a persistent queue: cap = in flight x this")
     probe_after: int = opt(10, ge=0, doc="turnovers after a cut on preemptions before growth may reach the cap "
                            "that preempted again (0: at once, as prime-rl)")
-    queue_polls: int = opt(2, ge=1, doc="polls in a row with requests waiting for KV capacity that make a "
+    queue_polls: int = opt(2, ge=1, doc="polls in a row with a capacity queue (see queue_ratio) that make a "
                            "persistent queue")
+    queue_ratio: float = opt(0.5, ge=0, doc="a poll has a capacity queue when its KV usage is at least grow_below "
+                             "and more requests wait for capacity than this x those running (0: any waiting "
+                             "request; one that arrived between two engine iterations waits too, at any load)")
 
     def problems(self, key: str, source: Source) -> Iterable[str]:
         """What is wrong across fields (each field's own bounds are checked by the loader)."""
