@@ -130,7 +130,7 @@ class ServerCap:
                 self._hurt = (max(peak, 1), completed, wait)
             return Decision(Rule.PREEMPTED if preempted else Rule.QUEUED, min(cap, self.cap))
         if load.usage > cfg.trim_above:
-            return Decision(Rule.TRIM, min(max(inflight, cfg.min_per_server), self.cap))
+            return Decision(Rule.TRIM, min(self._clamp(inflight), self.cap))
         if self._grows(load, inflight, completed, waiting) and (grown := self._grown(completed)) > self.cap:
             self._completed_at_growth = completed
             return Decision(Rule.GROW, grown)
