@@ -17,11 +17,11 @@ import sys
 
 import numpy as np
 
-from orchestrator.columns.manifest import build_manifest, encode_manifest
 from orchestrator.columns.memfd import serve_pool
 from orchestrator.columns.samples import Sample
 from orchestrator.columns.store import ColumnStore, rollout_layout
-from orchestrator.workers.protocol import PoolInfo, RolloutHeader, RolloutRecord
+from orchestrator.contracts.manifest import build_manifest, encode_manifest
+from orchestrator.contracts.protocol import PoolInfo, RolloutHeader, RolloutRecord
 
 WORKER = "peer-worker"
 

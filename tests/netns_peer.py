@@ -38,7 +38,7 @@ import numpy.typing as npt
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from orchestrator.delivery.link import ckpt_address
+from orchestrator.contracts.link import ckpt_address
 from orchestrator.security import (
     HANDSHAKE_FAILED,
     ClientKeys,
@@ -109,7 +109,7 @@ def raw_connection(address: str) -> socket.socket:
 
 
 def intrude_workers(address: str, keys: ClientKeys | None) -> None:
-    from orchestrator.workers.protocol import Fatal, Hello, Ready, Records, RolloutHeader, pack
+    from orchestrator.contracts.protocol import Fatal, Hello, Ready, Records, RolloutHeader, pack
 
     with raw_connection(address) as raw:
         raw.sendall(b"\xff" * 64 + bytes(range(256)))

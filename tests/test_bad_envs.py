@@ -25,7 +25,7 @@ import pytest
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import load_config
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.testing.jobs import Section, write_job_toml
 from orchestrator.testing.procs import processes_mentioning
 from orchestrator.testing.sim import sim_servers

@@ -26,7 +26,7 @@ import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.delivery.link import ckpt_address
+from orchestrator.contracts.link import ckpt_address
 from orchestrator.errors import WireError
 from orchestrator.testing.links import RawLink, raw_link
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver, decode, encode, encode_step

@@ -1,4 +1,4 @@
-"""Which checkpoint directories can be loaded (weights/checkpoint_files.py), what ``check --servers`` says of a
+"""Which checkpoint directories can be loaded (inference/checkpoint_files.py), what ``check --servers`` says of a
 ``weights_path`` template, and the reference trainer's checkpoints: real files, each loadable, appearing whole."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.inference.checkpoint_files import weights_path_report, why_unloadable
 from orchestrator.policy import FILE, Policy
 from orchestrator.trainer.learner import PolicyLearner
 from orchestrator.trainer.reference import ReferenceTrainer
-from orchestrator.weights.checkpoint_files import weights_path_report, why_unloadable
 
 
 def safetensors(path: Path, data: int = 16, *, cut: int = 0) -> Path:

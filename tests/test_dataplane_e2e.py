@@ -16,9 +16,9 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.columns.direct import DirectPlane
 from orchestrator.config import JobConfig
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
+from orchestrator.dataplane.direct import DirectPlane
 from orchestrator.sim.server import Faults
 from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.procs import wait_until

@@ -1,5 +1,5 @@
 """Across nodes, the building block: an env worker's span server and the trainer library's fetch, over loopback
-TCP, with and without CURVE keys (columns/fetch.py)."""
+TCP, with and without CURVE keys (trainer/fetch.py)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import zmq
 
-from orchestrator.columns.fetch import SpanClient, SpanServer, _request, fetch_spans
 from orchestrator.columns.layout import span_layout
-from orchestrator.columns.manifest import StepManifest, build_manifest
-from orchestrator.columns.reader import PoolMaps, PoolsLost, StepView
 from orchestrator.columns.store import ColumnStore
+from orchestrator.contracts.manifest import StepManifest, build_manifest
+from orchestrator.contracts.protocol import PoolInfo
 from orchestrator.errors import WireError
 from orchestrator.security import ServerKeys
 from orchestrator.testing.keys import make_key_set
-from orchestrator.workers.protocol import PoolInfo
+from orchestrator.trainer.fetch import SpanClient, SpanServer, _request, fetch_spans
+from orchestrator.trainer.reader import PoolMaps, PoolsLost, StepView
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dataplane_peer import WORKER, peer_samples, record

@@ -14,11 +14,8 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.columns.layout import SpanLoc, span_layout
-from orchestrator.errors import Failure
-from orchestrator.testing.procs import wait_until
-from orchestrator.workers.events import PoolGone, RecordsIn
-from orchestrator.workers.hub import WorkerHub
-from orchestrator.workers.protocol import (
+from orchestrator.contracts.events import PoolGone, RecordsIn
+from orchestrator.contracts.protocol import (
     Assign,
     Cancel,
     EnvSpec,
@@ -33,6 +30,9 @@ from orchestrator.workers.protocol import (
     decode_orchestrator_message,
     pack,
 )
+from orchestrator.errors import Failure
+from orchestrator.hub.hub import WorkerHub
+from orchestrator.testing.procs import wait_until
 
 WAIT_S = 60.0  # a hang guard: every wait below ends on a message
 SETUP = Setup([EnvSpec("e", "orchestrator-arithmetic")], "sim-model", "unused")

@@ -14,15 +14,15 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from orchestrator.columns.manifest import StepManifest, build_manifest
 from orchestrator.columns.memfd import serve_pool
-from orchestrator.columns.reader import StepView
 from orchestrator.columns.store import ColumnStore
-from orchestrator.delivery.reports import LostStep
+from orchestrator.contracts.manifest import StepManifest, build_manifest
+from orchestrator.contracts.protocol import PoolInfo, RolloutRecord
+from orchestrator.contracts.reports import LostStep
 from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.testing.procs import wait_until
+from orchestrator.trainer.reader import StepView
 from orchestrator.trainer.receiver import BatchReceiver, Received, SyncBatchReceiver
-from orchestrator.workers.protocol import PoolInfo, RolloutRecord
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dataplane_peer import WORKER, peer_samples, record

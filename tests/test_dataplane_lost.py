@@ -16,11 +16,11 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.columns.direct import DirectPlane
-from orchestrator.columns.reader import StepView
+from orchestrator.dataplane.direct import DirectPlane
 from orchestrator.sim.server import Faults
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
+from orchestrator.trainer.reader import StepView
 from orchestrator.trainer.receiver import BatchReceiver
 from orchestrator.trainer.reference import ReferenceTrainer, save_initial_checkpoint
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps

@@ -10,15 +10,15 @@ import msgspec
 import pytest
 
 from orchestrator.columns.layout import ALIGN, RoutedDtype, SpanLoc, span_layout
-from orchestrator.columns.manifest import (
+from orchestrator.contracts.manifest import (
     MAX_MANIFEST_BYTES,
     StepManifest,
     build_manifest,
     decode_manifest,
     encode_manifest,
 )
+from orchestrator.contracts.protocol import PoolInfo, RolloutHeader, RolloutRecord
 from orchestrator.errors import WireError
-from orchestrator.workers.protocol import PoolInfo, RolloutHeader, RolloutRecord
 
 POOLS = {"w0": PoolInfo(id="p0", size=1 << 20, host="node-a", path="/run/job/pools/w0.pool"),
          "w1": PoolInfo(id="p1", size=1 << 20, host="node-a", path="/run/job/pools/w1.pool")}

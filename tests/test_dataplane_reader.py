@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 from orchestrator.columns.layout import span_layout
-from orchestrator.columns.manifest import StepManifest, build_manifest, decode_manifest
-from orchestrator.columns.reader import PoolMaps, PoolsLost, StepView
 from orchestrator.columns.store import ColumnStore
+from orchestrator.contracts.manifest import StepManifest, build_manifest, decode_manifest
+from orchestrator.contracts.protocol import PoolInfo
 from orchestrator.errors import WireError
 from orchestrator.trainer.packing import pack
-from orchestrator.workers.protocol import PoolInfo
+from orchestrator.trainer.reader import PoolMaps, PoolsLost, StepView
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dataplane_peer import WORKER, peer_samples, record
@@ -210,14 +210,14 @@ async def test_a_worker_that_renews_its_pool_is_mapped_again_and_the_old_mapping
         maps.close()
 
 
-@pytest.mark.parametrize("first", ["orchestrator.columns.reader", "orchestrator.columns.store",
+@pytest.mark.parametrize("first", ["orchestrator.trainer.reader", "orchestrator.columns.store",
                                    "orchestrator.trainer.receiver", "orchestrator.columns.memfd"])
 def test_the_trainer_library_imports_in_any_order(first: str) -> None:
     """The receiver imports the reader, and the reader uses transport's memfd and wire: whichever a trainer
     imports first, in a fresh interpreter, the import works (no module needs another loaded before it)."""
     import subprocess
 
-    code = f"import {first}; from orchestrator.transport import BatchReceiver; from orchestrator.columns.reader " \
+    code = f"import {first}; from orchestrator.transport import BatchReceiver; from orchestrator.trainer.reader " \
            "import PoolMaps"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, check=False)

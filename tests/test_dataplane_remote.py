@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.columns.reader import StepView
 from orchestrator.testing.procs import Process, orchestrator_process
 from orchestrator.testing.sim import sim_servers
+from orchestrator.trainer.reader import StepView
 from orchestrator.trainer.receiver import BatchReceiver
 from orchestrator.trainer.reference import save_initial_checkpoint
 from test_dataplane_e2e import JOB_GUARD_S, direct_job, unacked_steps

@@ -7,10 +7,10 @@ import asyncio
 from collections import Counter
 
 from orchestrator.columns.layout import SpanLoc
-from orchestrator.columns.pools import PoolKeeper
-from orchestrator.columns.spans import SpanLedger
-from orchestrator.workers.events import HubEvent, PoolGone
-from orchestrator.workers.protocol import PoolInfo, Release, RolloutHeader, RolloutRecord
+from orchestrator.contracts.events import HubEvent, PoolGone
+from orchestrator.contracts.protocol import PoolInfo, Release, RolloutHeader, RolloutRecord
+from orchestrator.hub.pools import PoolKeeper
+from orchestrator.hub.spans import SpanLedger
 
 P1 = PoolInfo(id="p1", size=1 << 20, host="h")
 P2 = PoolInfo(id="p2", size=1 << 20, host="h")

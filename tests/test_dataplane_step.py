@@ -9,15 +9,15 @@ import logging
 import numpy as np
 import pytest
 
-from orchestrator.columns.direct import ManifestBuilder
 from orchestrator.columns.layout import SpanLoc, shapes_layout
-from orchestrator.columns.manifest import decode_manifest, encode_manifest
 from orchestrator.config import FilterConfig
+from orchestrator.contracts.manifest import decode_manifest, encode_manifest
+from orchestrator.contracts.protocol import PoolInfo
+from orchestrator.dataplane.manifests import ManifestBuilder
 from orchestrator.rollouts.groups import lose_columns
 from orchestrator.steps.boundary import StepBuilder
 from orchestrator.steps.dump import ReplayGroup
 from orchestrator.testing.steps import synthetic_config, synthetic_groups
-from orchestrator.workers.protocol import PoolInfo
 
 POOLS = {"w1": PoolInfo(id="p1", size=1 << 24, host="h"), "w2": PoolInfo(id="p2", size=1 << 24, host="h")}
 

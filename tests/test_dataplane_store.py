@@ -13,7 +13,7 @@ from orchestrator.columns.alloc import SpanAllocator
 from orchestrator.columns.layout import ALIGN, COLUMNS, SpanLoc, shapes_layout, span_layout
 from orchestrator.columns.samples import PlainNode, Sample, SampleError, build_sample
 from orchestrator.columns.store import ColumnStore, PoolTooSmall, rollout_layout
-from orchestrator.workers.protocol import sample_frames
+from orchestrator.contracts.protocol import sample_frames
 
 
 def make_sample(rng: np.random.Generator, tokens: int, layers: int = 0, top_k: int = 0, experts: int = 64) -> Sample:

@@ -15,17 +15,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.columns.fetch import fetch_spans
 from orchestrator.columns.layout import ALIGN
-from orchestrator.columns.manifest import build_manifest
 from orchestrator.columns.memfd import map_served_pool
-from orchestrator.columns.reader import PoolMaps, PoolsLost
 from orchestrator.columns.samples import PlainNode, build_sample
-from orchestrator.errors import Failure, TransportError
-from orchestrator.scoring.filters import is_gibberish, is_repetition
-from orchestrator.testing.keys import make_key_set
-from orchestrator.workers.process import LoadedEnv, Worker
-from orchestrator.workers.protocol import (
+from orchestrator.contracts.manifest import build_manifest
+from orchestrator.contracts.protocol import (
     Assign,
     Cancel,
     Heartbeat,
@@ -41,6 +35,12 @@ from orchestrator.workers.protocol import (
     sample_frames,
     split_records,
 )
+from orchestrator.errors import Failure, TransportError
+from orchestrator.scoring.filters import is_gibberish, is_repetition
+from orchestrator.testing.keys import make_key_set
+from orchestrator.trainer.fetch import fetch_spans
+from orchestrator.trainer.reader import PoolMaps, PoolsLost
+from orchestrator.workers.process import LoadedEnv, Worker
 
 HANG_S = 30.0  # a hang guard only
 

@@ -10,12 +10,12 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import load_config, to_toml
-from orchestrator.delivery.wire import encode
+from orchestrator.contracts.protocol import AssignedRollout, RolloutHeader, RolloutRecord
+from orchestrator.contracts.wire import encode
 from orchestrator.errors import ConfigError, Failure, WireError
 from orchestrator.steps.boundary import StepBuilder
 from orchestrator.steps.dump import ReplayGroup, dump_due, dump_path, load_dump, write_dump
 from orchestrator.testing.steps import synthetic_config, synthetic_groups
-from orchestrator.workers.protocol import AssignedRollout, RolloutHeader, RolloutRecord
 
 VOCAB = 1000
 

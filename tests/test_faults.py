@@ -38,7 +38,7 @@ import pytest
 from orchestrator.app import Orchestrator
 from orchestrator.commands.report import read_metrics
 from orchestrator.config import JobConfig
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.inference.pool import PROBE_CACHE_SALT
 from orchestrator.memory import rss_mb
 from orchestrator.testing.jobs import ARITHMETIC, Section, job_config

@@ -29,14 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestrator.app import Orchestrator
-from orchestrator.delivery.wire import Batch
-from orchestrator.testing.jobs import ARITHMETIC, job_config
-from orchestrator.testing.procs import wait_until
-from orchestrator.testing.sim import sim_servers
-from orchestrator.trainer.reference import ReferenceTrainer
-from orchestrator.workers.events import RecordsIn
-from orchestrator.workers.hub import WorkerHub
-from orchestrator.workers.protocol import (
+from orchestrator.contracts.events import RecordsIn
+from orchestrator.contracts.protocol import (
     Assign,
     EnvSpec,
     Fatal,
@@ -49,6 +43,12 @@ from orchestrator.workers.protocol import (
     decode_orchestrator_message,
     pack,
 )
+from orchestrator.contracts.wire import Batch
+from orchestrator.hub.hub import WorkerHub
+from orchestrator.testing.jobs import ARITHMETIC, job_config
+from orchestrator.testing.procs import wait_until
+from orchestrator.testing.sim import sim_servers
+from orchestrator.trainer.reference import ReferenceTrainer
 
 FORGED_REWARD = 7.75
 FORGED_TOKEN = 4242  # no sampled token has this id in the built-in vocabulary

@@ -1,11 +1,13 @@
-"""The package's import layers: a module imports only modules of its own layer or of layers below it.
+"""The package's import layers: a module imports only modules of its own layer or of layers below it, and no
+modules import each other in a loop.
 
-Read top to bottom, ``LAYERS`` is the design (docs/architecture.md): entry points; the job (the orchestrator and
-what it opens); its config; the data plane; the step boundary; weight sync; rollouts; the env workers' hub; the
-inference pool; the env worker process; scoring; the trainer library and delivery; the contracts every stage
-names (messages, wire formats); the column formats and pools; the base. Every import counts, whether at module
-level, inside a function or only for type checking. Run it alone: ``pytest tests/test_layers.py``; the failure
-lists every import that goes up.
+Read top to bottom, ``LAYERS`` is the design (docs/architecture.md), one folder (or top-level module) per entry
+and no exceptions for single modules: entry points; the job (the orchestrator and what it opens); its config; the
+data plane; the step boundary; weight sync; rollouts; the env workers' hub; the inference pool; the env worker
+process; scoring; the trainer library; delivery; the contracts every stage names (messages, wire formats, rows,
+manifests, checkpoints); the column formats; the base. Every import counts, whether at module level, inside a
+function or only for type checking. Run it alone: ``pytest tests/test_layers.py``; the failure lists every import
+that goes up, or every loop.
 """
 
 from __future__ import annotations
@@ -19,21 +21,19 @@ SRC = Path(orchestrator.__file__).parent
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry points", ("__main__", "cli", "commands", "testing", "transport")),
-    ("the job", ("app", "stepping", "engines", "outdir", "progress")),
+    ("the job", ("app", "engines", "outdir", "progress")),
     ("config", ("config",)),
-    ("data plane", ("columns.plane", "columns.direct", "columns.unacked", "columns.readback")),
+    ("data plane", ("dataplane",)),
     ("step boundary", ("steps", "sinks")),
     ("weight sync", ("weights",)),
     ("rollouts", ("rollouts",)),
-    ("env workers' hub", ("workers", "columns.pools", "columns.spans")),
-    ("inference", ("inference", "weights.checkpoint_files")),
-    ("env worker process", ("workers.process", "workers.envconfig", "workers.host", "workers.quiet", "envs",
-                            "realstack", "sim")),
+    ("env workers' hub", ("hub",)),
+    ("inference", ("inference",)),
+    ("env worker process", ("workers", "envs", "realstack", "sim")),
     ("scoring", ("scoring",)),
-    ("trainer library", ("trainer", "columns.reader")),
+    ("trainer library", ("trainer",)),
     ("delivery", ("delivery",)),
-    ("contracts", ("workers.protocol", "workers.events", "delivery.wire", "delivery.link", "delivery.reports",
-                   "steps.rows", "columns.manifest", "weights.checkpoints")),
+    ("contracts", ("contracts",)),
     ("columns", ("columns",)),
     ("base", ("errors", "configbase", "security", "background", "lagmon", "memory", "procs", "ipc", "state", "policy",
               "assets", "__init__")),
@@ -41,20 +41,18 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def layer_of(module: str) -> int:
-    """The layer of ``module`` (dotted, without ``orchestrator.``): its longest listed prefix's."""
-    best, rank = -1, -1
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, rank = len(p), i
-    assert rank >= 0, f"orchestrator.{module} is in no layer: add it to LAYERS"
-    return rank
+    """The layer of ``module`` (dotted, without ``orchestrator.``): its folder's (or top-level module's)."""
+    top = module.split(".")[0]
+    for i, (_, names) in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"orchestrator.{module} is in no layer: add {top!r} to LAYERS")
 
 
-def modules() -> dict[str, Path]:
+def modules(src: Path = SRC) -> dict[str, Path]:
     out = {}
-    for path in SRC.rglob("*.py"):
-        parts = path.relative_to(SRC).with_suffix("").parts
+    for path in src.rglob("*.py"):
+        parts = path.relative_to(src).with_suffix("").parts
         if parts[-1] == "__init__" and len(parts) > 1:
             parts = parts[:-1]
         out[".".join(parts)] = path
@@ -102,3 +100,54 @@ def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     bad.write_text("from orchestrator.app import Orchestrator\nimport orchestrator.config\n")
     assert imports(bad, set(modules())) == {"app", "config"}
     assert layer_of("app") < layer_of("errors")
+
+
+def import_cycles(src: Path = SRC) -> list[list[str]]:
+    """Modules that import each other in a loop (Tarjan's strongly connected components, every import counted)."""
+    mods = modules(src)
+    known = set(mods)
+    graph = {m: sorted(t for t in imports(p, known) if t in known and t != m) for m, p in mods.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    assert import_cycles() == []
+
+
+def test_the_check_sees_a_cycle(tmp_path: Path) -> None:
+    """The cycle check can fail: two modules importing each other are found."""
+    pkg = tmp_path / "orchestrator"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from orchestrator.b import x\n")
+    (pkg / "b.py").write_text("from orchestrator import a\n")
+    assert import_cycles(pkg) == [["a", "b"]]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.policy import Cursor, Policy, Sequences
 from orchestrator.trainer.learner import LearnConfig, PolicyLearner
 

@@ -18,10 +18,9 @@ import orjson
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.columns.manifest import build_manifest, decode_manifest, encode_manifest
-from orchestrator.columns.reader import StepView
+from orchestrator.contracts.manifest import build_manifest, decode_manifest, encode_manifest
+from orchestrator.contracts.wire import Batch, decode, encode, encode_shm_header, shm_layout
 from orchestrator.delivery.filesystem import read_batch_file, write_batch_file
-from orchestrator.delivery.wire import Batch, decode, encode, encode_shm_header, shm_layout
 from orchestrator.errors import WireError
 from orchestrator.inference.logprobs import LogprobsCheck, Stated, resolve
 from orchestrator.inference.preflight import PreflightError
@@ -29,6 +28,7 @@ from orchestrator.policy import Cursor, Policy
 from orchestrator.sim.server import SimServer
 from orchestrator.testing.sim import sim_process, sim_servers
 from orchestrator.trainer.learner import PolicyLearner
+from orchestrator.trainer.reader import StepView
 from orchestrator.trainer.reference import ReferenceTrainer
 from test_dataplane_manifest import POOLS, record
 from test_orchestrator import ARITH, JOB_GUARD_S, job

@@ -13,8 +13,9 @@ import pytest
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig
+from orchestrator.contracts.checkpoints import write_marker
+from orchestrator.contracts.wire import Batch
 from orchestrator.delivery.filesystem import FileBatchReceiver
-from orchestrator.delivery.wire import Batch
 from orchestrator.errors import EnvironmentLoadError, TransportError
 from orchestrator.sim.server import Faults
 from orchestrator.state import load_state
@@ -23,7 +24,6 @@ from orchestrator.testing.jobs import ARITHMETIC, Section, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_servers
 from orchestrator.trainer.reference import ReferenceTrainer, save_initial_checkpoint
-from orchestrator.weights.checkpoints import write_marker
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
 JOB_GUARD_S = 240.0  # a hang guard: a job takes seconds on a quiet host, many times that with every core busy
@@ -94,7 +94,7 @@ async def test_steps_reach_the_trainer_in_order_with_weight_sync(tmp_path: Path,
 
 async def test_a_dumped_step_holds_the_batch_the_trainer_got(tmp_path: Path, data_plane: str) -> None:
     """Direct mode too: the dump reads the step's columns back from the env workers' pools, before the step is
-    sent (columns/readback.py), and holds what the trainer got."""
+    sent (dataplane/readback.py), and holds what the trainer got."""
     async with sim_servers(1, layers=3, top_k=2, profile="prime-rl") as servers:
         cfg = job(tmp_path, [s.url for s in servers], pipeline={"dump_steps": [1]}, steps=2,
                   backend="prime-rl", data_plane=data_plane)

@@ -21,13 +21,13 @@ import orjson
 import pytest
 
 from orchestrator.config import InferenceConfig
+from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.errors import CheckpointError, Failure, InferenceError, MalformedReply, UnloadableCheckpoint
 from orchestrator.inference.pool import PROBE_CACHE_SALT, InferencePool, Server
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.policy import Policy
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
-from orchestrator.weights.checkpoints import Checkpoint
 
 
 def config(n: int, **kw: Any) -> InferenceConfig:

@@ -1,4 +1,4 @@
-"""Direct mode's read-back (columns/readback.py): the columns a step dump or the samples table needs, read from an
+"""Direct mode's read-back (dataplane/readback.py): the columns a step dump or the samples table needs, read from an
 env worker's pool served on a Unix socket as the trainer reads it, as through-path records; a pool that cannot be
 read leaves its records as they were and ends nothing."""
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from orchestrator.columns.memfd import serve_pool
-from orchestrator.columns.readback import Readback
 from orchestrator.columns.store import ColumnStore
+from orchestrator.contracts.protocol import COLUMNS, PoolInfo, RolloutRecord
+from orchestrator.dataplane.readback import Readback
 from orchestrator.rollouts.groups import Group
-from orchestrator.workers.protocol import COLUMNS, PoolInfo, RolloutRecord
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dataplane_peer import WORKER, peer_samples, record

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from orchestrator.app import Orchestrator
 from orchestrator.assets import tokenizer_dir
 from orchestrator.config import load_config
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.preflight import Preflight, PreflightError, preflight
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer

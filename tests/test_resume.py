@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from orchestrator.delivery.link import ckpt_address
+from orchestrator.contracts.link import ckpt_address
 from orchestrator.state import load_state
 from orchestrator.testing.procs import (
     orchestrator_process,

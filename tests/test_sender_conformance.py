@@ -28,10 +28,11 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from orchestrator.columns.manifest import build_manifest
 from orchestrator.columns.memfd import serve_pool
 from orchestrator.columns.samples import Sample
 from orchestrator.columns.store import ColumnStore, rollout_layout
+from orchestrator.contracts.manifest import build_manifest
+from orchestrator.contracts.protocol import PoolInfo, RolloutHeader, RolloutRecord
 from orchestrator.delivery.primerl import Layout
 from orchestrator.testing.primerl import FakePrimeRLTrainer
 from orchestrator.testing.procs import wait_until
@@ -44,7 +45,6 @@ from orchestrator.transport import (
     PrimeRLSender,
     Sender,
 )
-from orchestrator.workers.protocol import PoolInfo, RolloutHeader, RolloutRecord
 
 TIMEOUT_S = 60.0  # a hang guard only: every wait below ends on an event
 BOUND = 2

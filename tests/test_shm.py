@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from orchestrator.config import load_config
+from orchestrator.contracts.wire import shm_layout
 from orchestrator.delivery.shm import SpanRing
-from orchestrator.delivery.wire import shm_layout
 from orchestrator.errors import ConfigError, TransportError
 from orchestrator.testing.procs import wait_until
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver

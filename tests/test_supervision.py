@@ -31,13 +31,13 @@ import pytest
 from orchestrator.app import Orchestrator
 from orchestrator.commands.report import read_metrics
 from orchestrator.config import InferenceConfig, JobConfig
+from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.inference.pool import PROBE_CACHE_SALT, InferencePool
 from orchestrator.sim.server import SimServer
 from orchestrator.testing.jobs import ARITHMETIC, Section, job_config
 from orchestrator.testing.procs import orchestrator_process, wait_until
 from orchestrator.testing.sim import Faults, sim_cluster, sim_process
 from orchestrator.trainer.reference import ReferenceTrainer, save_initial_checkpoint
-from orchestrator.weights.checkpoints import Checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("verifiers_home")]
 

@@ -8,12 +8,12 @@ import asyncio
 import time
 from collections import Counter
 
-from orchestrator.columns.pools import PoolKeeper
+from orchestrator.contracts.events import HubEvent
+from orchestrator.hub.local import LocalWorkers
+from orchestrator.hub.pools import PoolKeeper
+from orchestrator.hub.roster import Roster, WorkerState
+from orchestrator.hub.supervision import Supervisor
 from orchestrator.testing.procs import wait_until
-from orchestrator.workers.events import HubEvent
-from orchestrator.workers.local import LocalWorkers
-from orchestrator.workers.roster import Roster, WorkerState
-from orchestrator.workers.supervision import Supervisor
 
 SILENCE_S = 2.0
 HANG_GUARD_S = 60.0

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import load_config
+from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.engines import job_scheduler
 from orchestrator.errors import CheckpointError, UnloadableCheckpoint
 from orchestrator.inference.pool import InferencePool
@@ -22,7 +23,6 @@ from orchestrator.state import OrchestratorState
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub
-from orchestrator.weights.checkpoints import Checkpoint
 from orchestrator.weights.sync_loop import WeightSyncLoop
 
 BOUND_S = 30.0

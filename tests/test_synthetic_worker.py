@@ -13,7 +13,7 @@ import pytest
 from orchestrator.app import Orchestrator
 from orchestrator.columns.samples import Sample
 from orchestrator.config import load_config
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.procs import terminate
 from orchestrator.testing.sim import sim_servers
 from orchestrator.testing.synthetic_worker import ResidentStore, job_toml, worker_command

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from orchestrator.delivery.wire import Batch, LogprobsMode
+from orchestrator.contracts.wire import Batch, LogprobsMode
 from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
 
 VOCAB = 64

@@ -22,7 +22,7 @@ import pytest
 
 from orchestrator.commands.check import check_servers
 from orchestrator.config import load_config
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.inference.preflight import PreflightError
 from orchestrator.testing.procs import logged, orchestrator_process, wait_until, write_job
 from orchestrator.testing.sim import sim_process

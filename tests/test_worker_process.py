@@ -9,15 +9,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orchestrator.errors import Failure, WireError
-from orchestrator.workers.process import LoadedEnv, Worker, classify
-from orchestrator.workers.protocol import (
+from orchestrator.contracts.protocol import (
     Assign,
     Records,
     decode_orchestrator_message,
     decode_worker_message,
     split_records,
 )
+from orchestrator.errors import Failure, WireError
+from orchestrator.workers.process import LoadedEnv, Worker, classify
 
 
 class SlotsRaise:

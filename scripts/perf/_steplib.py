@@ -35,14 +35,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from orchestrator.config import JobConfig, load_config, to_toml
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.rows import RolloutRow
+from orchestrator.contracts.wire import Batch
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.procs import terminate
 from orchestrator.steps.boundary import StepBuilder, StepResult
 from orchestrator.steps.dump import DumpInfo, ReplayGroup, StepDump, load_dump, write_dump
 from orchestrator.steps.outputs import StepOutputs
 from orchestrator.steps.phases import StepPipeline
-from orchestrator.steps.rows import RolloutRow
 from orchestrator.testing.steps import synthetic_config, synthetic_groups
 from orchestrator.transport import BatchSender, encode
 

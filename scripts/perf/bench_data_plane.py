@@ -232,11 +232,11 @@ async def same_node_bytes(tmp: Path, tokens: int, rollouts: int, repeats: int) -
     import numpy as np
 
     from orchestrator.columns.layout import span_layout
-    from orchestrator.columns.manifest import build_manifest, decode_manifest, encode_manifest
     from orchestrator.columns.memfd import serve_pool
-    from orchestrator.columns.reader import PoolMaps
     from orchestrator.columns.store import ColumnStore
-    from orchestrator.workers.protocol import PoolInfo, RolloutHeader, RolloutRecord
+    from orchestrator.contracts.manifest import build_manifest, decode_manifest, encode_manifest
+    from orchestrator.contracts.protocol import PoolInfo, RolloutHeader, RolloutRecord
+    from orchestrator.trainer.reader import PoolMaps
 
     samples = step_samples(tokens, rollouts)
     span = span_layout(samples[0].num_tokens, LAYERS, TOP_K, "uint8").nbytes
@@ -296,7 +296,7 @@ import asyncio, json, sys
 import uvloop, zmq
 sys.path.insert(0, sys.argv[4])
 from bench_data_plane import step_samples
-from orchestrator.columns.fetch import SpanServer
+from orchestrator.trainer.fetch import SpanServer
 from orchestrator.columns.layout import span_layout
 from orchestrator.columns.store import ColumnStore
 
@@ -327,7 +327,7 @@ async def tcp_bytes(tokens: int, rollouts: int, repeats: int) -> dict[str, Any]:
     """Section 3, across loopback TCP: ``SpanClient.fetch`` from a span server process against raw pyzmq."""
     import zmq
 
-    from orchestrator.columns.fetch import SpanClient
+    from orchestrator.trainer.fetch import SpanClient
 
     here = str(Path(__file__).resolve().parent)  # noqa: ASYNC240 - before anything is measured
     cmds = [[sys.executable, "-c", SERVER, kind, str(tokens), str(rollouts), here] for kind in ("raw", "span")]

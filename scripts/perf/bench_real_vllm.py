@@ -41,13 +41,13 @@ import aiohttp
 import orjson
 
 from orchestrator.config import load_config
+from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.envs.arithmetic import problems
 from orchestrator.inference.pool import InferencePool
 from orchestrator.realstack.install import StackPaths
 from orchestrator.realstack.server import ServeOptions, vllm_server
 from orchestrator.testing.procs import orchestrator_process
 from orchestrator.testing.real_job import RealJob
-from orchestrator.weights.checkpoints import Checkpoint
 
 SERVER_CPU, OWN_CPU = "1", 0
 

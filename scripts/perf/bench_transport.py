@@ -33,7 +33,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from orchestrator.delivery.wire import shm_layout
+from orchestrator.contracts.wire import shm_layout
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, decode, encode
 
 

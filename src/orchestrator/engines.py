@@ -9,26 +9,38 @@ import contextlib
 import logging
 import os
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from orchestrator.assets import tokenizer_dir
-from orchestrator.columns.plane import worker_setup
 from orchestrator.config import JobConfig
-from orchestrator.delivery.config import FilesystemTransport, PrimeRLTransport, ShmTransport, ZmqTransport
+from orchestrator.contracts.protocol import EnvSpec, Setup
+from orchestrator.contracts.rows import RolloutRow
+from orchestrator.contracts.wire import LogprobsMode
+from orchestrator.dataplane.direct import DirectPlane
+from orchestrator.dataplane.plane import DataPlane, OffLoop, ThroughPlane, own_keys, worker_setup
+from orchestrator.delivery.config import (
+    FilesystemTransport,
+    PrimeRLTransport,
+    ShmTransport,
+    TransportConfig,
+    ZmqTransport,
+)
 from orchestrator.delivery.filesystem import FileBatchSender
 from orchestrator.delivery.primerl import PrimeRLSender
 from orchestrator.delivery.sender import Sender
-from orchestrator.delivery.wire import LogprobsMode
 from orchestrator.delivery.zmq_link import BatchSender
+from orchestrator.hub.hub import WorkerHub
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import preflight
 from orchestrator.rollouts.links import WorkerLink
 from orchestrator.rollouts.scheduler import EVAL_PREFIX, Scheduler
-from orchestrator.workers.hub import WorkerHub
+from orchestrator.security import SecurityConfig
+from orchestrator.sinks import Sinks
+from orchestrator.steps.boundary import StepBuilder
 from orchestrator.workers.process import Worker
-from orchestrator.workers.protocol import EnvSpec, Setup
 
 log = logging.getLogger(__name__)
 
@@ -122,3 +134,15 @@ def job_scheduler(cfg: JobConfig, pool: InferencePool, hub: WorkerLink, policy: 
     """The scheduler of ``cfg``'s job, given the sections it reads (``kwargs``: the rest of its arguments)."""
     return Scheduler(cfg.scheduler, cfg.env, pool, hub, policy, pipeline=cfg.pipeline, evaluation=cfg.eval,
                      seed=cfg.run.seed, stall_warn_s=cfg.monitor.stall_warn_s, **kwargs)
+
+
+def open_plane(transport: TransportConfig, security: SecurityConfig, dump_steps: int | Sequence[int],
+               builder: StepBuilder, hub: WorkerHub, sender: Sender[Any], sinks: Sinks, off_loop: OffLoop,
+               write_rows: Callable[[list[RolloutRow]], None]) -> DataPlane:
+    """The plane ``transport.data_plane`` names. ``dump_steps``: ``pipeline.dump_steps`` (a due dump reads the
+    step's columns back); ``off_loop(fn, *args)`` runs blocking work in the step thread; ``write_rows`` appends
+    rows to rollouts.jsonl (a rebuilt step's)."""
+    if transport.data_plane == "through":
+        return ThroughPlane()
+    assert isinstance(sender, BatchSender)  # config.py allows direct mode only with kind = "zmq"
+    return DirectPlane(builder, hub, sender, sinks, off_loop, write_rows, own_keys(security), dump_steps)

@@ -110,7 +110,7 @@ class CheckpointError(OrchestratorError):
 
 class UnloadableCheckpoint(CheckpointError):
     """A checkpoint whose directory no server could load (``why``: "does not exist", "holds a corrupt file ...");
-    it is refused before any server is asked to load it (weights/checkpoint_files.py)."""
+    it is refused before any server is asked to load it (inference/checkpoint_files.py)."""
 
     def __init__(self, step: int, path: str, why: str) -> None:
         self.step = step

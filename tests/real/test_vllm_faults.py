@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.app import Orchestrator
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.real_job import RealJob, Servers, get_json, reload_base, run_real_job
 from orchestrator.trainer.reference import ReferenceTrainer

@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 import pytest
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.testing.real_job import RealJob, Servers, get_json, reload_base, run_real_job
 from orchestrator.trainer.torch_learner import Sample, TorchLearnConfig, TorchLearner, TorchLearnStats
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.testing.real_job import RealJob, Servers, reload_base, run_real_job
 from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner, TorchLearnStats
 

@@ -174,7 +174,7 @@ class ColumnStore:
         return self.release([rid for rid in self._spans if rid not in kept])
 
     def buffer(self) -> memoryview:
-        """The whole pool, read-only (what a span server sends from; columns/fetch.py)."""
+        """The whole pool, read-only (what a span server sends from; trainer/fetch.py)."""
         return memoryview(self._memfd.map).toreadonly()
 
     def renew(self) -> None:

@@ -92,7 +92,7 @@ async def check_servers(cfg: JobConfig) -> None:
 
 def check_weights_path(inference: InferenceConfig) -> tuple[str | None, str]:
     """(a problem or None, what was checked) of ``inference.weights_path`` on this host; blocking."""
-    from orchestrator.weights.checkpoint_files import weights_path_report
+    from orchestrator.inference.checkpoint_files import weights_path_report
 
     if inference.weights_path is None:
         return None, ""  # checkpoints come with their paths; each is checked when announced

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 
 BinCost = Callable[[Sequence[int]], int]
 

@@ -38,10 +38,10 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
+from orchestrator.contracts.checkpoints import Checkpoint, marker_announcements
+from orchestrator.contracts.wire import Batch, decode, encode
 from orchestrator.delivery.sender import Sender
-from orchestrator.delivery.wire import Batch, decode, encode
 from orchestrator.errors import DuplicateStep, TransportError, WireError
-from orchestrator.weights.checkpoints import Checkpoint, marker_announcements
 
 log = logging.getLogger(__name__)
 

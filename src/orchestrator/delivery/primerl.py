@@ -55,13 +55,13 @@ import zmq
 import zmq.asyncio
 
 from orchestrator.background import background
+from orchestrator.contracts.checkpoints import Checkpoint, CheckpointFeed, broadcast_steps, latest_broadcast
+from orchestrator.contracts.wire import Batch
 from orchestrator.delivery.balance import BinCost, token_count
 from orchestrator.delivery.primerl_wire import EncodedStep, encode_step
 from orchestrator.delivery.sender import Sender
-from orchestrator.delivery.wire import Batch
 from orchestrator.delivery.zmq_link import push_polling
 from orchestrator.errors import TransportError
-from orchestrator.weights.checkpoints import Checkpoint, CheckpointFeed, broadcast_steps, latest_broadcast
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from orchestrator.contracts.wire import ROUTED, Batch
 from orchestrator.delivery.balance import BinCost, PackedMicroBatch, pack_ranks, token_count
-from orchestrator.delivery.wire import ROUTED, Batch
 from orchestrator.errors import WireError
 
 MICRO_BATCH_FIELDS = ("input_ids", "loss_mask", "advantages", "inference_logprobs", "position_ids",

@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
+from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.delivery.window import DeliveryWindow
-from orchestrator.weights.checkpoints import Checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.columns.memfd import FETCH_TIMEOUT_S, SealedMemfd, map_served_pool, serve_pool
-from orchestrator.delivery.wire import Batch, encode, encode_shm_header, shm_layout
+from orchestrator.contracts.wire import Batch, encode, encode_shm_header, shm_layout
 from orchestrator.errors import TransportError, WireError
 
 __all__ = ["FETCH_TIMEOUT_S", "PoolNotMapped", "ShmAttachment", "ShmPool", "SpanRing", "pool_socket_path",

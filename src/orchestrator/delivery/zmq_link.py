@@ -26,7 +26,7 @@ are CURVE servers (``orchestrator.security``): only trainers whose public keys a
 traffic is encrypted; an unauthorized peer receives nothing and its messages never arrive.
 
 The direct data plane (docs/data-plane.md): ``send`` takes a step manifest
-(``columns.manifest.StepManifest``) instead of a batch: one frame, the same window, order, resend and
+(``contracts.manifest.StepManifest``) instead of a batch: one frame, the same window, order, resend and
 acknowledgement rules; the columns stay in the env workers' pools, which the trainer maps. ``announce_pool``
 tells the trainer about a worker's pool as soon as the worker announces it (``{"ctl": "pool", ...}``; again to
 every trainer that takes the seat), so the trainer maps it before a step needs it: a worker that dies later
@@ -40,7 +40,7 @@ step <= N; -1 for none), with ``"hello": true`` when a receiver starts, and ``"c
 (the newest weights it announced or resumed from) when it has one. Orchestrator -> trainer: batches
 (``wire.encode``), and control messages ``[b"ctl", msgpack map]``: ``{"ctl": "refused", "why": ...}``,
 ``{"ctl": "checkpoint", "min": N}``, ``{"ctl": "ping"}``, ``{"ctl": "pool", "worker", "id", "size", "host",
-"path"}``. See docs/wire-format.md; delivery/reports.py decodes the trainer's messages.
+"path"}``. See docs/wire-format.md; contracts/reports.py decodes the trainer's messages.
 """
 
 from __future__ import annotations
@@ -60,16 +60,16 @@ import zmq.asyncio
 
 from orchestrator import ipc
 from orchestrator.background import background
-from orchestrator.columns.manifest import StepManifest, encode_manifest
-from orchestrator.delivery.link import CONTROL, ckpt_address
-from orchestrator.delivery.reports import LostStep, TrainerReport, decode_report
+from orchestrator.contracts.checkpoints import Checkpoint, CheckpointFeed, marker_announcements
+from orchestrator.contracts.link import CONTROL, ckpt_address
+from orchestrator.contracts.manifest import StepManifest, encode_manifest
+from orchestrator.contracts.reports import LostStep, TrainerReport, decode_report
+from orchestrator.contracts.wire import Batch, encode
 from orchestrator.delivery.seat import Peer, TrainerSeat, Verdict
 from orchestrator.delivery.sender import Sender
 from orchestrator.delivery.shm import ShmPool, pool_socket_path, serve_pool
-from orchestrator.delivery.wire import Batch, encode
 from orchestrator.errors import TransportError, WireError
 from orchestrator.security import ServerKeys, curve_server
-from orchestrator.weights.checkpoints import Checkpoint, CheckpointFeed, marker_announcements
 
 log = logging.getLogger(__name__)
 

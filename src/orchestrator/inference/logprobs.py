@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Literal
 
 import orjson
 
-from orchestrator.delivery.wire import LogprobsMode
+from orchestrator.contracts.wire import LogprobsMode
 from orchestrator.errors import InferenceError
 from orchestrator.inference.server import HttpStatusError, InferenceServer
 

@@ -55,13 +55,13 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.errors import CheckpointError, Failure, InferenceError, UnloadableCheckpoint
+from orchestrator.inference.checkpoint_files import why_unloadable
 from orchestrator.inference.config import InferenceConfig
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
 from orchestrator.inference.weights import weight_sync, weights_dir
-from orchestrator.weights.checkpoint_files import why_unloadable
-from orchestrator.weights.checkpoints import Checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from orchestrator.delivery.wire import LogprobsMode
+from orchestrator.contracts.wire import LogprobsMode
 from orchestrator.errors import InferenceError, MalformedReply, OrchestratorError
 from orchestrator.inference.logprobs import LogprobsCheck, Settled, resolve, server_mode
 from orchestrator.inference.replies import parse_generate_reply

@@ -28,9 +28,9 @@ import logging
 from collections.abc import Awaitable
 from typing import Protocol
 
+from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.errors import CheckpointError, InferenceError
 from orchestrator.inference.server import HttpStatusError, InferenceServer
-from orchestrator.weights.checkpoints import Checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from orchestrator.scoring.advantage import AdvantageFn
 from orchestrator.scoring.gates import Gates, GroupView
 
 if TYPE_CHECKING:
+    from orchestrator.contracts.protocol import RolloutRecord
     from orchestrator.inference.pool import InferencePool, Server
     from orchestrator.rollouts.admission import Capacity
     from orchestrator.rollouts.config import EnvConfig, SchedulerConfig
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from orchestrator.rollouts.links import WorkerLink
     from orchestrator.rollouts.sampler import TaskSampler
     from orchestrator.scoring.config import PipelineConfig
-    from orchestrator.workers.protocol import RolloutRecord
 
 log = logging.getLogger(__name__)
 

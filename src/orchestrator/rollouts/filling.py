@@ -24,12 +24,12 @@ from orchestrator.errors import OrchestratorError
 from orchestrator.rollouts.groups import Buffer, Group, lose_columns
 
 if TYPE_CHECKING:
+    from orchestrator.contracts.protocol import RolloutRecord
     from orchestrator.rollouts.admission import Admission
     from orchestrator.rollouts.completion import Completion
     from orchestrator.rollouts.config import SchedulerConfig
     from orchestrator.rollouts.links import CheckpointSource
     from orchestrator.rollouts.stall import StallLine
-    from orchestrator.workers.protocol import RolloutRecord
 
 
 class SchedulingError(OrchestratorError):

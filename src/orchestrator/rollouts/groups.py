@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from orchestrator.contracts.protocol import AssignedRollout, RolloutHeader, RolloutRecord
 from orchestrator.errors import Failure
-from orchestrator.workers.protocol import AssignedRollout, RolloutHeader, RolloutRecord
 
 if TYPE_CHECKING:
     from orchestrator.inference.pool import Server

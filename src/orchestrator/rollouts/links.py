@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
-from orchestrator.workers.events import HubEvent
-from orchestrator.workers.protocol import Assign, RolloutRecord
+from orchestrator.contracts.events import HubEvent
+from orchestrator.contracts.protocol import Assign, RolloutRecord
 
 
 class WorkerLink(Protocol):

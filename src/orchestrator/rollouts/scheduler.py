@@ -58,6 +58,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from orchestrator.contracts.events import PoolGone, RecordsIn
+from orchestrator.contracts.protocol import Assign, RolloutRecord
 from orchestrator.inference.pool import InferencePool, Server
 from orchestrator.rollouts.admission import EVAL_PREFIX, Admission, Capacity, Opening
 from orchestrator.rollouts.completion import Completion, EvalRow
@@ -70,8 +72,6 @@ from orchestrator.rollouts.links import CheckpointSource, WorkerLink
 from orchestrator.rollouts.sampler import EnvDraws, TaskSampler
 from orchestrator.rollouts.stall import StallLine
 from orchestrator.scoring.config import PipelineConfig
-from orchestrator.workers.events import PoolGone, RecordsIn
-from orchestrator.workers.protocol import Assign, RolloutRecord
 
 __all__ = ["EVAL_PREFIX", "CheckpointSource", "Scheduler", "SchedulingError", "WorkerLink"]
 

@@ -30,11 +30,14 @@ answers 500 too: the simulator has no weight transfer engine, like a server star
 from __future__ import annotations
 
 import platform
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from orchestrator.sim.gate import PAUSE_MODES, PauseMode
+from orchestrator.sim.gate import PAUSE_MODES, Gate, PauseMode
+from orchestrator.sim.log import Counters
+from orchestrator.sim.policy import SimPolicy
+from orchestrator.sim.profiles import Profile
 from orchestrator.sim.responses import (
     engine_error,
     http_error,
@@ -46,14 +49,26 @@ from orchestrator.sim.responses import (
     validation_error,
 )
 
-if TYPE_CHECKING:
-    from orchestrator.sim.server import SimServer
+
+class AdminServer(Protocol):
+    """What the admin routes act on (``AdminServer``)."""
+
+    profile: Profile
+    dev_mode: bool
+    model: str
+    max_model_len: int
+    policy: SimPolicy
+    gate: Gate
+    counters: Counters
+    weight_version: str
+
+    async def load(self, path: object, *, none_reloads: bool = False) -> None: ...
 
 ADMIN_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/collective_rpc", "/update_weights",
                          "/reset_prefix_cache", "/update_weight_version", "/weight_info"})
 
 
-def admin_routes(server: SimServer) -> list[web.RouteDef]:
+def admin_routes(server: AdminServer) -> list[web.RouteDef]:
     """The admin routes ``server``'s profile serves (none for vLLM without dev mode)."""
     admin = _Admin(server)
     if server.profile.prime_rl:
@@ -79,7 +94,7 @@ def _pause_mode(raw: str) -> PauseMode:
 
 
 class _Admin:
-    def __init__(self, server: SimServer) -> None:
+    def __init__(self, server: AdminServer) -> None:
         self.server = server
 
     # ------------------------------------------------------------------------------------------- vLLM

@@ -87,20 +87,3 @@ def open_sinks(monitor: MonitorConfig, output_dir: Path, *, run_name: str, job: 
 
     sinks.append(WandbSink.open(wb, output_dir, run_name=run_name, job=job, resume=resume))
     return Sinks(sinks, wb.samples_every, wb.samples)
-
-
-def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float | int]:
-    """Nested metrics as ``{"a/b/c": number}``: numbers and booleans only (strings, lists and None are left out:
-    the JSONL file keeps everything)."""
-    out: dict[str, float | int] = {}
-    for key, value in metrics.items():
-        name = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, Mapping):
-            out.update(flatten(value, name))
-        elif isinstance(value, bool):
-            out[name] = int(value)
-        elif isinstance(value, int | float):
-            out[name] = value
-        elif hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # a numpy scalar
-            out[name] = value.item()
-    return out

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.steps.rows import RolloutRow
+from orchestrator.contracts.rows import RolloutRow
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.sinks.base import flatten
 from orchestrator.sinks.config import WandbConfig
 
 RUN_ID_FILE = "wandb-run-id"
@@ -62,3 +61,20 @@ class WandbSink:
 
         self.run.finish()
         wandb.teardown()
+
+
+def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float | int]:
+    """Nested metrics as ``{"a/b/c": number}``: numbers and booleans only (strings, lists and None are left out:
+    the JSONL file keeps everything)."""
+    out: dict[str, float | int] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name))
+        elif isinstance(value, bool):
+            out[name] = int(value)
+        elif isinstance(value, int | float):
+            out[name] = value
+        elif hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # a numpy scalar
+            out[name] = value.item()
+    return out

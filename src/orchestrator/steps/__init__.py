@@ -1,2 +1,2 @@
 """The step boundary: one step's rollout rows and batch (``boundary``), the phases in order (``phases``), and what
-each step leaves behind (``rows``, ``outputs``, ``dump``). Run off the event loop."""
+each step leaves behind (``outputs``, ``dump``; a rollout's row is ``contracts/rows.py``). Run off the event loop."""

@@ -2,10 +2,10 @@
 
 ``StepBuilder.build`` is blocking numpy work: the orchestrator calls it in a worker thread, never on the
 event loop. Column bytes are copied exactly once, when each column is concatenated into the batch.
-Rollout records come from env workers (see workers/protocol.py); a rollout's frames hold all its samples.
+Rollout records come from env workers (see contracts/protocol.py); a rollout's frames hold all its samples.
 
 The direct data plane builds a manifest instead of the batch, with the same ``rows`` and ``result``
-(columns/direct.py). ``trained`` lists the rollouts a step names; ``untrained`` the survivors it leaves out.
+(dataplane/direct.py). ``trained`` lists the rollouts a step names; ``untrained`` the survivors it leaves out.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from orchestrator.columns.manifest import StepManifest
-from orchestrator.delivery.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
+from orchestrator.contracts.manifest import StepManifest
+from orchestrator.contracts.protocol import RolloutRecord
+from orchestrator.contracts.rows import RolloutRow, dropped_rows
+from orchestrator.contracts.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
 from orchestrator.rollouts.config import EnvConfig
 from orchestrator.scoring.advantage import AdvantageFn
 from orchestrator.scoring.config import PipelineConfig
 from orchestrator.scoring.filters import FilterSet
-from orchestrator.steps.rows import RolloutRow, dropped_rows
-from orchestrator.workers.protocol import RolloutRecord
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ B = TypeVar("B", Batch, StepManifest)
 
 @dataclass
 class StepResult(Generic[B]):
-    batch: B  # what the sender sends: a Batch, or a StepManifest (columns/direct.py)
+    batch: B  # what the sender sends: a Batch, or a StepManifest (dataplane/direct.py)
     rows: list[RolloutRow]
     phase_s: dict[str, float]
     filter_counts: dict[str, dict[str, int]]

@@ -8,7 +8,7 @@ so a dump directory is complete or absent, never half written:
 ``meta.json``        format version, run, step, counts, byte sizes, the builder's vocab size
 ``records.frames``   frame 0: msgpack ``{groups: [{gid, env, task, policy, size, records: [{header,
                      frames}]}]}``; then every record's column frames in order, as the env worker sent them
-``batch.frames``     the batch's wire-format frames (delivery/wire.py), byte for byte as sent
+``batch.frames``     the batch's wire-format frames (contracts/wire.py), byte for byte as sent
 ``rollouts.jsonl``   the step's rollout rows, as appended to the run's ``rollouts.jsonl``
 ``config.toml``      the resolved job config (when given), so replay uses the same advantage and filters
 
@@ -32,11 +32,11 @@ from typing import Any, Protocol
 import msgpack
 import orjson
 
+from orchestrator.contracts.protocol import RolloutRecord, header_from_dict, header_to_dict
+from orchestrator.contracts.rows import RolloutRow
+from orchestrator.contracts.wire import Batch, decode, encode
 from orchestrator.delivery.filesystem import read_frame_file, write_frame_file
-from orchestrator.delivery.wire import Batch, decode, encode
 from orchestrator.errors import WireError
-from orchestrator.steps.rows import RolloutRow
-from orchestrator.workers.protocol import RolloutRecord, header_from_dict, header_to_dict
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What each step leaves behind: ``rollouts.jsonl``, ``metrics.jsonl`` and one INFO log line.
 
-A rollout row is a ``RolloutRow`` (steps/rows.py: env, task, group, reward, advantage, filters, filtered,
+A rollout row is a ``RolloutRow`` (contracts/rows.py: env, task, group, reward, advantage, filters, filtered,
 error, lengths, timing...; never big arrays), written as its ``as_dict()``. ``step_metrics`` aggregates a step's
 rows with pandas into the metrics row; ``StepOutputs`` appends rows (and, for scripts, metrics) with one write per
 file; the orchestrator sends metrics through its sinks (orchestrator.sinks: metrics.jsonl, W&B). Both run in a
@@ -17,9 +17,9 @@ from typing import Any, BinaryIO
 import orjson
 import pandas as pd
 
+from orchestrator.contracts.rows import RolloutRow
 from orchestrator.lagmon import LagStats
 from orchestrator.sinks.jsonl import JsonlSink, append_bytes
-from orchestrator.steps.rows import RolloutRow
 
 log = logging.getLogger(__name__)
 

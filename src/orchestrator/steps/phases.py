@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.rows import RolloutRow, dropped_rows
+from orchestrator.contracts.wire import Batch
 from orchestrator.lagmon import LagStats
 from orchestrator.memory import malloc_trim, rss_mb
 from orchestrator.steps.boundary import StepBuilder, StepResult
 from orchestrator.steps.dump import write_dump
 from orchestrator.steps.outputs import step_metrics
-from orchestrator.steps.rows import RolloutRow, dropped_rows
 
 T = TypeVar("T")
 

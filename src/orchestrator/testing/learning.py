@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.testing.jobs import Section, toml_text
 from orchestrator.trainer.learner import LearnStats, PolicyLearner
 

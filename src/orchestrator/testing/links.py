@@ -16,8 +16,8 @@ from typing import Any
 
 import zmq
 
-from orchestrator.delivery.link import ckpt_address
-from orchestrator.delivery.reports import TrainerReport, decode_report
+from orchestrator.contracts.link import ckpt_address
+from orchestrator.contracts.reports import TrainerReport, decode_report
 
 CONNECT_TIMEOUT_S = 30.0  # a hang guard: a local receiver connects in milliseconds
 

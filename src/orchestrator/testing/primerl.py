@@ -31,9 +31,9 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from orchestrator.contracts.checkpoints import STABLE, broadcast_dir
 from orchestrator.delivery.primerl import rank_file, topic
 from orchestrator.trainer.reference import link_initial_policy
-from orchestrator.weights.checkpoints import STABLE, broadcast_dir
 
 
 class EncodedTensor(msgspec.Struct, array_like=True, gc=False):

@@ -16,9 +16,9 @@ import msgspec
 import numpy as np
 
 from orchestrator.config import EnvConfig, InferenceConfig, JobConfig, RunConfig, SchedulerConfig
+from orchestrator.contracts.protocol import RolloutHeader, RolloutRecord
+from orchestrator.contracts.rows import RolloutRow
 from orchestrator.steps.dump import ReplayGroup
-from orchestrator.steps.rows import RolloutRow
-from orchestrator.workers.protocol import RolloutHeader, RolloutRecord
 
 ENVS = ("synth-a", "synth-b")
 

@@ -39,9 +39,9 @@ import numpy as np
 from orchestrator.columns.layout import SpanLayout
 from orchestrator.columns.samples import Sample
 from orchestrator.columns.store import ColumnStore
+from orchestrator.contracts.protocol import AssignedRollout, RolloutHeader, Setup
 from orchestrator.testing.jobs import Section, toml_text
 from orchestrator.workers.process import LoadedEnv, Worker
-from orchestrator.workers.protocol import AssignedRollout, RolloutHeader, Setup
 
 
 class _Slots:

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchestrator.columns.layout import SpanLoc, span_layout
+from orchestrator.contracts.events import HubEvent, PoolGone, RecordsIn, WorkerLost
+from orchestrator.contracts.protocol import Assign, AssignedRollout, RolloutHeader, RolloutRecord
 from orchestrator.errors import Failure
-from orchestrator.workers.events import HubEvent, PoolGone, RecordsIn, WorkerLost
-from orchestrator.workers.protocol import Assign, AssignedRollout, RolloutHeader, RolloutRecord
 
 Outcome = float | str | Failure | None
 

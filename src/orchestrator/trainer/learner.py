@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 from orchestrator.policy import Policy, Sequences
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 
 Overlong = Literal["truncate", "reject"]
 

@@ -19,7 +19,7 @@ receivers' docstrings for when they are released). ``keys`` (``ClientKeys``) mak
 for an orchestrator that binds tcp:// with keys. Importable without verifiers.
 
 Step manifests (the orchestrator runs the direct data plane, docs/data-plane.md): the columns are in the
-env workers' pools on this node, which the receiver maps (``columns.reader.PoolMaps``: when a ``pool``
+env workers' pools on this node, which the receiver maps (``trainer.reader.PoolMaps``: when a ``pool``
 control message announces one, or when a manifest names one not mapped yet; blocking briefly, off the loop for
 the asyncio receiver). ``recv()`` returns the step as a ``Batch`` gathered from the pools (one copy per column,
 the trainer's), so every trainer works unchanged and may acknowledge at once; ``recv_view()`` returns a
@@ -49,14 +49,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from orchestrator.columns.manifest import PoolRef, StepManifest, decode_manifest, is_manifest
-from orchestrator.columns.reader import PoolMaps, PoolsLost, StepView
-from orchestrator.delivery.link import CONTROL, STATUS_S, ckpt_address
+from orchestrator.contracts.checkpoints import Checkpoint
+from orchestrator.contracts.link import CONTROL, STATUS_S, ckpt_address
+from orchestrator.contracts.manifest import PoolRef, StepManifest, decode_manifest, is_manifest
+from orchestrator.contracts.wire import Batch, decode
 from orchestrator.delivery.shm import PoolNotMapped, ShmAttachment
-from orchestrator.delivery.wire import Batch, decode
 from orchestrator.errors import DuplicateStep, TrainerRefused, WireError
 from orchestrator.security import ClientKeys, RefusalWatch, secure_client
-from orchestrator.weights.checkpoints import Checkpoint
+from orchestrator.trainer.reader import PoolMaps, PoolsLost, StepView
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,12 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.checkpoints import Checkpoint
+from orchestrator.contracts.wire import Batch
 from orchestrator.policy import FILE as POLICY_FILE
 from orchestrator.policy import Policy
 from orchestrator.security import ClientKeys
 from orchestrator.trainer.receiver import BatchReceiver
-from orchestrator.weights.checkpoints import Checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from orchestrator.delivery.wire import Batch
+from orchestrator.contracts.wire import Batch
 
 log = logging.getLogger(__name__)
 

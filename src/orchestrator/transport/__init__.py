@@ -15,6 +15,8 @@ Orchestrator side, every sender (``BatchSender``: zmq and shm; ``FileBatchSender
 link feeds one trainer at a time (``TrainerSeat``): a second one on the same address is refused.
 """
 
+from orchestrator.contracts.checkpoints import Checkpoint, CheckpointFeed, latest_broadcast, write_marker
+from orchestrator.contracts.wire import Batch, decode, encode
 from orchestrator.delivery.balance import PackedMicroBatch, balanced_partition, pack_ranks
 from orchestrator.delivery.filesystem import CorruptBatchFile, FileBatchReceiver, FileBatchSender
 from orchestrator.delivery.primerl import PrimeRLSender
@@ -22,13 +24,11 @@ from orchestrator.delivery.primerl_wire import MICRO_BATCH_FIELDS, EncodedStep, 
 from orchestrator.delivery.seat import TrainerSeat
 from orchestrator.delivery.sender import Sender
 from orchestrator.delivery.window import DeliveryWindow
-from orchestrator.delivery.wire import Batch, decode, encode
 from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.errors import TrainerRefused
 from orchestrator.security import ClientKeys, load_client_keys
 from orchestrator.trainer.packing import MicroBatch, Packing, RankBatches, pack
 from orchestrator.trainer.receiver import BatchReceiver, SyncBatchReceiver
-from orchestrator.weights.checkpoints import Checkpoint, CheckpointFeed, latest_broadcast, write_marker
 
 __all__ = ["Batch", "BatchReceiver", "BatchSender", "Checkpoint", "CheckpointFeed", "DeliveryWindow", "Sender",
            "SyncBatchReceiver", "decode", "encode", "latest_broadcast", "write_marker"]

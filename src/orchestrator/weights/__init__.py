@@ -1,3 +1,4 @@
-"""Weights: where the trainer says new weights are (``checkpoints``), whether they can load
-(``checkpoint_files``), and the loop that puts each new checkpoint on every inference server and makes it the
-policy (``sync_loop``; each server's own protocol for it is ``inference/weights.py``)."""
+"""Weights: the loop that puts each new checkpoint on every inference server and makes it the policy
+(``sync_loop``). Checkpoint announcements are a contract (``contracts/checkpoints.py``); whether a checkpoint can
+load, and each server's own protocol for loading it, are the inference pool's (``inference/checkpoint_files.py``,
+``inference/weights.py``)."""

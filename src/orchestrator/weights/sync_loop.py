@@ -22,12 +22,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from orchestrator.contracts.checkpoints import Checkpoint, CheckpointFeed
 from orchestrator.errors import CheckpointError, UnloadableCheckpoint
 from orchestrator.inference.config import InferenceConfig
 from orchestrator.inference.pool import InferencePool
 from orchestrator.rollouts.scheduler import Scheduler
 from orchestrator.state import OrchestratorState
-from orchestrator.weights.checkpoints import Checkpoint, CheckpointFeed
 
 log = logging.getLogger(__name__)
 

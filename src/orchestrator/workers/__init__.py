@@ -1,3 +1,3 @@
-"""Env workers: processes hosting verifiers environments (``process``, ``envconfig``, ``host``), the messages
-between them and the orchestrator (``protocol``), and the orchestrator's side that drives them (``hub``,
-``local``, ``intake``, ``events``)."""
+"""The env worker process: hosts verifiers environments (``process``, with ``envconfig`` and ``host``), runs the
+groups it is assigned and sends back compact records (the messages are in ``contracts/protocol.py``; the
+orchestrator's side is ``hub/``)."""

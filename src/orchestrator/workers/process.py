@@ -32,16 +32,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from orchestrator.columns.fetch import SpanServer
 from orchestrator.columns.memfd import check_socket_path, serve_pool
 from orchestrator.columns.samples import Sample, SampleError, samples_from_trace
 from orchestrator.columns.store import ColumnStore, PoolTooSmall, rollout_layout
-from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, TransportError, WireError
-from orchestrator.memory import rss_mb
-from orchestrator.scoring.filters import token_filter
-from orchestrator.security import ClientKeys, KeyPair, RefusalWatch, ServerKeys, is_loopback, secure_client
-from orchestrator.workers.envconfig import resolve_env
-from orchestrator.workers.protocol import (
+from orchestrator.contracts.protocol import (
     FLUSH_S,
     HEARTBEAT_S,
     Assign,
@@ -63,6 +57,12 @@ from orchestrator.workers.protocol import (
     records_message,
     sample_frames,
 )
+from orchestrator.errors import ConfigError, EnvironmentLoadError, Failure, TransportError, WireError
+from orchestrator.memory import rss_mb
+from orchestrator.scoring.filters import token_filter
+from orchestrator.security import ClientKeys, KeyPair, RefusalWatch, ServerKeys, is_loopback, secure_client
+from orchestrator.trainer.fetch import SpanServer
+from orchestrator.workers.envconfig import resolve_env
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Worker:
         self.address = address
         self.worker_id = worker_id
         self.keys = keys
-        # direct mode: where to serve the pool's spans to trainers on other hosts (columns/fetch.py): CURVE when the
+        # direct mode: where to serve the pool's spans to trainers on other hosts (trainer/fetch.py): CURVE when the
         # setup names the clients' keys (with this worker's key pair, or one it makes); else loopback only
         self.span_address = span_address
         self.span_key: str | None = None  # the span server's public key (Z85), when it is CURVE

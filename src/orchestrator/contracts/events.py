@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.workers.protocol import RolloutRecord
+from orchestrator.contracts.protocol import RolloutRecord
 
 
 @dataclass(frozen=True, slots=True)

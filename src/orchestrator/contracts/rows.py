@@ -3,7 +3,7 @@
 The step builder makes one ``RolloutRow`` per rollout (``RolloutRow.failed``, ``RolloutRow.survivor``); the
 step's readers (metrics, the samples table, a rebuilt step) use its attributes, and ``as_dict`` makes the JSON
 object written out, keys in the order of the fields. A field left UNSET is not written: a failed rollout has
-no ``samples``, ``turns`` or ``metrics``; only a rebuilt step's rows carry ``attempt`` (columns/unacked.py),
+no ``samples``, ``turns`` or ``metrics``; only a rebuilt step's rows carry ``attempt`` (dataplane/unacked.py),
 only the rows of a step the trainer had before a resume whose old rows are gone ``regenerated`` (outdir.py). So
 each row keeps the shape the file always had.
 """
@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from orchestrator.contracts.protocol import RolloutRecord
 from orchestrator.errors import Failure
-from orchestrator.workers.protocol import RolloutRecord
 
 
 class RolloutRow(msgspec.Struct, frozen=True, kw_only=True):

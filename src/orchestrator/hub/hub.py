@@ -61,15 +61,15 @@ from collections.abc import AsyncIterator, Sequence
 
 import zmq
 
-from orchestrator.columns.pools import PoolKeeper
+from orchestrator.contracts.events import HubEvent
+from orchestrator.contracts.protocol import HEARTBEAT_S, Assign, Cancel, RolloutRecord, Setup, Stop
+from orchestrator.hub import router
+from orchestrator.hub.dispatch import Dispatch
+from orchestrator.hub.local import LocalWorkers
+from orchestrator.hub.pools import PoolKeeper
+from orchestrator.hub.roster import MAX_STRIKES, Roster, WorkerState
+from orchestrator.hub.supervision import LOAD_TIMEOUT_S, Supervisor
 from orchestrator.security import ServerKeys
-from orchestrator.workers import router
-from orchestrator.workers.dispatch import Dispatch
-from orchestrator.workers.events import HubEvent
-from orchestrator.workers.local import LocalWorkers
-from orchestrator.workers.protocol import HEARTBEAT_S, Assign, Cancel, RolloutRecord, Setup, Stop
-from orchestrator.workers.roster import MAX_STRIKES, Roster, WorkerState
-from orchestrator.workers.supervision import LOAD_TIMEOUT_S, Supervisor
 
 __all__ = ["LOAD_TIMEOUT_S", "MAX_STRIKES", "WorkerHub", "WorkerState"]
 

@@ -1,7 +1,7 @@
 """The data plane's one interface: how a step's columns reach the trainer (docs/data-plane.md).
 
-``[transport] data_plane`` picks one of two implementations, and outside this package only the config and the
-env worker process know which runs:
+``[transport] data_plane`` picks one of two implementations (``open_plane`` in engines.py), and outside this
+package only the config and the env worker process know which runs:
 
 - ``ThroughPlane`` (``"through"``): env workers send each rollout's columns to this process as frames; a step is
   a ``Batch`` (the step pipeline's own build) and nothing is held once it is sent.
@@ -23,21 +23,16 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import msgspec
 
 from orchestrator.assets import vocab_size
+from orchestrator.contracts.protocol import Setup, TokenFilter, TokenFilterName
 from orchestrator.scoring.config import FilterConfig
 from orchestrator.scoring.filters import TOKEN_FILTERS, token_filter_args
 from orchestrator.security import KeyPair, SecurityConfig, load_authorized_keys, load_key_pair
-from orchestrator.workers.protocol import Setup, TokenFilter, TokenFilterName
 
 if TYPE_CHECKING:
     from orchestrator.delivery.config import TransportConfig
-    from orchestrator.delivery.sender import Sender
     from orchestrator.rollouts.groups import Group
     from orchestrator.rollouts.scheduler import Scheduler
-    from orchestrator.sinks import Sinks
-    from orchestrator.steps.boundary import StepBuilder
     from orchestrator.steps.phases import Built, StepPipeline
-    from orchestrator.steps.rows import RolloutRow
-    from orchestrator.workers.hub import WorkerHub
 
 OffLoop = Callable[..., Awaitable[Any]]
 
@@ -69,21 +64,6 @@ class ThroughPlane:
 
     async def run(self, sched: Scheduler) -> None:
         pass
-
-
-def open_plane(transport: TransportConfig, security: SecurityConfig, dump_steps: int | Sequence[int],
-               builder: StepBuilder, hub: WorkerHub, sender: Sender[Any], sinks: Sinks, off_loop: OffLoop,
-               write_rows: Callable[[list[RolloutRow]], None]) -> DataPlane:
-    """The plane ``transport.data_plane`` names. ``dump_steps``: ``pipeline.dump_steps`` (a due dump reads the
-    step's columns back); ``off_loop(fn, *args)`` runs blocking work in the step thread; ``write_rows`` appends
-    rows to rollouts.jsonl (a rebuilt step's)."""
-    if transport.data_plane == "through":
-        return ThroughPlane()
-    from orchestrator.columns.direct import DirectPlane
-    from orchestrator.delivery.zmq_link import BatchSender
-
-    assert isinstance(sender, BatchSender)  # config.py allows direct mode only with kind = "zmq"
-    return DirectPlane(builder, hub, sender, sinks, off_loop, write_rows, own_keys(security), dump_steps)
 
 
 def worker_setup(setup: Setup, transport: TransportConfig, security: SecurityConfig,

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+from orchestrator.contracts.protocol import PoolInfo, RolloutHeader, RolloutRecord, check_span
 from orchestrator.errors import Failure, WireError
-from orchestrator.workers.protocol import PoolInfo, RolloutHeader, RolloutRecord, check_span
 
 
 @dataclass

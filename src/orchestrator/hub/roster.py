@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.workers.events import HubEvent, WorkerLost
-from orchestrator.workers.protocol import PoolInfo, Stop
+from orchestrator.contracts.events import HubEvent, WorkerLost
+from orchestrator.contracts.protocol import PoolInfo, Stop
 
 if TYPE_CHECKING:
-    from orchestrator.columns.pools import PoolKeeper
-    from orchestrator.workers.local import LocalWorkers
+    from orchestrator.hub.local import LocalWorkers
+    from orchestrator.hub.pools import PoolKeeper
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,6 @@
 """``DirectPlane``: columns stay in the env workers' pools; the trainer gets a manifest (docs/data-plane.md).
 
-A step is built from headers alone (``ManifestBuilder``): advantages and filters as on the through plane, the
-token filters' verdicts as the env workers reported them (``FilterSet(in_worker=True)``), and a manifest naming
-every worker's current pool. A taken rollout whose pool is no longer its worker's (the worker died or renewed
-its pool after the step took it) fails with ``worker_died`` and does not train. The rollouts a step names are
+A step is built from headers alone (``ManifestBuilder``, manifests.py). The rollouts a step names are
 held until the trainer acknowledges it (unacked.py, which also builds again a step the trainer lost); the
 survivors it leaves out are released at once. The column bytes are read here only for a due step dump or
 samples table (readback.py), before the step is sent, in the step thread.
@@ -13,66 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from orchestrator.columns.manifest import StepManifest, build_manifest
-from orchestrator.columns.plane import OffLoop
-from orchestrator.columns.readback import Readback
-from orchestrator.columns.unacked import UnackedSteps
+from orchestrator.contracts.manifest import StepManifest
+from orchestrator.contracts.protocol import PoolInfo
+from orchestrator.dataplane.manifests import ManifestBuilder
+from orchestrator.dataplane.plane import OffLoop
+from orchestrator.dataplane.readback import Readback
+from orchestrator.dataplane.unacked import UnackedSteps
 from orchestrator.errors import WireError
-from orchestrator.rollouts.groups import Group, lose_columns
-from orchestrator.scoring.filters import FilterSet
+from orchestrator.rollouts.groups import Group
 from orchestrator.security import KeyPair
-from orchestrator.steps.boundary import StepBuilder, StepResult
+from orchestrator.steps.boundary import StepBuilder
 from orchestrator.steps.dump import dump_due
 from orchestrator.steps.phases import Built, StepPipeline
-from orchestrator.workers.protocol import PoolInfo
 
 if TYPE_CHECKING:
-    from orchestrator.delivery.wire import Batch
+    from orchestrator.contracts.rows import RolloutRow
+    from orchestrator.contracts.wire import Batch
     from orchestrator.delivery.zmq_link import BatchSender
+    from orchestrator.hub.hub import WorkerHub
     from orchestrator.rollouts.scheduler import Scheduler
     from orchestrator.sinks import Sinks
-    from orchestrator.steps.rows import RolloutRow
-    from orchestrator.workers.hub import WorkerHub
 
 log = logging.getLogger(__name__)
-
-
-class ManifestBuilder:
-    """A step's manifest and rows from its groups' headers (see the module docstring). Blocking: the step
-    thread."""
-
-    def __init__(self, steps: StepBuilder) -> None:
-        self.steps = steps
-        # custom filters may read tokens and cannot run here (not built): named once, when the first step is built
-        self.filters = FilterSet(steps.filter_configs, steps.vocab_size, in_worker=True)
-        self.skipped = sorted(set(self.filters.skipped))
-
-    def __call__(self, step: int, groups: Sequence[Any], dropped: Sequence[Any], pools: Mapping[str, PoolInfo],
-                 attempt: int = 0) -> StepResult[StepManifest]:
-        """A manifest naming ``pools``; ``attempt`` > 0 for a step built again after the trainer lost some of
-        its pools (unacked.py)."""
-        for g in groups:
-            for worker, pool in sorted({(r.header.worker, r.header.span.pool) for r in g.records
-                                        if r.header.span is not None}):
-                if pools.get(worker) is None or pools[worker].id != pool:
-                    lose_columns(g, worker, pool, "its column pool is gone")
-        if self.skipped:
-            log.warning("the direct data plane: custom filters %s may read column bytes and are not applied "
-                        "(not built yet)", self.skipped)
-            self.skipped = []
-        b = self.steps
-        rows, trained, phase = b.rows(step, groups, dropped, self.filters)
-        t = time.perf_counter()
-        manifest = build_manifest(b.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools,
-                                  attempt, b.logprobs_mode, b.temperatures)
-        phase["assemble"] = time.perf_counter() - t
-        return b.result(manifest, rows, phase, groups, trained, self.filters)
 
 
 class DirectPlane:

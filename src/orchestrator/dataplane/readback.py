@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from orchestrator.columns.layout import shapes_layout
-from orchestrator.columns.manifest import StepManifest, pool_ref
-from orchestrator.columns.reader import PoolMaps
+from orchestrator.contracts.manifest import StepManifest, pool_ref
+from orchestrator.contracts.protocol import COLUMNS, PoolInfo, RolloutRecord
 from orchestrator.errors import WireError
 from orchestrator.security import KeyPair
-from orchestrator.workers.protocol import COLUMNS, PoolInfo, RolloutRecord
+from orchestrator.trainer.reader import PoolMaps
 
 if TYPE_CHECKING:
-    from orchestrator.delivery.wire import Batch
+    from orchestrator.contracts.wire import Batch
     from orchestrator.rollouts.groups import Group
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from orchestrator.columns.spans import SpanLedger
-from orchestrator.workers.events import HubEvent, PoolGone
-from orchestrator.workers.protocol import PoolInfo, Release, RolloutHeader, RolloutRecord
+from orchestrator.contracts.events import HubEvent, PoolGone
+from orchestrator.contracts.protocol import PoolInfo, Release, RolloutHeader, RolloutRecord
+from orchestrator.hub.spans import SpanLedger
 
 log = logging.getLogger(__name__)
 

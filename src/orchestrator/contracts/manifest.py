@@ -41,8 +41,8 @@ from orchestrator.columns.layout import (
 from orchestrator.errors import WireError
 
 if TYPE_CHECKING:
-    from orchestrator.delivery.wire import LogprobsMode
-    from orchestrator.workers.protocol import PoolInfo, RolloutRecord
+    from orchestrator.contracts.protocol import PoolInfo, RolloutRecord
+    from orchestrator.contracts.wire import LogprobsMode
 
 MANIFEST_VERSION: Literal[1] = 1
 MAX_MANIFEST_BYTES = 64 << 20  # refused before decoding: a million-sample step takes ~40 MB
@@ -61,7 +61,7 @@ Scalar = float | int | str | bool | None
 
 class PoolRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One worker's column pool: ``path`` serves its fd to a reader on ``host``; ``address``, when set, is its
-    span server, where a reader on another host fetches its spans (columns/fetch.py)."""
+    span server, where a reader on another host fetches its spans (trainer/fetch.py)."""
 
     worker: Name
     id: PoolId
@@ -110,7 +110,7 @@ class StepManifest(msgspec.Struct, frozen=True, kw_only=True, tag="step-manifest
     columns: Annotated[list[ColumnSpec], msgspec.Meta(max_length=8)]
     scalars: Annotated[dict[Name, Annotated[list[Scalar], msgspec.Meta(max_length=MAX_SAMPLES)]],
                        msgspec.Meta(max_length=64)]
-    logprobs_mode: Literal["raw", "processed"] | None = None  # as a batch header's (delivery/wire.py)
+    logprobs_mode: Literal["raw", "processed"] | None = None  # as a batch header's (contracts/wire.py)
 
 
 class _Versioned(msgspec.Struct):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from orchestrator.workers.protocol import PoolInfo, RolloutHeader
+from orchestrator.contracts.protocol import PoolInfo, RolloutHeader
 
 
 @dataclass

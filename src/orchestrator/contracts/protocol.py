@@ -113,7 +113,7 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type"):
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's column pool (the direct data plane): which one, how large, where a trainer on ``host`` gets its
     fd (a Unix socket: memfd.serve_pool), and where a trainer on another host fetches its spans (``address``:
-    a span server, columns/fetch.py; none unless the worker was given one)."""
+    a span server, trainer/fetch.py; none unless the worker was given one)."""
 
     id: PoolId
     size: Annotated[int, msgspec.Meta(ge=ALIGN, le=MAX_POOL_BYTES)]

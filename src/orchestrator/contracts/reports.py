@@ -16,8 +16,8 @@ from typing import Annotated
 
 import msgspec
 
+from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.errors import WireError
-from orchestrator.weights.checkpoints import Checkpoint
 
 MAX_LOST_POOLS = 4096  # a lost step names at most one pool per env worker: far more is not a receiver's report
 MAX_NAME = 200  # a trainer's name goes into log lines: longer ones are cut, not refused

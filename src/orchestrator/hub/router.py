@@ -23,9 +23,9 @@ from typing import Any, cast
 import zmq
 
 from orchestrator import ipc
+from orchestrator.contracts.protocol import pack
 from orchestrator.errors import TransportError
 from orchestrator.security import LOCAL_KEYS_ENV, ServerKeys, curve_server
-from orchestrator.workers.protocol import pack
 
 log = logging.getLogger(__name__)
 

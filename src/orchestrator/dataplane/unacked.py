@@ -32,18 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from orchestrator.columns.manifest import MAX_ATTEMPTS, StepManifest
+from orchestrator.contracts.manifest import MAX_ATTEMPTS, StepManifest
+from orchestrator.contracts.protocol import PoolInfo, RolloutRecord
+from orchestrator.contracts.rows import RolloutRow
 from orchestrator.errors import TransportError
-from orchestrator.steps.rows import RolloutRow
-from orchestrator.workers.protocol import PoolInfo, RolloutRecord
 
 if TYPE_CHECKING:
-    from orchestrator.columns.direct import ManifestBuilder
-    from orchestrator.delivery.reports import LostStep
+    from orchestrator.contracts.reports import LostStep
+    from orchestrator.dataplane.manifests import ManifestBuilder
     from orchestrator.delivery.zmq_link import BatchSender
+    from orchestrator.hub.hub import WorkerHub
     from orchestrator.rollouts.groups import Group
     from orchestrator.rollouts.scheduler import Scheduler
-    from orchestrator.workers.hub import WorkerHub
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from orchestrator.contracts.protocol import HEARTBEAT_S
 from orchestrator.errors import WorkerError
-from orchestrator.workers.protocol import HEARTBEAT_S
-from orchestrator.workers.roster import Roster, WorkerState
+from orchestrator.hub.roster import Roster, WorkerState
 
 if TYPE_CHECKING:
-    from orchestrator.columns.pools import PoolKeeper
-    from orchestrator.workers.local import LocalWorkers
+    from orchestrator.hub.local import LocalWorkers
+    from orchestrator.hub.pools import PoolKeeper
 
 log = logging.getLogger(__name__)
 

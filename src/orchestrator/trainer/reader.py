@@ -14,10 +14,10 @@ copy) a step's arrays before acknowledging it. ``StepView.gather()`` makes the t
 ``Batch`` with one copy per column, for trainers that want it; ``transport.packing.pack`` works on it.
 
 Pools on another host (``PoolRef.host``) with a span server (``PoolRef.address``) are not mapped: ``view``
-fetches the step's spans from it (columns/fetch.py; blocking, at most ``fetch_timeout_s`` per pool) and the
+fetches the step's spans from it (trainer/fetch.py; blocking, at most ``fetch_timeout_s`` per pool) and the
 views are of the fetched frames (a worker runs a span server with ``env-worker --span-address``). A pool on
 another host without one cannot be read: a lost step, naming the pool. ``read(ref, spans)`` gives the bytes of
-some spans of one pool the same way (the orchestrator's step dumps and samples table: columns/readback.py).
+some spans of one pool the same way (the orchestrator's step dumps and samples table: dataplane/readback.py).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from orchestrator.columns.fetch import SPAN_FETCH_TIMEOUT_S, SpanClient
 from orchestrator.columns.layout import span_layout
-from orchestrator.columns.manifest import PoolRef, StepManifest
+from orchestrator.contracts.manifest import PoolRef, StepManifest
 from orchestrator.errors import WireError
 from orchestrator.security import ClientKeys, KeyPair
+from orchestrator.trainer.fetch import SPAN_FETCH_TIMEOUT_S, SpanClient
 
 if TYPE_CHECKING:
-    from orchestrator.delivery.wire import Batch, LogprobsMode
+    from orchestrator.contracts.wire import Batch, LogprobsMode
 
 # orchestrator.transport's receiver imports this module, and importing any module of that package loads the
 # package (its __init__ imports the receiver): so this module imports transport's memfd and wire where it uses
@@ -246,7 +246,7 @@ class StepView:
     def gather(self) -> Batch:
         """The step as the through path's contiguous ``Batch``: one copy per column (the trainer's, not the
         orchestrator's)."""
-        from orchestrator.delivery.wire import Batch  # not at import time: see the imports
+        from orchestrator.contracts.wire import Batch  # not at import time: see the imports
 
         m = self.manifest
         names = [c.name for c in m.columns]

@@ -20,10 +20,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.errors import EnvironmentLoadError, WireError
-from orchestrator.workers.events import HubEvent, RecordsIn
-from orchestrator.workers.intake import sort_records
-from orchestrator.workers.protocol import (
+from orchestrator.contracts.events import HubEvent, RecordsIn
+from orchestrator.contracts.protocol import (
     Fatal,
     Heartbeat,
     Hello,
@@ -33,11 +31,13 @@ from orchestrator.workers.protocol import (
     decode_worker_message,
     split_records,
 )
-from orchestrator.workers.roster import Roster, WorkerState
+from orchestrator.errors import EnvironmentLoadError, WireError
+from orchestrator.hub.intake import sort_records
+from orchestrator.hub.roster import Roster, WorkerState
 
 if TYPE_CHECKING:
-    from orchestrator.columns.pools import PoolKeeper
-    from orchestrator.workers.local import LocalWorkers
+    from orchestrator.hub.local import LocalWorkers
+    from orchestrator.hub.pools import PoolKeeper
 
 log = logging.getLogger(__name__)
 
