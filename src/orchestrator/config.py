@@ -386,8 +386,8 @@ def _exposure_checks(cfg: JobConfig, source: Source) -> Iterable[str]:
             yield (f"{source(key)}: {key}: {address} can be reached from other hosts, and without CURVE keys "
                    f"anyone who reaches it can {risk}. Make keys (`orchestrator keys keys --name orchestrator`, "
                    "and a pair per client), then set security.server_key = \"keys/orchestrator.key_secret\" and "
-                   "security.authorized_keys = the directory of the clients' public .key files (README: "
-                   "Security); or bind 127.0.0.1")
+                   "security.authorized_keys = the directory of the clients' public .key files (docs/security.md); "
+                   "or bind 127.0.0.1")
     trainer, opted_in = t.address or "", sec.allow_unauthenticated_trainer
     binds_trainer = t.kind == "prime-rl" and t.prime_rl_layout == "zmq" and trainer.startswith("tcp://")
     if binds_trainer and not is_loopback(trainer) and not opted_in:

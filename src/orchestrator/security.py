@@ -320,7 +320,7 @@ def is_loopback(address: str) -> bool:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """CURVE keys for the tcp:// sockets the orchestrator binds (README "Security"). Paths, like every path
+    """CURVE keys for the tcp:// sockets the orchestrator binds (docs/security.md). Paths, like every path
     in this file except ``include``, are relative to the working directory unless absolute."""
 
     server_key: str | None = opt(None, doc="the orchestrator's secret key file NAME.key_secret (made by "
