@@ -72,3 +72,19 @@ def test_the_demo_table_shows_a_dash_for_an_environment_without_rollouts_in_a_st
     assert "nan" not in text
     line = next(line for line in text.splitlines() if line.strip().startswith("│ 1 ") or " 1 │" in line)
     assert [cell.strip() for cell in line.split("│")[1:4]] == ["1", "0.750", "-"], line
+
+
+def test_a_reader_that_leaves_the_pipe_early_gets_no_traceback(repo: Path) -> None:
+    """``orchestrator check CONFIG | head -1``: the command stops quietly, as a shell's pipe writer does (141)."""
+    import subprocess
+    import sys
+
+    with subprocess.Popen([sys.executable, "-m", "orchestrator", "check", str(repo / "configs" / "demo.toml")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=repo) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        proc.stdout.close()  # the reader leaves before the command writes: its output meets a closed pipe
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err
+    assert "Exception ignored" not in err
