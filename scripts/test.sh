@@ -11,6 +11,8 @@ echo "== ruff" >&2
 .venv/bin/ruff check src tests scripts
 echo "== mypy" >&2
 .venv/bin/mypy
+# the SLURM cluster of tests/test_launch_slurm.py (Debian packages; ~15 s the first time, then ~0.1 s)
+bash scripts/slurm-setup.sh
 echo "== pytest" >&2
 .venv/bin/pytest "$@"
 # Their jobs run with data_plane = "direct"; tests there that do not depend on it are deselected (they ran above).

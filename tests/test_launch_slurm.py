@@ -15,7 +15,6 @@ namespaces (CI is root): skipped elsewhere, with the reason.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,8 @@ import pytest
 
 from orchestrator.launch.status import read_status
 from orchestrator.state import STATE_FILE, load_state
-from orchestrator.testing.slurm import SlurmCluster, missing, unavailable
 from orchestrator.testing.procs import wait_until
+from orchestrator.testing.slurm import SlurmCluster, missing, unavailable
 from orchestrator.trainer.reference import read_journal
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]

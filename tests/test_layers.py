@@ -18,9 +18,9 @@ import orchestrator
 SRC = Path(orchestrator.__file__).parent
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("entry points", ("__main__", "cli", "commands", "testing", "transport")),
+    ("entry points", ("__main__", "cli", "commands", "testing", "transport", "launch")),
     ("the job", ("app", "stepping", "engines", "outdir", "progress")),
-    ("config", ("config",)),
+    ("config", ("config", "launch.config")),
     ("data plane", ("columns.plane", "columns.direct", "columns.unacked", "columns.readback")),
     ("step boundary", ("steps", "sinks")),
     ("weight sync", ("weights",)),

@@ -87,7 +87,8 @@ def _slurm(cfg: JobConfig, args: argparse.Namespace) -> int:
     job_id = slurm.submit(str(files.script))
     print(job_id)
     print(f"submitted job {job_id} ({files.script}); job directory {files.root}\n"
-          f"  logs:   {files.logs}/job.log (the runner), orchestrator.log, trainer.log, server-N.log, env-worker-N.log\n"
+          f"  logs:   {files.logs}/job.log (the runner), orchestrator.log, trainer.log, server-N.log, "
+          "env-worker-N.log\n"
           f"  status: orchestrator launch status {args.config}  (squeue -j {job_id}; the runner writes "
           f"{files.status})\n"
           f"  stop:   scancel {job_id}  (the orchestrator saves its state; launch again to resume)", file=sys.stderr)

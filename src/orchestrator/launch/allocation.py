@@ -52,7 +52,7 @@ POLL_S = 1.0
 WARN_S = 30.0  # a wait for readiness says what it waits for this often
 
 
-class JobEnded(Exception):  # noqa: N818 - an outcome, not an error
+class JobEnded(Exception):
     """The job is over: ``state`` (completed, failed, stopped), ``why`` and the runner's exit status."""
 
     def __init__(self, state: str, why: str, code: int) -> None:
@@ -124,9 +124,9 @@ class Allocation:
         values = {"address": plan.trainer_address, "server_key": self.keys.server_public,
                   "client_key": self.keys.trainer_secret, "master_addr": plan.master_addr,
                   "master_port": launch.trainer.master_port, "nodes": len(plan.nodes["trainer"]), **self._common()}
-        out["trainer"] = JobStep("trainer", "trainer", plan.nodes["trainer"], fill(launch.trainer.command or "", values),
-                                 self.files.log("trainer"), {k: fill(v, values) for k, v in launch.trainer.env.items()},
-                                 launch.trainer.srun)
+        out["trainer"] = JobStep("trainer", "trainer", plan.nodes["trainer"],
+                                 fill(launch.trainer.command or "", values), self.files.log("trainer"),
+                                 {k: fill(v, values) for k, v in launch.trainer.env.items()}, launch.trainer.srun)
         return out
 
     def _common(self) -> dict[str, object]:
@@ -140,17 +140,19 @@ class Allocation:
             sets.append("inference.servers=[" + ", ".join(f'"{u}"' for u in plan.server_urls) + "]")
         workers = plan.instances("env_workers")
         if workers:
-            sets += [f"scheduler.remote_workers={len(workers)}", *(f"env[{i}].workers=0" for i in range(len(self.cfg.env)))]
+            sets.append(f"scheduler.remote_workers={len(workers)}")
+            sets += [f"env[{i}].workers=0" for i in range(len(self.cfg.env))]
         sets += [f'scheduler.worker_address="{plan.worker_address}"', f'transport.address="{plan.trainer_address}"',
-                 f'security.server_key="{self.keys.server_secret}"', f'security.authorized_keys="{self.keys.authorized}"']
+                 f'security.server_key="{self.keys.server_secret}"',
+                 f'security.authorized_keys="{self.keys.authorized}"']
         return [f"--set {shlex.quote(s)}" for s in sets]
 
     # --------------------------------------------------------------------------------- the job's life
 
     async def run(self) -> int:
         """Run the job's steps until it ends; the exit status (0: the orchestrator finished)."""
-        log.info("job %s (attempt %d) in %s: %s", self.job_id, self.status.attempt, self.files.root,
-                 "; ".join(f"{r}: {', '.join(v) if isinstance(v, list) else v}" for r, v in self.plan.describe().items()))
+        where = "; ".join(f"{r}: {', '.join(v) if isinstance(v, list) else v}" for r, v in self.plan.describe().items())
+        log.info("job %s (attempt %d) in %s: %s", self.job_id, self.status.attempt, self.files.root, where)
         stopped = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stopped.set)
@@ -221,7 +223,8 @@ class Allocation:
         """Consumes step exits; restarts what may be restarted, ends the job on what cannot go on (JobEnded)."""
         while True:
             step = await self.exits.get()
-            assert step.proc is not None and step.proc.returncode is not None
+            assert step.proc is not None
+            assert step.proc.returncode is not None
             code, st = step.proc.returncode, self.status.steps[step.name]
             st.exit, st.state = code, "exited"
             how = f"{step.name} (on {', '.join(step.nodes)}) {describe_exit(code)}"
@@ -254,7 +257,7 @@ class Allocation:
         """Until every server answers ``health_path`` with 200 (JobEnded past ``ready_timeout_s``)."""
         urls = {s.name: u.removesuffix("/v1") + self.launch.servers.health_path
                 for s, u in zip(servers, self.plan.server_urls, strict=True)}
-        waiting, last = dict(urls), {name: "not asked yet" for name in urls}
+        waiting, last = dict(urls), dict.fromkeys(urls, "not asked yet")
         t0 = warned = time.monotonic()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while waiting:

@@ -184,7 +184,8 @@ def _command_problems(key: str, role: str, cmd: ServersRole | TrainerRole, sourc
                "0.0.0.0 --port {port}\", or \"{orchestrator} sim-inference --host 0.0.0.0 --port {port} "
                "{sim_args}\")")
     known = PLACEHOLDERS[role]
-    templates = [("command", cmd.command or "")] + [(f"env.{k}", v) for k, v in cmd.env.items()]
+    templates: list[tuple[str, object]] = [("command", cmd.command or "")]
+    templates += [(f"env.{k}", v) for k, v in cmd.env.items()]  # TOML gives any value: checked here
     for name, text in templates:
         if not isinstance(text, str):
             yield f"{source(f'{key}.{name}')}: {key}.{name}: expected a string, got {text!r}"

@@ -74,7 +74,7 @@ class Plan:
 
     def instances(self, role: str) -> list[Instance]:
         per_node = {"servers": self.launch.servers.per_node, "env_workers": self.launch.env_workers.per_node}[role]
-        out = []
+        out: list[Instance] = []
         for node in self.nodes[role]:
             for k in range(per_node):
                 port = self.launch.servers.port + k if role == "servers" else None

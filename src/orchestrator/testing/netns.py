@@ -24,6 +24,7 @@ import shutil
 import subprocess
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import IO, Any
 
 from orchestrator.procs import terminate
 
@@ -101,8 +102,9 @@ class Network:
         self.namespace(host)  # KeyError for an unknown host
         return self._addresses[host]
 
-    async def run(self, host: str, *argv: str, stdin: int | None = None, stdout: int | None = None,
-                  stderr: int | None = None, cwd: Path | None = None, hostname: str | None = None,
+    async def run(self, host: str, *argv: str, stdin: int | IO[Any] | None = None,
+                  stdout: int | IO[Any] | None = None, stderr: int | IO[Any] | None = None, cwd: Path | None = None,
+                  hostname: str | None = None,
                   own_sysfs: bool = True, env: dict[str, str] | None = None) -> Process:
         """Start ``argv`` inside ``host`` (environment and files as ours); stopped by its pid on exit if still
         running. ``stdin``/``stdout``/``stderr`` as for ``asyncio.create_subprocess_exec``. With ``hostname``

@@ -28,8 +28,9 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from orchestrator.procs import terminate
 from orchestrator.testing.netns import Network, unavailable
@@ -69,7 +70,7 @@ class SlurmCluster:
         why = missing() or unavailable()
         if why is not None:
             raise RuntimeError(why)
-        root.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
         munged: Process | None = None
         async with Network.open(("login", *nodes)) as net:
             cluster = cls(root, net, nodes, kill_wait_s)
@@ -90,9 +91,9 @@ class SlurmCluster:
         """Our environment with ``SLURM_CONF`` naming this cluster (jobs inherit it: sbatch exports it)."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
-    async def run(self, *argv: str, **popen: object) -> Process:
+    async def run(self, *argv: str, **popen: Any) -> Process:
         """``argv`` on the login host (a SLURM client command, or ``orchestrator launch slurm``)."""
-        return await self.net.run("login", *argv, env=self.env, **popen)  # type: ignore[arg-type]
+        return await self.net.run("login", *argv, env=self.env, **popen)
 
     async def call(self, *argv: str, timeout_s: float = 60.0, cwd: Path | None = None) -> str:
         """Run ``argv`` on the login host to the end; its stdout (RuntimeError with its stderr if it fails)."""
@@ -174,9 +175,9 @@ class SlurmCluster:
                                    f"{ctl.returncode}); see {log}")
             await asyncio.sleep(0.5)
 
-    async def _until(self, ready: object, what: str, proc: Process) -> None:
+    async def _until(self, ready: Callable[[], bool], what: str, proc: Process) -> None:
         deadline = time.monotonic() + START_S
-        while not ready():  # type: ignore[operator]
+        while not ready():
             if proc.returncode is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{what} did not appear (exit {proc.returncode}); see {self.root}")
             await asyncio.sleep(0.1)
@@ -186,16 +187,18 @@ class SlurmCluster:
         namespaces by its pid: SIGTERM, then SIGKILL for anything left."""
         with contextlib.suppress(RuntimeError, TimeoutError):
             await self.call("scancel", "--partition=debug", timeout_s=10)
-            deadline = time.monotonic() + self.kill_wait_s + 15
-            while (await self.call("squeue", "-h", timeout_s=10)).strip() and time.monotonic() < deadline:
+            for _ in range(2 * (self.kill_wait_s + 15)):  # SIGKILL comes at KillWait: a bound, not a guess
+                if not (await self.call("squeue", "-h", timeout_s=10)).strip():
+                    break
                 await asyncio.sleep(0.5)
         for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             pids = [p for h in ("login", *self.nodes) for p in self.net.pids(h)]
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-            deadline = time.monotonic() + grace
-            while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            for _ in range(int(grace / 0.1)):
+                if not any(_alive(p) for p in pids):
+                    break
                 await asyncio.sleep(0.1)
 
 
