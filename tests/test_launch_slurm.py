@@ -32,7 +32,7 @@ from orchestrator.trainer.reference import read_journal
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / "configs" / "slurm_demo.toml"
+CONFIG = REPO / "configs" / "launch_demo.toml"
 STEPS = 8
 SMALL = ["--set", f"run.max_steps={STEPS}", "--set", "scheduler.batch_size=16", "--set", "scheduler.max_inflight=16"]
 WAIT_S = 240.0  # a hang guard: every wait ends on a state or a file's content (processes start slowly under load)
@@ -52,7 +52,7 @@ class Job:
 
     def __init__(self, work: Path) -> None:
         self.work = work
-        self.dir = work / "outputs" / "slurm-demo" / "launch"
+        self.dir = work / "outputs" / "launch-demo" / "launch"
         self.journal = self.dir / "trainer-journal.jsonl"
 
     def steps(self) -> list[int]:
@@ -111,10 +111,10 @@ async def test_a_job_survives_a_dead_server_stops_cleanly_on_scancel_and_resumes
         # nothing half-written: every journal line whole, the state loads, no checkpoint left under a temp name
         lines = job.journal.read_bytes().splitlines()
         assert [orjson.loads(line)["step"] for line in lines] == list(range(len(lines)))
-        state = load_state(work / "outputs" / "slurm-demo", "slurm-demo")
+        state = load_state(work / "outputs" / "launch-demo", "launch-demo")
         assert 0 <= state.acked_step <= len(lines) - 1
         assert not [p.name for p in (job.dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
-        assert (work / "outputs" / "slurm-demo" / STATE_FILE).exists()
+        assert (work / "outputs" / "launch-demo" / STATE_FILE).exists()
         before = job.steps()
         assert 0 < len(before) < STEPS
 

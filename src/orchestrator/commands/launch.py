@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load(path: Path, overrides: list[str]) -> JobConfig:
     cfg = load_config(path, overrides)
     if cfg.launch is None:
-        raise ConfigError([f"{path}: launch: this job has no [launch] section; add one (configs/slurm_demo.toml, "
+        raise ConfigError([f"{path}: launch: this job has no [launch] section; add one (configs/launch_demo.toml, "
                            "docs/launch.md)"])
     return cfg
 

@@ -107,9 +107,12 @@ class K8sConfig:
 
     image: str | None = opt(None, doc="container image with this package (and vLLM / the trainer) installed")
     namespace: str = opt("default", doc="namespace of every object")
-    volume_claim: str | None = opt(None, doc="a ReadWriteMany PersistentVolumeClaim mounted in every pod at "
-                                   "mount_path (checkpoints, outputs, the trainer's journal); unset: an emptyDir per "
-                                   "pod (nothing survives a restart, and servers cannot read the trainer's weights)")
+    volume_claim: str | None = opt(None, doc="an existing ReadWriteMany PersistentVolumeClaim, mounted in every pod "
+                                   "at mount_path (checkpoints, outputs, the trainer's journal); unset: the manifests "
+                                   "make one, JOB-shared, of `storage`")
+    storage: str = opt("50Gi", doc="the size of the volume claim the manifests make")
+    storage_class: str | None = opt(None, doc="its storageClassName (one that offers ReadWriteMany: NFS, CephFS...); "
+                                    "unset: the cluster's default")
     mount_path: str = opt("/job", doc="where the shared volume is mounted, and the working directory of every pod")
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = opt("IfNotPresent", doc="imagePullPolicy")
     resources: dict[str, dict[str, Any]] = opt({}, doc="per role, its container's resources.limits, e.g. "
