@@ -28,7 +28,7 @@ K8S_VERSION = "1.30"
 
 
 def manifests(path: Path) -> dict[str, dict[str, Any]]:
-    return {name: m for name, m in render_manifests(load_config(path), path, [])}
+    return dict(render_manifests(load_config(path), path, []))
 
 
 def container(m: dict[str, Any]) -> dict[str, Any]:

@@ -175,7 +175,8 @@ class _Render:
     def orchestrator_service(self) -> Manifest:
         o = self.launch.orchestrator
         ports = [("workers", o.worker_port), ("batches", o.trainer_port), ("acks", o.trainer_port + 1)]
-        return {"apiVersion": "v1", "kind": "Service", "metadata": self.meta(f"{self.job}-orchestrator", "orchestrator"),
+        meta = self.meta(f"{self.job}-orchestrator", "orchestrator")
+        return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
                 "spec": {"selector": self.selector("orchestrator"),
                          "ports": [{"name": n, "port": p, "targetPort": p} for n, p in ports]}}
 
@@ -183,7 +184,8 @@ class _Render:
         o, cfg = self.launch.orchestrator, self.cfg
         sets = [f'scheduler.worker_address="tcp://0.0.0.0:{o.worker_port}"',
                 f'transport.address="tcp://0.0.0.0:{o.trainer_port}"',
-                f'security.server_key="{KEYS}/orchestrator.key_secret"', f'security.authorized_keys="{KEYS}/authorized"']
+                f'security.server_key="{KEYS}/orchestrator.key_secret"',
+                f'security.authorized_keys="{KEYS}/authorized"']
         if self.launch.servers.own_nodes():
             sets += ["inference.servers=[]", f'inference.discover="http://{self.fqdn("servers")}:'
                      f'{self.launch.servers.port}/v1"', f"inference.discover_interval_s={self.k8s.discover_interval_s}"]
@@ -200,7 +202,8 @@ class _Render:
                 "trainer.key": "authorized/trainer.key"}
         tpl = self.pod("orchestrator", command, keys, probes=probes, restart="OnFailure",
                        ports=[o.worker_port, o.trainer_port, o.trainer_port + 1])
-        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": self.meta(f"{self.job}-orchestrator", "orchestrator"),
+        meta = self.meta(f"{self.job}-orchestrator", "orchestrator")
+        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
                 "spec": {"backoffLimit": 6, "template": tpl}}
 
     def workers(self) -> Manifest:
@@ -211,7 +214,8 @@ class _Render:
         keys = {"orchestrator.key": "orchestrator.key", "worker.key_secret": "worker.key_secret"}
         return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": self.meta(f"{self.job}-env-workers",
                                                                                       "env-workers"),
-                "spec": {"replicas": w.own_nodes() * w.per_node, "selector": {"matchLabels": self.selector("env-workers")},
+                "spec": {"replicas": w.own_nodes() * w.per_node,
+                         "selector": {"matchLabels": self.selector("env-workers")},
                          "template": self.pod("env-workers", command, keys)}}
 
     def trainer(self) -> Manifest:
