@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "launch_demo.toml"
 STEPS = 8
-SMALL = ["--set", f"run.max_steps={STEPS}", "--set", "scheduler.batch_size=16", "--set", "scheduler.max_inflight=16"]
+SMALL = ["--set", f"run.max_steps={STEPS}", "--set", "scheduler.batch_size=16", "--set", "scheduler.max_inflight=16",
+         "--set", "launch.env_workers.per_node=1"]  # one env worker: each takes a core for seconds to import verifiers
 WAIT_S = 240.0  # a hang guard: every wait ends on a state or a file's content (processes start slowly under load)
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
@@ -121,9 +122,15 @@ async def test_a_job_survives_a_dead_server_stops_cleanly_on_scancel_and_resumes
         second = await launch(cluster, work)
         fields = await cluster.wait_job(second, ENDED, WAIT_S)
         assert fields["JobState"] == "COMPLETED", (fields, job.log("job")[-3000:])
+        status_lines = await cluster.call(sys.executable, "-m", "orchestrator", "launch", "status", str(CONFIG),
+                                          *SMALL, cwd=work)
     assert job.steps() == list(range(STEPS))  # every step once, in order, across the two jobs
     assert job.status()["state"] == "completed"
     assert "--resume" in job.log("orchestrator").split("=== ")[-1]  # the second job's orchestrator resumed
+    assert status_lines.startswith(f"job {second} (attempt 0): completed: the orchestrator finished every step; "
+                                   "SLURM: COMPLETED"), status_lines
+    assert f"step {STEPS - 1} of {STEPS - 1} done" in status_lines
+    assert str(job.dir / "logs" / "trainer.log") in status_lines
 
 
 async def test_a_trainer_step_that_dies_ends_the_job_naming_it(tmp_path: Path) -> None:

@@ -99,6 +99,13 @@ async def signal_step(step: str, sig: str = "TERM") -> None:
 
 
 def job_state(job_id: str) -> str | None:
-    """The job's state as squeue says it (PENDING, RUNNING...); None once it has left the queue."""
-    out = run(["squeue", "-h", "-j", job_id, "-o", "%T"]).strip()
-    return out or None
+    """The job's state as SLURM says it (PENDING, RUNNING, COMPLETED, CANCELLED...); None once slurmctld has
+    forgotten it (MinJobAge after its end)."""
+    try:
+        out = run(["scontrol", "show", "job", "-o", job_id])
+    except SlurmError as e:
+        if "Invalid job id" in str(e):
+            return None
+        raise
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    return fields.get("JobState")
