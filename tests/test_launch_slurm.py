@@ -5,7 +5,8 @@ reference trainer on a third.
 
 - A job that loses a server step (``scancel --signal=KILL JOB.STEP``) goes on with the other; ``scancel`` ends
   it cleanly within KillWait (the orchestrator and the trainer exit 130: not killed; the journal and the state are
-  whole); submitted again it resumes, and the trainer's journal holds every step once, in order.
+  whole); submitted again it resumes; requeued (``scontrol requeue``) it resumes again; the trainer's journal
+  holds every step once, in order, across the three runs.
 - A trainer step that dies ends the job, naming the trainer and its cause; the script ``--dry-run`` printed is
   what sbatch ran.
 
@@ -33,7 +34,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "launch_demo.toml"
-STEPS = 8
+STEPS = 12  # room for each run to stop mid-way, whatever the pace of steps
 SMALL = ["--set", f"run.max_steps={STEPS}", "--set", "scheduler.batch_size=16", "--set", "scheduler.max_inflight=16",
          "--set", "launch.env_workers.per_node=1"]  # one env worker: each takes a core for seconds to import verifiers
 WAIT_S = 240.0  # a hang guard: every wait ends on a state or a file's content (processes start slowly under load)
@@ -81,7 +82,7 @@ async def step_id(cluster: SlurmCluster, job_id: str, name: str) -> str:
     return found[0]
 
 
-async def test_a_job_survives_a_dead_server_stops_cleanly_on_scancel_and_resumes(tmp_path: Path) -> None:
+async def test_a_job_survives_a_dead_server_stops_cleanly_and_resumes_resubmitted_and_requeued(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
     job = Job(work)
@@ -119,15 +120,23 @@ async def test_a_job_survives_a_dead_server_stops_cleanly_on_scancel_and_resumes
         before = job.steps()
         assert 0 < len(before) < STEPS
 
-        second = await launch(cluster, work)
+        second = await launch(cluster, work, "--set", "launch.requeue=true")
+        await wait_until(lambda: len(job.steps()) > len(before), WAIT_S, "a step of the resubmitted job", poll_s=0.5)
+        assert len(job.steps()) < STEPS
+        await cluster.call("scontrol", "requeue", second)
+        await cluster.wait_job(second, ("PENDING",), WAIT_S)  # requeued once every step has ended
+        await cluster.call("scontrol", "update", f"jobid={second}", "StartTime=now")  # not SLURM's 120 s delay
         fields = await cluster.wait_job(second, ENDED, WAIT_S)
         assert fields["JobState"] == "COMPLETED", (fields, job.log("job")[-3000:])
+        assert fields["Restarts"] == "1"
         status_lines = await cluster.call(sys.executable, "-m", "orchestrator", "launch", "status", str(CONFIG),
                                           *SMALL, cwd=work)
     assert job.steps() == list(range(STEPS))  # every step once, in order, across the two jobs
     assert job.status()["state"] == "completed"
-    assert "--resume" in job.log("orchestrator").split("=== ")[-1]  # the second job's orchestrator resumed
-    assert status_lines.startswith(f"job {second} (attempt 0): completed: the orchestrator finished every step; "
+    starts = job.log("orchestrator").split("=== ")
+    assert len(starts) == 4  # the log before the first banner, then three starts
+    assert ["--resume" in s for s in starts[1:]] == [False, True, True]  # resumed after scancel and the requeue
+    assert status_lines.startswith(f"job {second} (attempt 1): completed: the orchestrator finished every step; "
                                    "SLURM: COMPLETED"), status_lines
     assert f"step {STEPS - 1} of {STEPS - 1} done" in status_lines
     assert str(job.dir / "logs" / "trainer.log") in status_lines

@@ -39,7 +39,7 @@ import aiohttp
 from orchestrator.config import JobConfig
 from orchestrator.launch import slurm
 from orchestrator.launch.config import LaunchConfig, fill
-from orchestrator.launch.plan import Plan
+from orchestrator.launch.plan import Plan, PlanError
 from orchestrator.launch.sbatch import JobFiles
 from orchestrator.launch.status import JobStatus, StepStatus
 from orchestrator.launch.steps import JobStep, describe_exit, last_lines
@@ -247,7 +247,10 @@ class Allocation:
             else:
                 alive = [s.name for s in self.steps.values() if s.role == step.role and s.running]
                 what = "the pool takes it out of rotation" if step.role == "servers" else "its rollouts fail"
-                if not alive and self.status.state == "running":
+                if self.status.state != "running":  # the orchestrator's preflight needs every server
+                    raise JobEnded("failed", f"{how} before the job was running; its log {step.log_file}: "
+                                             f"{last_lines(step.log_file)}", 1)
+                if not alive:
                     raise JobEnded("failed", f"{how}, and no {step.role.replace('_', ' ')[:-1]} step is left", 1)
                 log.warning("%s; %s and the job goes on with %s; its log: %s", how, what, ", ".join(alive) or "none",
                             step.log_file)
@@ -346,10 +349,14 @@ async def run_allocation(cfg: JobConfig, config_path: Path, overrides: Sequence[
     if not job_id or not nodelist:
         raise slurm.SlurmError("not inside a SLURM allocation (no SLURM_JOB_ID / SLURM_JOB_NODELIST): submit the "
                                "script with sbatch, or use `orchestrator launch slurm`")
-    nodes = await slurm.hostnames(nodelist)
-    plan = Plan.make(launch, nodes, await slurm.node_addresses(nodes))
     files = JobFiles(job_dir)
     files.logs.mkdir(parents=True, exist_ok=True)
-    python = launch.python or sys.executable
     attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    try:
+        nodes = await slurm.hostnames(nodelist)
+        plan = Plan.make(launch, nodes, await slurm.node_addresses(nodes))
+    except (PlanError, slurm.SlurmError) as e:  # nothing started: say why where `launch status` looks
+        JobStatus(job_id, attempt, str(files.root), state="failed", why=str(e)).write(files.status)
+        raise
+    python = launch.python or sys.executable
     return await Allocation(cfg, config_path, overrides, files, plan, job_id, attempt, python).run()

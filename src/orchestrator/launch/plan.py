@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.errors import OrchestratorError
 from orchestrator.launch.config import ROLES, LaunchConfig, OrchestratorRole
 
 
-class PlanError(ValueError):
+class PlanError(OrchestratorError, ValueError):
     """The allocation cannot hold the roles as ``[launch]`` places them (names what is missing)."""
 
 
