@@ -4,6 +4,7 @@
 # tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md): a real vLLM
 # server for CPUs and tiny real models set up in .real-stack (cached), and the tests against them (tests/real).
 # Extra arguments go to every pytest run. REAL_STACK=0 skips the real stack (say so when you report a run).
+# SLURM and munge are installed first (scripts/slurm-setup.sh) for tests/test_launch_slurm.py (marked slurm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=dev,torch bash scripts/setup.sh

@@ -77,7 +77,7 @@ def test_roles_take_the_allocations_nodes_in_order() -> None:
     nodes = ["gpu1", "gpu2", "cpu1", "gpu3", "gpu4"]
     assert assign(launch, nodes) == {"servers": ("gpu1", "gpu2"), "env_workers": ("cpu1",),
                                      "orchestrator": ("cpu1",), "trainer": ("gpu3", "gpu4")}
-    with pytest.raises(PlanError, match="launch.trainer: needs 2 node"):
+    with pytest.raises(PlanError, match=r"launch\.trainer: needs 2 node"):
         assign(launch, nodes[:4])
     plan = Plan.make(launch, nodes, {n: f"10.0.0.{i}" for i, n in enumerate(nodes)})
     assert plan.server_urls[:2] == ["http://10.0.0.0:8000/v1", "http://10.0.0.0:8001/v1"]

@@ -88,6 +88,8 @@ async def test_a_job_survives_a_dead_server_stops_cleanly_and_resumes_resubmitte
     job = Job(work)
     async with SlurmCluster.open(tmp_path / "cluster") as cluster:
         first = await launch(cluster, work)
+        with pytest.raises(RuntimeError, match=f"job {first} of .* is (PENDING|RUNNING): one job per job directory"):
+            await launch(cluster, work)  # a second job would share its directory: refused while it lives
         await wait_until(lambda: len(job.steps()) >= 2, WAIT_S, "the trainer's first two steps", poll_s=0.5)
         killed = await step_id(cluster, first, "server-1")
         await cluster.call("scancel", "--signal=KILL", killed)

@@ -16,7 +16,13 @@ from pathlib import Path
 from orchestrator.commands.check import add_set_argument
 from orchestrator.config import JobConfig, load_config
 from orchestrator.errors import ConfigError
+from orchestrator.launch import slurm
+from orchestrator.launch.sbatch import JobFiles
+from orchestrator.launch.status import JobStatus, read_status
 
+# SLURM's states of a job that has not ended (squeue's job state codes)
+ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+          "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
 HELP = "launch the whole job on a cluster: SLURM (sbatch) or Kubernetes (manifests); or say how a launched job is"
 
 
@@ -70,8 +76,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _slurm(cfg: JobConfig, args: argparse.Namespace) -> int:
-    from orchestrator.launch import slurm
-    from orchestrator.launch.sbatch import JobFiles, render
+    from orchestrator.launch.sbatch import render
 
     assert cfg.launch is not None
     cwd = Path.cwd()
@@ -81,10 +86,16 @@ def _slurm(cfg: JobConfig, args: argparse.Namespace) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
+    active = _active_job(files)
+    if active is not None:
+        print(f"error: job {active[0]} of {files.root} is {active[1]}: one job per job directory (they would share its "
+              f"output and keys). Wait for it, or scancel {active[0]}", file=sys.stderr)
+        return 1
     tmp = files.script.with_name(f".{files.script.name}.{os.getpid()}")
     tmp.write_text(script)
     tmp.replace(files.script)
     job_id = slurm.submit(str(files.script))
+    JobStatus(job_id, 0, str(files.root), state="submitted", why="waiting for SLURM to start it").write(files.status)
     print(job_id)
     print(f"submitted job {job_id} ({files.script}); job directory {files.root}\n"
           f"  logs:   {files.logs}/job.log (the runner), orchestrator.log, trainer.log, server-N.log, "
@@ -93,6 +104,15 @@ def _slurm(cfg: JobConfig, args: argparse.Namespace) -> int:
           f"{files.status})\n"
           f"  stop:   scancel {job_id}  (the orchestrator saves its state; launch again to resume)", file=sys.stderr)
     return 0
+
+
+def _active_job(files: JobFiles) -> tuple[str, str] | None:
+    """(job id, SLURM state) of the job last launched into ``files`` if SLURM still runs or queues it."""
+    status = read_status(files.status)
+    if status is None:
+        return None
+    state = slurm.job_state(status["job_id"])
+    return (status["job_id"], state) if state in ACTIVE else None
 
 
 def _k8s(cfg: JobConfig, args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 ``orchestrator launch status`` and for whoever reads the job directory.
 
 Written whole at every change (a temp file, then a rename): a reader never sees half of one. Holds the job's
-state (``starting``, ``running``, ``completed``, ``failed``, ``stopped``), why it ended, the plan (which node runs
+state (``submitted``: by ``orchestrator launch slurm``; then the runner's ``starting``, ``running``, ``completed``,
+``failed``, ``stopped``), why it ended, the plan (which node runs
 what, the addresses), and each step: its node, SLURM step id, state, exit status, restarts and log file.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import orjson
 
-STATES = ("starting", "running", "completed", "failed", "stopped")
+STATES = ("submitted", "starting", "running", "completed", "failed", "stopped")
 
 
 @dataclass
