@@ -451,5 +451,11 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
     raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _toml_key(k: str) -> str:
+    """A table key as TOML reads it back: bare when it can be (letters, digits, '_', '-'), else quoted
+    (``"nvidia.com/gpu"``: a bare dotted key would be a nested table)."""
+    return k if k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k) else _toml_value(k)
