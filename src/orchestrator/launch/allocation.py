@@ -99,6 +99,7 @@ class Allocation:
         for step in self.steps.values():
             self.status.steps[step.name] = StepStatus(step.role, list(step.nodes), str(step.log_file))
         self.exits: asyncio.Queue[JobStep] = asyncio.Queue()
+        self.stopped = asyncio.Event()  # SIGTERM: every step ends by SLURM's own signal, none is a fault
 
     # ------------------------------------------------------------------------------------- the steps
 
@@ -153,7 +154,7 @@ class Allocation:
         """Run the job's steps until it ends; the exit status (0: the orchestrator finished)."""
         where = "; ".join(f"{r}: {', '.join(v) if isinstance(v, list) else v}" for r, v in self.plan.describe().items())
         log.info("job %s (attempt %d) in %s: %s", self.job_id, self.status.attempt, self.files.root, where)
-        stopped = asyncio.Event()
+        stopped = self.stopped
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stopped.set)
         loop.add_signal_handler(signal.SIGINT, stopped.set)
@@ -167,6 +168,9 @@ class Allocation:
             except* JobEnded as group:
                 ended = group.exceptions[0]
                 assert isinstance(ended, JobEnded)
+            except* Exception as group:  # the runner itself failed: say so where `launch status` looks
+                self._set("failed", f"the job's runner failed: {group.exceptions[0]!r}")
+                raise
             else:  # pragma: no cover - the watch ends only with JobEnded
                 raise AssertionError("the job's watch ended without an outcome")
         finally:
@@ -223,6 +227,8 @@ class Allocation:
         """Consumes step exits; restarts what may be restarted, ends the job on what cannot go on (JobEnded)."""
         while True:
             step = await self.exits.get()
+            if self.stopped.is_set():
+                continue
             assert step.proc is not None
             assert step.proc.returncode is not None
             code, st = step.proc.returncode, self.status.steps[step.name]
@@ -310,23 +316,24 @@ class Allocation:
 
     async def _stop_all(self, *, signal_steps: bool) -> None:
         """Stop every step still running: SIGTERM through SLURM (``signal_steps``; else wait for the SIGTERM
-        SLURM sent), SIGKILL after ``stop_timeout_s``."""
+        SLURM sent), SIGKILL after ``stop_timeout_s``. Every step that ended in the stop is recorded ``stopped``
+        with its status (one that had ended on its own stays ``exited``)."""
         running = [s for s in self.steps.values() if s.running]
-        if not running:
-            return
-        try:
-            ids = await slurm.steps(self.job_id)
-        except slurm.SlurmError as e:
-            log.warning("cannot list the job's steps (%s); stopping srun itself", e)
-            ids = {}
-        for name, step_id in ids.items():
-            if name in self.status.steps:
-                self.status.steps[name].step = step_id
-        await asyncio.gather(*(s.stop(ids, self.launch.stop_timeout_s, signal_first=signal_steps) for s in running))
-        for s in running:
-            assert s.proc is not None
-            st = self.status.steps[s.name]
-            st.state, st.exit = "stopped", s.proc.returncode
+        if running:
+            try:
+                ids = await slurm.steps(self.job_id)
+            except slurm.SlurmError as e:
+                log.warning("cannot list the job's steps (%s); stopping srun itself", e)
+                ids = {}
+            for name, step_id in ids.items():
+                if name in self.status.steps:
+                    self.status.steps[name].step = step_id
+            await asyncio.gather(*(s.stop(ids, self.launch.stop_timeout_s, signal_first=signal_steps)
+                                   for s in running))
+        for step in self.steps.values():
+            st = self.status.steps[step.name]
+            if step.proc is not None and step.proc.returncode is not None and st.state != "exited":
+                st.state, st.exit = "stopped", step.proc.returncode
 
     def _set(self, state: str, why: str) -> None:
         self.status.state, self.status.why = state, why
