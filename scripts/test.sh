@@ -4,6 +4,7 @@
 # tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md): a real vLLM
 # server for CPUs and tiny real models set up in .real-stack (cached), and the tests against them (tests/real).
 # Extra arguments go to every pytest run. REAL_STACK=0 skips the real stack (say so when you report a run).
+# SLURM and munge are installed first (scripts/slurm-setup.sh) for tests/test_launch_slurm.py (marked slurm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=dev,torch bash scripts/setup.sh
@@ -11,6 +12,8 @@ echo "== ruff" >&2
 .venv/bin/ruff check src tests scripts
 echo "== mypy" >&2
 .venv/bin/mypy
+# the SLURM cluster of tests/test_launch_slurm.py (Debian packages; ~15 s the first time, then ~0.1 s)
+bash scripts/slurm-setup.sh
 echo "== pytest" >&2
 .venv/bin/pytest "$@"
 # Their jobs run with data_plane = "direct"; tests there that do not depend on it are deselected (they ran above).

@@ -35,7 +35,6 @@ def test_unknown_command_is_a_usage_error() -> None:
 def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
     import dataclasses
 
-    from orchestrator.commands.demo import sim_arguments
     from orchestrator.commands.sim_inference import add_arguments
     from orchestrator.config import SimConfig, load_config
 
@@ -46,7 +45,7 @@ def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
                  ['sim.profile="vllm-0.33"', "sim.dev_mode=false", "sim.num_experts=512", "sim.scale_out=false",
                   'sim.logprobs_mode="processed_logprobs"']):
         cfg = load_config(demo, sets)
-        parsed = parser.parse_args(sim_arguments(cfg))
+        parsed = parser.parse_args(cfg.sim.arguments(cfg.model.name, cfg.inference.backend))
         for f in dataclasses.fields(SimConfig):
             if f.name in ("servers", "seed"):  # the demo's own: how many to start, and seed + i per server
                 continue

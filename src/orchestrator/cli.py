@@ -34,6 +34,7 @@ COMMANDS = {
     "report": "report",
     "keys": "keys",
     "prepare-worker-host": "prepare_worker_host",
+    "launch": "launch",
 }
 
 EXIT_CONFIG = 2
