@@ -1,7 +1,7 @@
 """Regression check before submitting: the headline figures of this tree and of the last commit recorded in
 scripts/perf/README.md's headline table, measured back to back on this machine, and which moved the wrong way.
 
-    .venv/bin/python scripts/perf/regress.py                 # a few minutes: 2 interleaved repeats of each figure
+    .venv/bin/python scripts/perf/regress.py                 # 2 interleaved repeats of each figure
     .venv/bin/python scripts/perf/regress.py --against cd23bfc --repeats 3 --json
 
 A figure from another machine cannot tell a regression from a slower CPU (the same commit reads ~3x apart on two
