@@ -2,14 +2,15 @@
 
 At ready: the job opened with its worker hub alone running (nothing scheduled), once every worker has reported
 ready, the RSS of each env worker process (``VmRSS`` of this process's ``env-worker`` children, by ``--id``).
-``--ready-only`` stops there (~15 s: what ``regress.py`` runs). Otherwise it then opens the job anew (whose
+``--ready-only`` stops there (~15 s: what ``regress.py`` runs; with ``--config`` another job's workers, its
+inference servers replaced by simulated ones as for every config here). Otherwise it then opens the job anew (whose
 workers get rollouts the moment they are ready) and runs it (``--config``, default configs/demo.toml: simulated
-servers as subprocesses, one env worker process per built-in environment, the reference trainer in this
-process) for ``--rollouts`` rollouts in all (default 2,000), and reads each worker's RSS from its heartbeats as
-every step's metrics carry it (``scheduler.workers.<name>.rss_mb``). Per worker, past
-``--warmup`` rollouts (default 200: imports, connection pools): the median RSS of the first and last thirds of
-the steps and the growth per 100 rollouts between them, and a least-squares slope per 100 rollouts. Progress
-goes to stderr every 10 steps. Last line with --json: one JSON object.
+servers as subprocesses, one env worker process per built-in environment, the reference trainer in this process)
+for ``--rollouts`` rollouts in all (default 2,000), and reads each worker's RSS from its heartbeats as every step's
+metrics carry it (``scheduler.workers.<name>.rss_mb``). Per worker, past ``--warmup`` rollouts (default 200:
+imports, connection pools): the median RSS of the first and last thirds of the steps and the growth per 100
+rollouts between them, and a least-squares slope per 100 rollouts. Progress goes to stderr every 10 steps. Last
+line with --json: one JSON object.
 
     .venv/bin/python scripts/perf/soak_workers.py --json
     .venv/bin/python scripts/perf/soak_workers.py --ready-only --json
