@@ -116,7 +116,7 @@ class ServerCap:
         self._limit: tuple[int, int] | None = None
         self._probing = False  # the limit was raised a group after a quiet while; not yet preempted there
         self._wait = cfg.probe_after  # turnovers without a preemption before growth may pass the limit
-        self._over = False  # the preemptions over the budget window exceed the budget
+        self._over = False  # over the preemption budget at the last poll
         # the preemption budget, a token bucket: preemptions the server may still have without a cut, and the
         # counters (requests finished, preemptions) at the last poll
         self._tokens = cfg.preemption_budget * cfg.budget_window
@@ -216,9 +216,9 @@ class ServerCap:
 
     def _grown(self, usage: float, inflight: int, completed: int) -> int:
         """The cap the completions since the last poll grow it to: ``grow_factor`` per turnover (as many
-        completions as in flight), a fraction of it per completion, tapered from full below ``grow_below`` to
-        none at ``trim_above``. After a cut on preemptions: below the in-flight count that preempted for
-        ``probe_after`` turnovers, then up to it (a probe), and past it once it has held as long again."""
+        completions as in flight), a share of it per completion, tapered from full below ``grow_below`` to none
+        at ``trim_above``, at most a group a poll; not past the limit preemptions set (``_remember``), nor up to
+        it while over the budget."""
         cfg = self.cfg
         taper = min(1.0, max(0.0, (cfg.trim_above - usage) / (cfg.trim_above - cfg.grow_below)))
         factor = 1 + (cfg.grow_factor - 1) * taper
