@@ -12,7 +12,7 @@ KV model over machines of different speed: testing/kvjob.py, tests/test_concurre
 0. **Start** (``start_per_server`` unset): one group until the server's first readable poll says its KV capacity
    (``vllm:cache_config_info``) and a rollout's length is known (``rollout_tokens``, else the longest rollout of
    the first groups to finish there), then capacity / length: as many rollouts as fit at their longest at once,
-   a cap that cannot preempt (prime-rl starts at capacity / max_model_len). A server that does not say its
+   a cap that should not preempt (prime-rl starts at capacity / max_model_len). A server that does not say its
    capacity starts at ``start_per_server`` or the ceiling split over the servers.
 1. **Hard** (KV usage above ``cancel_above`` while the server preempts, ``cancel_polls`` polls in a row: a cache
    that thrashes, not one wave's peak): the cap becomes what would hold the cache at ``trim_to`` (in flight x
