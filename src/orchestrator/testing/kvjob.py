@@ -2,18 +2,20 @@
 the benchmark's server runs) serving multi-turn rollouts that open in groups under a cap, and ``ServerCap`` (the
 real rules) polled every ``poll_s`` of virtual time, as ``ConcurrencyControl`` polls a server's ``/metrics``.
 
-No clock, no I/O, seeded: a job of a few hundred rollouts runs in about a second and gives the same figures every
-time, so the controller's rules can be checked on machines of any speed (``KVModel.step_ms``), reply lengths and
-poll intervals, poll by poll (``VirtualJob.trace``), where a real benchmark pass takes minutes and its figures
-swing with the host's load. ``run_job(spec, cap=None)``: the adaptive cap under ``spec.ceiling``; ``cap=N``: a
-static cap of N rollouts.
+No clock, no I/O, seeded: a job of a few hundred rollouts runs in a fraction of a second and gives the same
+figures every time, so the controller's rules can be checked on machines of any speed (``KVModel.step_ms``),
+reply lengths and poll intervals, poll by poll (``VirtualJob.trace``), where a real benchmark pass takes minutes
+and its figures swing with the host's load. ``run_job(spec, cap=None)``: the adaptive cap under
+``spec.ceiling``; ``cap=N``: a static cap of N rollouts.
 
 What it models of a real job: each rollout is ``turns`` requests of ``reply`` tokens each, the first of
 ``prompt`` tokens, each later one the context so far plus ``user`` tokens (a new turn recomputes its whole
 context: the simulator has no prefix cache); between two turns ``env_ms`` pass outside the engine (the env
-worker, HTTP); a group of ``group`` rollouts opens whenever it fits under the cap (an idle server always takes one
+worker, HTTP), more with more rollouts in flight (``env_ms_per_inflight``: they share the host's cores); a
+rollout's length for the first cap is learned as ``ConcurrencyControl`` learns it (the longest of the last
+groups); a group of ``group`` rollouts opens whenever it fits under the cap (an idle server always takes one
 group); a hard trim cancels whole groups not yet half done, youngest first, never the oldest (as
-``GroupTracker.shed``). What it leaves out: steps, weight syncs, env workers' CPU contention.
+``GroupTracker.shed``). What it leaves out: steps, weight syncs, the loop's own delays.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from orchestrator.inference.load import ServerLoad
-from orchestrator.rollouts.concurrency import Decision, Rule, ServerCap
+from orchestrator.rollouts.concurrency import LONGEST_GROUPS, Decision, Rule, ServerCap
 from orchestrator.rollouts.config import ConcurrencyConfig
 from orchestrator.sim.kv import KVEngine, KVModel
 
@@ -92,7 +94,7 @@ class VirtualJob:
         self.spec = spec
         self.engine = KVEngine(spec.kv)
         self.rng = random.Random(spec.seed)
-        self.static = cap
+        self.static = cap or 0
         cfg = spec.concurrency
         self.ctl = None if cap is not None else ServerCap(cfg, spec.ceiling, cfg.start_per_server or spec.ceiling,
                                                           spec.group, from_capacity=cfg.start_per_server is None)
@@ -101,17 +103,17 @@ class VirtualJob:
         self._seq = itertools.count()
         self._stepping = False
         self.groups: dict[int, list[_Rollout]] = {}  # open groups, oldest first
-        self.inflight = self.completed = self.started = self.cancelled = self.requests = 0
+        self.inflight = self.completed = self.started = self.requests = 0
         self.finished: list[tuple[float, int]] = []  # (when, reply tokens) of each finished rollout
         self.submits: list[float] = []
         self.preempt_at: list[tuple[float, int]] = []
         self.cancels: list[float] = []
         self.trace: list[Poll] = []
-        self.longest: collections.deque[int] = collections.deque(maxlen=16)  # per finished group: its longest
+        self.longest: collections.deque[int] = collections.deque(maxlen=LONGEST_GROUPS)  # each group's longest
 
     @property
     def cap(self) -> int:
-        return self.static if self.static is not None else min(self.ctl.cap, self.spec.ceiling) if self.ctl else 0
+        return self.static if self.ctl is None else self.ctl.cap
 
     def run(self) -> JobResult:
         self._at(0.0, "poll", None)
