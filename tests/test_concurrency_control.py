@@ -58,7 +58,7 @@ async def test_each_server_gets_its_own_cap_from_its_own_cache() -> None:
     snap = ctl.snapshot()
     assert snap[fakes[0].url]["rule"] == "grow"
     assert snap[fakes[1].url] == {"cap": 8, "rule": "trim", "cancel_asked": 0, "kv_usage": 0.85, "waiting": 0,
-                                  "preemptions": 0}
+                                  "preemptions": 0, "rollout_tokens": None}
     assert cancels == []
 
 
@@ -75,7 +75,8 @@ async def test_a_hard_trim_asks_for_the_excess_to_be_cancelled() -> None:
     assert pool.servers[0].cap == 5
 
 
-async def test_the_first_cap_comes_from_the_kv_capacity_and_the_first_rollouts_length() -> None:
+async def test_the_first_cap_comes_from_the_kv_capacity_and_the_first_rollouts_length(
+        caplog: pytest.LogCaptureFixture) -> None:
     fakes, pool, cancels = setup(1)
     ctl = ConcurrencyControl(ConcurrencyConfig(adaptive=True), pool, 64, 4, lambda server, n: cancels.append(
         (server.url, n)))
@@ -87,8 +88,12 @@ async def test_the_first_cap_comes_from_the_kv_capacity_and_the_first_rollouts_l
     ctl.done(server, 4, longest=300)
     ctl.done(server, 4, longest=480)
     assert ctl.rollout_tokens(server) == 480
-    await ctl.poll()
+    with caplog.at_level(logging.INFO):
+        await ctl.poll()
     assert (server.cap, ctl.snapshot()[server.url]["rule"]) == (17, "start")  # 8192 // 480
+    assert ctl.snapshot()[server.url]["rollout_tokens"] == 480
+    assert any("first cap 17 rollouts: its KV cache of 8192 tokens over 480 tokens" in r.getMessage()
+               for r in caplog.records)
     assert cancels == []
     fixed = ConcurrencyControl(ConcurrencyConfig(adaptive=True, rollout_tokens=1024), pool, 64, 4, lambda s, n: None)
     await fixed.poll()

@@ -342,7 +342,10 @@ class ConcurrencyControl:
         self.pool.set_cap(server, d.cap)
         if d.cap > before:
             self.raised()
-        if d.cap != before and d.rule is not Rule.UNREADABLE:
+        if d.rule is Rule.START and load is not None and load.capacity_tokens is not None:
+            log.info("inference server %s: first cap %d rollouts: its KV cache of %d tokens over %s tokens a "
+                     "rollout at its longest", server.url, d.cap, load.capacity_tokens, self.rollout_tokens(server))
+        elif d.cap != before and d.rule is not Rule.UNREADABLE:
             usage = f"{load.usage:.2f}" if load is not None else "?"
             log.info("inference server %s: cap %d -> %d (%s; KV usage %s, %d in flight)", server.url, before, d.cap,
                      d.rule.value, usage, server.inflight)
@@ -350,11 +353,13 @@ class ConcurrencyControl:
             self.cancel(server, d.cancel)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Per server: its cap, the last load read (KV usage, waiting, preemptions) and the last decision."""
+        """Per server: its cap, the last load read (KV usage, waiting, preemptions), the last decision and the
+        tokens a rollout is expected to hold at its longest (what the first cap was sized by)."""
         out = {}
         for url, cap in self.caps.items():
             load = self.loads.get(url)
             out[url] = {"cap": cap.cap, "rule": cap.last.rule.value, "cancel_asked": cap.last.cancel,
                         "kv_usage": load.usage if load else None, "waiting": load.waiting if load else None,
-                        "preemptions": load.preemptions if load else None}
+                        "preemptions": load.preemptions if load else None,
+                        "rollout_tokens": self.cfg.rollout_tokens or max(self.longest[url], default=None)}
         return out
