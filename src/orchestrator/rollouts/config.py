@@ -39,8 +39,8 @@ class ConcurrencyConfig:
                               "cancelled (whole groups not yet half done, youngest first)")
     cancel_only_preempting: bool = opt(True, doc="cancel past cancel_above only while the server preempts (its "
                                         "counter rose since the last poll); a full cache that does not preempt "
-                                        "is trimmed, nothing thrown away. false: cancel past cancel_above always "
-                                        "(prime-rl's rule)")
+                                        "only stops growth, nothing thrown away. false: cancel past cancel_above "
+                                        "always, preempting or not (prime-rl's rule)")
     cancel_polls: int = opt(4, ge=1, doc="polls in a row past cancel_above that preempt before rollouts are "
                             "cancelled (one group's peak preempts once; a cache that thrashes goes on)")
     preemption_budget: float = opt(0.0075, ge=0, le=1, doc="preemptions per finished request the cap may cost: "
