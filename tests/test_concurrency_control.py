@@ -54,17 +54,18 @@ async def test_each_server_gets_its_own_cap_from_its_own_cache() -> None:
     await ctl.poll()
     ctl.done(pool.servers[0], 8)
     await ctl.poll()
-    assert [s.cap for s in pool.servers] == [10, 6]  # grew once (8 completions); admission closed at its 6
+    assert [s.cap for s in pool.servers] == [9, 8]  # grew (8 completions: a group a poll); the other held
     snap = ctl.snapshot()
     assert snap[fakes[0].url]["rule"] == "grow"
-    assert snap[fakes[1].url] == {"cap": 6, "rule": "trim", "cancel_asked": 0, "kv_usage": 0.85, "waiting": 0,
-                                  "preemptions": 0}
+    assert snap[fakes[1].url] == {"cap": 8, "rule": "trim", "cancel_asked": 0, "kv_usage": 0.85, "waiting": 0,
+                                  "preemptions": 0, "rollout_tokens": None}
     assert cancels == []
 
 
 async def test_a_hard_trim_asks_for_the_excess_to_be_cancelled() -> None:
     fakes, pool, cancels = setup(1)
-    ctl = control(pool, cancels)
+    ctl = ConcurrencyControl(ConcurrencyConfig(adaptive=True, start_per_server=8, cancel_polls=1), pool, 32, 1,
+                             lambda server, n: cancels.append((server.url, n)))
     pool.servers[0].inflight = 8
     fakes[0].metrics_text = metrics(0.5, preemptions=2)
     await ctl.poll()  # learns the counter
@@ -72,6 +73,31 @@ async def test_a_hard_trim_asks_for_the_excess_to_be_cancelled() -> None:
     await ctl.poll()
     assert cancels == [(fakes[0].url, 3)]  # floor(8 x 0.7 / 0.95) = 5 kept
     assert pool.servers[0].cap == 5
+
+
+async def test_the_first_cap_comes_from_the_kv_capacity_and_the_first_rollouts_length(
+        caplog: pytest.LogCaptureFixture) -> None:
+    fakes, pool, cancels = setup(1)
+    ctl = ConcurrencyControl(ConcurrencyConfig(adaptive=True), pool, 64, 4, lambda server, n: cancels.append(
+        (server.url, n)))
+    server = pool.servers[0]
+    assert server.cap == 4  # one group until the first poll
+    fakes[0].metrics_text = exposition("m", KVLoad(0.1, 4, 0, 0, blocks=512, block_tokens=16), 0.0)  # 8192
+    await ctl.poll()
+    assert server.cap == 4  # no rollout has finished: its length is not known
+    ctl.done(server, 4, longest=300)
+    ctl.done(server, 4, longest=480)
+    assert ctl.rollout_tokens(server) == 480
+    with caplog.at_level(logging.INFO):
+        await ctl.poll()
+    assert (server.cap, ctl.snapshot()[server.url]["rule"]) == (17, "start")  # 8192 // 480
+    assert ctl.snapshot()[server.url]["rollout_tokens"] == 480
+    assert any("first cap 17 rollouts: its KV cache of 8192 tokens over 480 tokens" in r.getMessage()
+               for r in caplog.records)
+    assert cancels == []
+    fixed = ConcurrencyControl(ConcurrencyConfig(adaptive=True, rollout_tokens=1024), pool, 64, 4, lambda s, n: None)
+    await fixed.poll()
+    assert server.cap == 8  # the set length, before anything finished
 
 
 async def test_an_unreadable_server_keeps_the_static_cap_said_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -109,7 +109,7 @@ class Scheduler:
         self.concurrency = None if not limits.concurrency.adaptive else ConcurrencyControl(
             limits.concurrency, pool, limits.max_inflight, self.smallest_group,
             lambda server, n: self.completion.shed(server, n), raised=self._wake.set)
-        done = self.concurrency.done if self.concurrency is not None else (lambda _server, _size: None)
+        done = self.concurrency.done if self.concurrency is not None else (lambda _server, _size, _longest: None)
         capacity = Capacity(self.limits.max_inflight, pool, self.tracker, done)
         self.admission = Admission(self.limits, capacity, self.tracker, self.buffer, self.envs, self.sampler,
                                    self.evaluator, policy, policy if first_step is None else first_step)
