@@ -5,18 +5,19 @@ runs is still lost at the bound."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 
 from orchestrator.contracts.events import HubEvent
+from orchestrator.contracts.protocol import HEARTBEAT_S
 from orchestrator.hub.local import LocalWorkers
 from orchestrator.hub.pools import PoolKeeper
 from orchestrator.hub.roster import Roster, WorkerState
 from orchestrator.hub.supervision import Supervisor
+from orchestrator.testing.clock import VirtualClockLoop, virtual_time
 from orchestrator.testing.procs import wait_until
 
-SILENCE_S = 2.0
-HANG_GUARD_S = 60.0
+SILENCE_S = 10.0  # scheduler.worker_silence_s's default
+HANG_GUARD_S = 600.0  # virtual seconds
 
 
 def supervisor() -> tuple[Supervisor, WorkerState]:
@@ -29,14 +30,22 @@ def supervisor() -> tuple[Supervisor, WorkerState]:
     return Supervisor(roster, silence_s=SILENCE_S, ready=asyncio.Event(), address="ipc://unused", remote=1), worker
 
 
+@virtual_time
 async def test_a_stall_of_the_loop_is_not_the_workers_silence_but_silence_after_it_is() -> None:
+    """The loop's clock is virtual (orchestrator.testing.clock); ``advance`` moves it as a blocking call holding
+    the loop would: timers become overdue, and nothing runs meanwhile."""
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, VirtualClockLoop)
     sup, worker = supervisor()
     async with asyncio.TaskGroup() as tg:
         task = tg.create_task(sup.run())
         await asyncio.sleep(0.1)
-        worker.last_seen = time.monotonic()
-        time.sleep(SILENCE_S + 1.5)  # noqa: ASYNC251 (the point: the loop held past the bound, as a blocking call would)
+        worker.last_seen = loop.time()
+        loop.advance(SILENCE_S + 1.5)  # the loop held past the bound, as a blocking call would
         await asyncio.sleep(0.05)  # the supervisor's overdue tick runs first, before any message could be read
-        assert sup.roster.metrics["lost"] == 0  # without the credit: silent for 3.5 s, lost on that tick
+        assert sup.roster.metrics["lost"] == 0  # without the credit: silent for 11.5 s, lost on that tick
+        credited_at = loop.time()
         await wait_until(lambda: sup.roster.metrics["lost"] == 1, HANG_GUARD_S, "the silent worker lost")
+        # silent for the bound after the stall (the ticks are HEARTBEAT_S apart), not the stall plus the bound again
+        assert SILENCE_S - HEARTBEAT_S <= loop.time() - credited_at <= SILENCE_S + 2 * HEARTBEAT_S
         task.cancel()
