@@ -7,7 +7,9 @@
 #
 # Each stage prints its wall time as it ends, and each pytest stage its 20 slowest tests; a table of every
 # stage's wall time closes the run, whether it passed or not. A new stage is one `stage NAME COMMAND...` line
-# (`tests NAME PYTEST-ARGS...` for pytest).
+# (`tests NAME PYTEST-ARGS...` for pytest). The suite runs in PYTEST_WORKERS processes (pytest-xdist; default 2,
+# 0 runs it in this one): its tests mostly wait on the processes they start. The real stack's tests share their
+# servers within one session, so they run in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,10 +49,11 @@ trap summary EXIT
 stage "setup (.venv)" env EXTRAS=dev,torch bash scripts/setup.sh
 stage "ruff" .venv/bin/ruff check src tests scripts
 stage "mypy" .venv/bin/mypy
-stage "pytest" .venv/bin/pytest --durations=20 "$@"  # strict: a main suite that runs no test fails
+WORKERS=(-n "${PYTEST_WORKERS:-2}" --dist loadgroup)  # a module's shared fixture runs once: its xdist_group
+stage "pytest" .venv/bin/pytest --durations=20 "${WORKERS[@]}" "$@"  # strict: a main suite that runs no test fails
 # Their jobs run with data_plane = "direct"; tests there that do not depend on it are deselected (they ran above).
 # The sender conformance suite is not here: it runs its zmq-direct kind above.
-tests "pytest --data-plane direct" --data-plane direct tests/test_orchestrator.py tests/test_resume.py \
+tests "pytest --data-plane direct" "${WORKERS[@]}" --data-plane direct tests/test_orchestrator.py tests/test_resume.py \
     tests/test_faults.py tests/test_shutdown.py tests/test_supervision.py tests/test_run_command.py \
     tests/test_sinks.py "$@"
 if [ "${REAL_STACK:-1}" = 0 ]; then

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,50 @@ def memfd_maps() -> int:
 
 def open_fds() -> int:
     return sum(1 for _ in Path("/proc/self/fd").iterdir())
+
+
+def dev_shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir()}
+
+
+def new_in_dev_shm(before: set[str]) -> set[str]:
+    """The entries of /dev/shm made since ``before`` that are not another program's: one held open or mapped by a
+    live process that is neither this one nor one of its descendants (a test in another pytest-xdist worker,
+    torch's or multiprocessing's shared memory on a shared machine) is not this test's."""
+    new = dev_shm() - before
+    if not new:
+        return new
+    me, others = os.getpid(), set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and not descends_from(int(d.name), me):
+            others |= {n for n in new if held(d, f"/dev/shm/{n}")}
+    return new - others
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def held(proc: Path, path: str) -> bool:
+    """Whether the process ``proc`` (/proc/PID) maps ``path`` or has it open."""
+    try:
+        if path in (proc / "maps").read_text():
+            return True
+        fds = list((proc / "fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if str(fd.readlink()) == path:
+                return True
+    return False
 
 
 def receive(address: str, steps: int, last_step: int | None, hold: bool) -> None:
