@@ -59,18 +59,26 @@ def dev_shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").iterdir()}
 
 
-def new_in_dev_shm(before: set[str]) -> set[str]:
-    """The entries of /dev/shm made since ``before`` that are not another program's: one held open or mapped by a
-    live process that is neither this one nor one of its descendants (a test in another pytest-xdist worker,
-    torch's or multiprocessing's shared memory on a shared machine) is not this test's."""
-    new = dev_shm() - before
-    if not new:
-        return new
+async def left_in_dev_shm(before: set[str], settle_s: float = 2.0) -> set[str]:
+    """The entries of /dev/shm made since ``before`` that stay, and are not another program's: one held open or
+    mapped by a live process that is neither this one nor one of its descendants (a test in another pytest-xdist
+    worker, torch's shared memory on a shared machine) is not this test's, nor one gone within ``settle_s``
+    (multiprocessing links each semaphore's name, sem.mp-*, and unlinks it at once). A leak stays."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settle_s
+    while True:
+        left = not_held_elsewhere(dev_shm() - before)
+        if not left or loop.time() >= deadline:
+            return left
+        await asyncio.sleep(0.1)
+
+
+def not_held_elsewhere(names: set[str]) -> set[str]:
     me, others = os.getpid(), set()
-    for d in Path("/proc").iterdir():
+    for d in Path("/proc").iterdir() if names else ():
         if d.name.isdigit() and not descends_from(int(d.name), me):
-            others |= {n for n in new if held(d, f"/dev/shm/{n}")}
-    return new - others
+            others |= {n for n in names if held(d, f"/dev/shm/{n}")}
+    return names - others
 
 
 def descends_from(pid: int, ancestor: int) -> bool:
