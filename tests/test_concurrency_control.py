@@ -162,8 +162,8 @@ async def test_a_busy_server_answering_503_keeps_its_cap() -> None:
     assert pool.servers[0].cap == 8  # not the static ceiling: a busy server is no reason to open up
 
 
-def test_the_stall_line_names_the_caps_that_hold_a_step_back() -> None:
-    _, pool, _ = setup(1)
+async def test_the_stall_line_names_the_caps_that_hold_a_step_back() -> None:
+    _, pool, _ = setup(1)  # the pool's timing rules read the running loop's clock
     tracker = GroupTracker(max_off_policy_steps=2, group_timeout_s=600)
     limits = SchedulerConfig(batch_size=8)
     admission = Admission(limits, Capacity(limits.max_inflight, pool, tracker), tracker, Buffer(), {}, None, None, 0, 0)
@@ -191,14 +191,15 @@ async def test_the_poller_reads_every_poll_s_and_a_read_without_an_answer_ends_a
     def reads() -> int:
         return sum(c[1] == "/metrics" for c in fakes[1].calls)
 
+    async def read(n: int) -> None:
+        await wait_until(lambda: reads() >= n, 60, f"poll {n}", poll_s=0.001)  # virtual seconds: a hang guard
+
     async with asyncio.TaskGroup() as tg:
         polling = tg.create_task(ctl.run())
-        for turnover in range(3):  # a turnover on each server before each poll: a binding cap may grow each time
+        for turnover in range(1, 4):  # a turnover on each server before each poll: a binding cap may grow each time
             ctl.done(pool.servers[0], 16)
             ctl.done(pool.servers[1], 16)
-            async with asyncio.timeout(60):  # virtual seconds: a hang guard
-                while reads() <= turnover:  # the next poll's read
-                    await asyncio.sleep(0.001)
+            await read(turnover)
             pool.servers[1].inflight = pool.servers[1].cap or 0
         polling.cancel()
     assert reads() == 3
