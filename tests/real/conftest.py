@@ -8,7 +8,8 @@ built, started once per session (a start takes 35-60 s), all at once, and shared
 
 The session starts the servers its collected tests use, together: each start spends much of its time waiting
 (imports, the engine's start-up), so four starts at once take far less than one after another. Each test puts
-the servers it uses back on their model's own weights first (``reload_base``): a job's weight syncs change them.
+the servers it uses back in the state they started in first (``reload_base``: their model's own weights, an empty
+prefix cache): a job's weight syncs change them.
 Tests that kill or break a server restart it themselves (test_vllm_faults.py) or start their own (the demo).
 Collected only with ``pytest --real-stack DIR`` (tests/conftest.py).
 """
