@@ -1,6 +1,6 @@
 """Adaptive concurrency against a real vLLM whose KV cache is small: 16 blocks of 128 tokens (the CPU backend's
 block size), 2048 tokens of which 1920 usable, set with ``--num-gpu-blocks-override`` (``VLLM_CPU_KVCACHE_SPACE``
-counts whole GiB); the session starts it with the others (conftest.py: ``small_kv``).
+counts whole GiB).
 Arithmetic rollouts whose one reply is exactly REPLY_TOKENS long (``min_tokens``) grow in place from one block to
 four, so vLLM admits many and then must preempt as they grow (a request that does not fit at all only waits:
 multi-turn rollouts of short turns queue, they do not preempt). The pressure and the preemptions are vLLM's own,
@@ -14,7 +14,9 @@ static cap keeps preempting and the adaptive one keeps preemptions near zero.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +27,30 @@ import pytest
 from orchestrator.app import Orchestrator
 from orchestrator.inference.load import parse_load
 from orchestrator.realstack.install import StackPaths
-from orchestrator.realstack.server import VLLMServer
+from orchestrator.realstack.server import ServeOptions, VLLMServer, start_all
 from orchestrator.testing.real_job import RealJob, run_real_job
 from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("verifiers_home")]
+BLOCKS = 16  # x 128 tokens
 REPLY_TOKENS = 400
 STEPS = 9
 STEADY = 5  # steps to learn the cache (cuts of 0.75 from 16 to 3, each after a drain); steady state after
 BATCH = 8
 CEILING = 16  # rollouts: two steps' worth, ~7000 tokens at their peak against 1920
+
+
+@pytest.fixture(scope="module")
+def small_kv(stack: StackPaths) -> Iterator[VLLMServer]:
+    # vLLM keeps one block back (its null block) and refuses a max_model_len the other 15 cannot hold
+    server = VLLMServer(stack, ServeOptions(stack.model("dense"), logprobs_mode="processed_logprobs",
+                                            max_model_len=(BLOCKS - 1) * 128,
+                                            extra=("--num-gpu-blocks-override", str(BLOCKS))))
+    try:
+        asyncio.run(start_all([server]))
+        yield server
+    finally:
+        asyncio.run(server.kill(signal.SIGTERM))
 
 
 class Preemptions:
