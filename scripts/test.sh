@@ -4,6 +4,7 @@
 # tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md): a real vLLM
 # server for CPUs and tiny real models set up in .real-stack (cached), and the tests against them (tests/real).
 # Extra arguments go to every pytest run. REAL_STACK=0 skips the real stack (say so when you report a run).
+# SLURM and munge are installed first (scripts/slurm-setup.sh) for tests/test_launch_slurm.py (marked slurm).
 #
 # Each stage prints its wall time as it ends, and each pytest stage its 20 slowest tests; a table of every
 # stage's wall time closes the run, whether it passed or not. A new stage is one `stage NAME COMMAND...` line
@@ -49,6 +50,8 @@ trap summary EXIT
 stage "setup (.venv)" env EXTRAS=dev,torch bash scripts/setup.sh
 stage "ruff" .venv/bin/ruff check src tests scripts
 stage "mypy" .venv/bin/mypy
+# the SLURM cluster of tests/test_launch_slurm.py (Debian packages; ~15 s the first time, then ~0.1 s)
+stage "SLURM setup" bash scripts/slurm-setup.sh
 WORKERS=(-n "${PYTEST_WORKERS:-2}" --dist loadgroup)  # a module's shared fixture runs once: its xdist_group
 stage "pytest" .venv/bin/pytest --durations=20 "${WORKERS[@]}" "$@"  # strict: a main suite that runs no test fails
 # Their jobs run with data_plane = "direct"; tests there that do not depend on it are deselected (they ran above).

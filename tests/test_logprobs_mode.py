@@ -96,7 +96,8 @@ def test_without_server_info_auto_assumes_vllm_s_default_raw() -> None:
     settled = resolve(LogprobsCheck(), {"http://a/v1": None})
     assert (settled.mode, settled.problems) == ("raw", ())
     [warning] = settled.warnings
-    assert "http://a/v1 (no /server_info" in warning and "assuming raw, vLLM's default" in warning
+    assert "http://a/v1 (no /server_info" in warning
+    assert "assuming raw, vLLM's default" in warning
     assert "(assumed" in resolve(hot(), {"http://a/v1": None}).problems[0]
     assert resolve(hot("processed"), {"http://a/v1": None}).mode == "processed"  # stated: nothing to compare
 

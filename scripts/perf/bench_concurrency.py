@@ -37,6 +37,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
+from _machine import with_machine
 
 from orchestrator.cli import run_async
 from orchestrator.config import JobConfig, load_config
@@ -181,7 +182,7 @@ def main() -> None:
     if not args.json:
         print(f"adaptive / best static {result['adaptive_to_best_static']}, / worst static "
               f"{result['adaptive_to_worst_static']}, steady preemption rate {result['steady_preemption_rate']}")
-    print(json.dumps(result))
+    print(json.dumps(with_machine(result)))
 
 
 if __name__ == "__main__":

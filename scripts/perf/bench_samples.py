@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import numpy as np
+from _machine import with_machine
 
 from orchestrator.columns.samples import PlainNode as Node
 from orchestrator.columns.samples import build_sample
@@ -83,7 +84,7 @@ def main() -> None:
     if not args.json:
         print(f"build {build_s * 1e3:.1f} ms, memcpy {memcpy_s * 1e3:.1f} ms "
               f"(ratio {result['ratio_to_memcpy']}), re-pack per turn {quad_s * 1e3:.1f} ms")
-    print(json.dumps(result))
+    print(json.dumps(with_machine(result)))
 
 
 if __name__ == "__main__":

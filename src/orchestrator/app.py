@@ -40,6 +40,7 @@ from orchestrator.delivery.sender import Sender
 from orchestrator.engines import job_scheduler, open_engines, open_plane, open_sender, start_workers
 from orchestrator.errors import UnloadableCheckpoint
 from orchestrator.hub.hub import WorkerHub
+from orchestrator.inference.discovery import Resolver
 from orchestrator.inference.pool import InferencePool
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.outdir import OutputDir
@@ -99,8 +100,10 @@ class Orchestrator:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: JobConfig, *, resume: bool = False, force: bool = False) -> AsyncIterator[Orchestrator]:
-        """``force``: resume even with a config that changes what is sampled (outdir.py)."""
+    async def open(cls, cfg: JobConfig, *, resume: bool = False, force: bool = False,
+                   resolver: Resolver | None = None) -> AsyncIterator[Orchestrator]:
+        """``force``: resume even with a config that changes what is sampled (outdir.py); ``resolver``: the DNS
+        ``inference.discover`` asks (default: the system's)."""
         outdir = await asyncio.to_thread(OutputDir.open, cfg, resume=resume, force=force)
         out, state = outdir.path, outdir.state
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
@@ -109,7 +112,7 @@ class Orchestrator:
             sinks = await asyncio.to_thread(open_sinks, cfg.monitor, out, run_name=cfg.run.name,  # W&B starts here
                                             job=asdict(cfg), resume=resume)
             stack.push_async_callback(asyncio.to_thread, sinks.close)
-            pool, hub, logprobs_mode = await open_engines(cfg, stack, out)
+            pool, hub, logprobs_mode = await open_engines(cfg, stack, out, resolver=resolver)
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume, state.acked_step))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             orch = cls(cfg, pool, hub, sender, state, sinks, logprobs_mode)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import run_async
 from orchestrator.commands.client_keys import add_key_arguments, client_keys, file_path, zmq_address
+from orchestrator.commands.run import interruptible
 
 if TYPE_CHECKING:
     from orchestrator.trainer.reference import Learner
@@ -68,14 +69,13 @@ def main(args: argparse.Namespace) -> int:
     keys = client_keys(args, args.address, "trainer")
     trainer = ReferenceTrainer(args.address, args.train_s, not args.no_announce, args.steps, journal=args.journal,
                                keys=keys, checkpoint_dir=args.checkpoint_dir, learner=learner)
-    try:
-        run_async(trainer.run())
+    try:  # SIGINT/SIGTERM (scancel): the step in hand is journaled and acknowledged or not at all; exit 130
+        return run_async(interruptible(trainer.run()))
     finally:
         # The last acknowledgements may still be queued (their connection's handshake unfinished, e.g. CURVE
         # waiting on the orchestrator's authenticator). Socket linger only applies when the context is
         # terminated, and pyzmq does not terminate the shared one at exit: do it, so they go out first.
         zmq.asyncio.Context.instance().term()
-    return 0
 
 
 def _learner(args: argparse.Namespace, given: dict[str, Any]) -> Learner:

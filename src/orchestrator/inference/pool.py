@@ -35,6 +35,11 @@ Use (the orchestrator)::
   that, then leaves rotation, named in the log; servers out of rotation are synced by the probe before they
   rejoin, so no server serves old weights unnoticed and none is waited for while it is out. No real server
   reports which weights it serves, so ``server.version`` is what the last successful sync loaded.
+- **Servers that come and go** (``inference.discover``, discovery.py): ``add(url)`` puts a new server in the
+  pool out of rotation; the probe admits it like any server out of rotation, after ``admit`` (the job's
+  preflight for that one server, set by whoever ran the job's preflight) and a weight sync to the target.
+  ``remove(url, why)`` takes a server out of rotation and out of the pool at once; rollouts it holds end as
+  they end (their failures count against nothing: it is gone).
 - **No unloadable checkpoint reaches a server.** With ``check_checkpoints`` (default), ``update_weights``
   first checks the checkpoint's directory (checkpoint_files.py) and refuses one that is missing, holds no
   weight files or a corrupt one (UnloadableCheckpoint) before any call: every server keeps its weights and
@@ -49,7 +54,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -58,6 +63,7 @@ from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.errors import CheckpointError, Failure, InferenceError, UnloadableCheckpoint
 from orchestrator.inference.checkpoint_files import why_unloadable
 from orchestrator.inference.config import InferenceConfig
+from orchestrator.inference.discovery import Resolver, ServerDiscovery, SystemResolver
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
 from orchestrator.inference.weights import weight_sync, weights_dir
@@ -96,6 +102,7 @@ class Server:
     out_since: float = 0.0  # when (loop time)
     probe_verdict: str = ""  # what its last probe found (the reason it stays out), and when
     probed_at: float | None = None
+    admitted: bool = True  # passed the job's preflight (a server added while the job runs: not yet)
 
     @property
     def url(self) -> str:
@@ -114,13 +121,22 @@ class WeightSyncResult:
 
 
 class InferencePool:
-    def __init__(self, cfg: InferenceConfig, servers: Sequence[InferenceServer], model: str | None = None) -> None:
-        """``model``: the served model's name, for the probe's generate canary (None: probes check health only)."""
+    def __init__(self, cfg: InferenceConfig, servers: Sequence[InferenceServer], model: str | None = None, *,
+                 discovery: ServerDiscovery | None = None, connect: Callable[[str], InferenceServer] | None = None
+                 ) -> None:
+        """``model``: the served model's name, for the probe's generate canary (None: probes check health only).
+        ``discovery``: follow a DNS name as the server list (``connect`` makes the client of a server it finds)."""
         if not servers:
             raise ValueError("an inference pool needs at least one server (inference.servers)")
+        if (discovery is None) != (connect is None):
+            raise ValueError("discovery and connect go together: a server found must be connected to")
         self.cfg = cfg
         self.model = model
         self.servers = [Server(api) for api in servers]
+        self.discovery, self._connect = discovery, connect
+        # the job's preflight of one server that joins while the job runs (InferenceError naming what is wrong);
+        # set by whoever ran the job's preflight (engines.py); None: a new server is admitted on its probe alone
+        self.admit: Callable[[InferenceServer], Awaitable[None]] | None = None
         self.weights = weight_sync(cfg.backend)
         self._changed = asyncio.Event()  # rotation, a release or a cap changed: an acquire may succeed now
         self._warned_at = -float("inf")
@@ -129,12 +145,50 @@ class InferencePool:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: InferenceConfig, model: str | None = None) -> AsyncIterator[InferencePool]:
-        """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit)."""
+    async def open(cls, cfg: InferenceConfig, model: str | None = None, *, resolver: Resolver | None = None
+                   ) -> AsyncIterator[InferencePool]:
+        """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit). With
+        ``cfg.discover``, also every server its name resolves to (``resolver``, default the system's), waiting for
+        the first; ``run()`` then follows the name."""
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
         key = api_key(cfg.api_key_env)
         async with aiohttp.ClientSession(connector=connector) as session:
-            yield cls(cfg, [HttpInferenceServer(url, session, key) for url in cfg.servers], model)
+            def connect(url: str) -> InferenceServer:
+                return HttpInferenceServer(url, session, key)
+
+            urls, discovery = list(cfg.servers), None
+            if cfg.discover is not None:
+                discovery = ServerDiscovery(cfg.discover, resolver or SystemResolver(), cfg.discover_interval_s)
+                urls += [u for u in await discovery.first() if u not in urls]
+            yield cls(cfg, [connect(url) for url in urls], model, discovery=discovery,
+                      connect=connect if discovery is not None else None)
+
+    def urls(self) -> list[str]:
+        """Every server's URL, in rotation or not."""
+        return [s.url for s in self.servers]
+
+    def add(self, url: str) -> Server:
+        """A server found while the job runs: in the pool, out of rotation until its probe admits it."""
+        assert self._connect is not None  # only discovery adds servers
+        server = Server(self._connect(url), in_rotation=False, admitted=False, out_why="new: not admitted yet",
+                        out_since=_now())
+        self.servers.append(server)
+        self.metrics["servers_added"] += 1
+        log.info("inference server %s found (inference.discover); it joins rotation after preflight and a weight sync",
+                 url)
+        return server
+
+    def remove(self, url: str, why: str) -> None:
+        """``url`` is gone: out of rotation and out of the pool now (rollouts it holds end as they end)."""
+        for server in self.servers:
+            if server.url == url:
+                self._set_rotation(server, False, f"gone: {why}")
+                self.servers.remove(server)
+                self.metrics["servers_removed"] += 1
+                if server.admitted:
+                    log.info("inference server %s removed from the pool (%s)", url, why)
+                self._changed.set()
+                return
 
     # ------------------------------------------------------------------------------- choice and pinning
 
@@ -234,6 +288,8 @@ class InferencePool:
         ``model``). Each server has at most one check running, as a task owned here. Runs until cancelled
         (owned by the caller's TaskGroup)."""
         async with asyncio.TaskGroup() as tg:
+            if self.discovery is not None:
+                tg.create_task(self.discovery.run(self))
             while True:
                 await asyncio.sleep(self.cfg.probe_interval_s)
                 now = _now()
@@ -287,6 +343,10 @@ class InferencePool:
         timeout_s = min(self.cfg.request_timeout_s, PROBE_TIMEOUT_S)
         try:
             await self._timed(server.api.request("GET", "/health"), f"/health of {server.url}", timeout_s)
+            if not server.admitted:
+                if self.admit is not None:
+                    await self.admit(server.api)
+                server.admitted = True
             if server.version == self.target.step:
                 # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped)
                 async with server.sync_lock:

@@ -41,6 +41,7 @@ bounds the whole job). A server whose load cannot be read keeps the ceiling: the
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections import Counter
@@ -178,7 +179,8 @@ class ConcurrencyControl:
                  cancel: Callable[[Server, int], None], raised: Callable[[], None] = lambda: None) -> None:
         self.cfg, self.pool, self.cancel, self.raised = cfg, pool, cancel, raised
         start = cfg.start_per_server or max(1, ceiling // len(pool.servers))
-        self.caps = {s.url: ServerCap(cfg, ceiling, start, group) for s in pool.servers}
+        self._fresh = functools.partial(ServerCap, cfg, ceiling, start, group)  # a server that joins gets one too
+        self.caps = {s.url: self._fresh() for s in pool.servers}
         self.loads: dict[str, ServerLoad | None] = {}
         self.completed: Counter[str] = Counter()  # completed rollouts per server (``done``)
         self._unreadable: set[str] = set()
@@ -198,6 +200,9 @@ class ConcurrencyControl:
     async def poll(self) -> None:
         """One poll of every server in rotation, and the caps it decides."""
         live = [s for s in self.pool.servers if s.in_rotation]
+        for server in live:
+            if server.url not in self.caps:  # joined while the job runs (inference.discover)
+                self.caps[server.url] = self._fresh()
         for server, load in zip(live, await asyncio.gather(*(self._read(s) for s in live)), strict=True):
             if load is not False and server.in_rotation:  # one that left meanwhile keeps its cap
                 self._decide(server, load)

@@ -23,7 +23,7 @@ What moves the clock, and what does not:
 - It jumps only when the loop would block: no callback ready, nothing to read or write on any registered socket or
   pipe. Work of the loop itself (tasks, callbacks) takes no virtual time.
 - While work runs in the loop's executor (``asyncio.to_thread``, ``run_in_executor``, ``getaddrinfo``) it does not
-  jump: it follows real time until that work is done, as a real clock would.
+  jump: it moves by the real time the loop waits for that work, as a real clock would.
 - Sockets within the process (a loopback server on the same loop) are read when data is there when the loop looks;
   loopback data is normally there at once, but under heavy load the kernel may deliver it a little later, after a
   timer has jumped. ``autojump_threshold`` (seconds of real time the loop waits for I/O before it jumps) covers

@@ -340,14 +340,16 @@ class Worker:
 
     async def _warm(self) -> None:
         """Build, before ``ready``, the tokenizer renderer verifiers' train client would build on the first
-        rollout (shared by every later one): loading it imports transformers, seconds of CPU mostly holding the
-        GIL, which starved this loop's heartbeats for 2-4 s on a busy machine and got fresh workers declared
-        silent (``scheduler.worker_silence_s``) again and again. Before ``ready`` the hub allows minutes."""
-        from verifiers.v1.clients.train import ElasticRendererPool
+        rollout (shared by every later one): loading a tokenizer imports transformers, seconds of CPU mostly holding
+        the GIL, which starved this loop's heartbeats for 2-4 s on a busy machine and got fresh workers declared
+        silent (``scheduler.worker_silence_s``) again and again. Before ``ready`` the hub allows minutes. Where the
+        tokenizer allows, it is loaded without AutoTokenizer, which imports torch (renderer.py: ~200 MB)."""
+        from orchestrator.workers.renderer import warm_renderer
 
         cfg = self._client_config("http://warm-up.invalid/v1")  # the pool is keyed by the renderer, not the URL
         try:
-            await ElasticRendererPool(cfg.renderer_model_name, cfg.renderer, multiplex=cfg.multiplex).grow()
+            how = await warm_renderer(cfg.renderer_model_name, cfg.renderer, cfg.multiplex)
+            log.info("renderer of tokenizer %s built: %s; RSS %.0f MB", self.tokenizer, how, rss_mb())
         except Exception as e:  # the first rollout builds it again and fails with the reason, as data
             log.warning("could not build the renderer of tokenizer %s ahead of the first rollout: %s: %s",
                         self.tokenizer, type(e).__name__, e)
