@@ -31,7 +31,7 @@ from orchestrator.testing.procs import processes_mentioning
 from orchestrator.testing.sim import sim_servers
 from orchestrator.trainer.reference import ReferenceTrainer
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bad_envs")]  # the module's job runs once
+pytestmark = pytest.mark.slow
 
 STEPS = 3
 

@@ -31,7 +31,7 @@ import pytest
 
 from orchestrator.testing.learning import margin, rewards, run_learning
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1300), pytest.mark.xdist_group("learning")]  # runs: once
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1300)]
 
 STEPS = 16
 FIRST, LAST = 3, 6  # the margin: mean reward of the last LAST steps minus that of the first FIRST
