@@ -74,11 +74,15 @@ async def left_in_dev_shm(before: set[str], settle_s: float = 2.0) -> set[str]:
 
 
 def not_held_elsewhere(names: set[str]) -> set[str]:
+    inodes: dict[int, str] = {}
+    for n in names:
+        with contextlib.suppress(OSError):
+            inodes[Path("/dev/shm", n).stat().st_ino] = n
     me, others = os.getpid(), set()
-    for d in Path("/proc").iterdir() if names else ():
+    for d in Path("/proc").iterdir() if inodes else ():
         if d.name.isdigit() and not descends_from(int(d.name), me):
-            others |= {n for n in names if held(d, f"/dev/shm/{n}")}
-    return names - others
+            others |= held(d, inodes)
+    return set(inodes.values()) - others  # one gone meanwhile is not left
 
 
 def descends_from(pid: int, ancestor: int) -> bool:
@@ -92,19 +96,24 @@ def descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
-def held(proc: Path, path: str) -> bool:
-    """Whether the process ``proc`` (/proc/PID) maps ``path`` or has it open."""
+def held(proc: Path, inodes: dict[int, str]) -> set[str]:
+    """Which of these /dev/shm entries (by inode: glibc maps a semaphore under a temporary name it then links to the
+    entry's, so paths do not match) the process ``proc`` (/proc/PID) maps or has open."""
+    found: set[str] = set()
     try:
-        if path in (proc / "maps").read_text():
-            return True
+        for line in (proc / "maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and int(fields[4]) in inodes:
+                found.add(inodes[int(fields[4])])
         fds = list((proc / "fd").iterdir())
-    except OSError:
-        return False
+    except (OSError, ValueError):
+        return found
     for fd in fds:
         with contextlib.suppress(OSError):
-            if str(fd.readlink()) == path:
-                return True
-    return False
+            ino = fd.stat().st_ino
+            if ino in inodes and str(fd.readlink()).startswith("/dev/shm/"):
+                found.add(inodes[ino])
+    return found
 
 
 def receive(address: str, steps: int, last_step: int | None, hold: bool) -> None:
