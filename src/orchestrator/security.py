@@ -35,6 +35,7 @@ import ipaddress
 import logging
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,7 +269,9 @@ class RefusalWatch:
 
     def __init__(self, sock: zmq.Socket[Any], address: str, keys: ClientKeys | None, who: str) -> None:
         self.address, self.keys, self.who = address, keys, who
-        endpoint = f"inproc://refusals.{id(sock)}"
+        # unique: not id(sock), which a socket made after this one closed may get while libzmq still unbinds this
+        # monitor's endpoint (its IO thread does that later): EADDRINUSE, seen on a loaded machine
+        endpoint = f"inproc://refusals.{uuid.uuid4().hex}"
         sock.monitor(endpoint, HANDSHAKE_FAILED)
         self._sock = sock
         self._events: zmq.Socket[bytes] = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)

@@ -5,8 +5,9 @@ built, started once per session (a start takes 35-60 s) and shared.
   sample at temperature 0.7, so the shipped logprobs are the sampled distribution's: what the trainer recomputes);
 - ``servers.moe``: one on the MoE model, float32, vLLM's default raw logprobs.
 
-Each test puts the servers it uses back on their model's own weights first (``reload_base``): a job's weight syncs
-change them. Collected only with ``pytest --real-stack DIR`` (tests/conftest.py).
+Each test puts the servers it uses back in the state they started in first (``reload_base``: their model's own
+weights, an empty prefix cache): a job's weight syncs change them. Collected only with ``pytest --real-stack DIR``
+(tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ import asyncio
 import logging
 import os
 import secrets
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -126,14 +125,15 @@ class ColumnStore:
     async def write(self, rid: str, samples: Sequence[Sample]) -> SpanLoc:
         """``put``, waiting for releases while the pool has no room (warning every ``warn_s``). Consumes
         releases; produces the span; wakes on each ``release``; cancelled with its group."""
-        t0 = warned = time.monotonic()
+        loop = asyncio.get_running_loop()
+        t0 = warned = loop.time()
         while (loc := self.put(rid, samples)) is None:
             self._released.clear()
             try:
-                async with asyncio.timeout(max(warned + self.warn_s - time.monotonic(), 0.0)):
+                async with asyncio.timeout(max(warned + self.warn_s - loop.time(), 0.0)):
                     await self._released.wait()
             except TimeoutError:
-                warned = time.monotonic()
+                warned = loop.time()
                 log.warning("rollout %s waits for room in the column pool: %d of %d MB held by %d rollouts "
                             "(%.0f s so far; released when their steps are acknowledged)", rid,
                             self.live_bytes >> 20, self.capacity >> 20, len(self._spans), warned - t0)

@@ -18,7 +18,6 @@ import asyncio
 import ipaddress
 import logging
 import socket
-import time
 from collections.abc import Iterable
 from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -94,14 +93,15 @@ class ServerDiscovery:
     async def first(self, warn_s: float = FIRST_WARN_S) -> list[str]:
         """The first non-empty list (before the pool opens: preflight needs a server); says what it waits for
         every ``warn_s``."""
-        t0 = warned = time.monotonic()
+        loop = asyncio.get_running_loop()
+        t0 = warned = loop.time()
         while True:
             urls = await self.urls()
             if urls:
                 log.info("inference.discover: %s gives %d server(s): %s", self.host, len(urls), ", ".join(urls))
                 return urls
-            if time.monotonic() - warned >= warn_s:
-                warned = time.monotonic()
+            if loop.time() - warned >= warn_s:
+                warned = loop.time()
                 log.warning("inference.discover: %s has given no server for %.0f s (no pod ready yet?); waiting",
                             self.host, warned - t0)
             await asyncio.sleep(self.interval_s)

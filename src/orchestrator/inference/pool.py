@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +77,11 @@ CANARY_PROMPT = [1, 2, 3]  # token ids of the probe's generate request: any mode
 PROBE_CACHE_SALT = "probe"  # the probe's generate requests carry it (tests tell them from rollouts' by it)
 
 
+def _now() -> float:
+    """Every timing rule here reads the running loop's clock (a test's may be virtual: orchestrator.testing.clock)."""
+    return asyncio.get_running_loop().time()
+
+
 @dataclass(eq=False)
 class Server:
     """One inference server as the pool sees it: its client and its health, load and weight version."""
@@ -95,7 +99,7 @@ class Server:
     checking: bool = False  # a probe or liveness check of it is under way
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     out_why: str = ""  # why it last left rotation
-    out_since: float = 0.0  # when (monotonic)
+    out_since: float = 0.0  # when (loop time)
     probe_verdict: str = ""  # what its last probe found (the reason it stays out), and when
     probed_at: float | None = None
     admitted: bool = True  # passed the job's preflight (a server added while the job runs: not yet)
@@ -167,7 +171,7 @@ class InferencePool:
         """A server found while the job runs: in the pool, out of rotation until its probe admits it."""
         assert self._connect is not None  # only discovery adds servers
         server = Server(self._connect(url), in_rotation=False, admitted=False, out_why="new: not admitted yet",
-                        out_since=time.monotonic())
+                        out_since=_now())
         self.servers.append(server)
         self.metrics["servers_added"] += 1
         log.info("inference server %s found (inference.discover); it joins rotation after preflight and a weight sync",
@@ -198,7 +202,7 @@ class InferencePool:
         server = min(room, key=lambda s: s.inflight)
         server.inflight += n
         if server.waiting_since is None:
-            server.waiting_since = time.monotonic()
+            server.waiting_since = _now()
         return server
 
     async def wait_room(self) -> None:
@@ -234,7 +238,7 @@ class InferencePool:
         return ", ".join(f"{s.url} at its cap of {s.cap}" for s in self.servers if s.in_rotation)
 
     def _warn_no_server(self) -> None:
-        now = time.monotonic()
+        now = _now()
         if now - self._warned_at < self.cfg.no_server_warn_interval_s:
             return
         self._warned_at = now
@@ -270,7 +274,7 @@ class InferencePool:
             server.failures = 0
             log.info("inference server %s rejoins rotation (%s)", server.url, why)
         else:
-            server.out_why, server.out_since, server.probe_verdict, server.probed_at = why, time.monotonic(), "", None
+            server.out_why, server.out_since, server.probe_verdict, server.probed_at = why, _now(), "", None
             log.warning("inference server %s leaves rotation: %s", server.url, why)
         self._changed.set()
 
@@ -288,7 +292,7 @@ class InferencePool:
                 tg.create_task(self.discovery.run(self))
             while True:
                 await asyncio.sleep(self.cfg.probe_interval_s)
-                now = time.monotonic()
+                now = _now()
                 for server in self.servers:
                     if server.checking:
                         continue
@@ -314,7 +318,7 @@ class InferencePool:
         time out to say so: cancelled as stale (steps run on with the other servers) or with their group,
         they never answer, and the server would keep taking its share of new groups."""
         assert server.waiting_since is not None
-        waited, answers = time.monotonic() - server.waiting_since, server.answers
+        waited, answers = _now() - server.waiting_since, server.answers
         self.metrics["liveness_checks"] += 1
         try:
             await self._canary(server, self.cfg.request_timeout_s)
@@ -323,7 +327,7 @@ class InferencePool:
                 self.report_failure(server, e.kind, f"its work waited {waited:.0f} s with no answer, and {e}",
                                     evict=True)
             return
-        server.waiting_since = time.monotonic() if server.inflight else None  # alive: long rollouts
+        server.waiting_since = _now() if server.inflight else None  # alive: long rollouts
 
     async def _canary(self, server: Server, timeout_s: float) -> None:
         """A 2-token generate request that must answer and parse within ``timeout_s`` (InferenceError else)."""
@@ -359,13 +363,13 @@ class InferencePool:
             # a server may stay out for hours; the stall lines repeat the last verdict (out_of_rotation)
             level = logging.INFO if str(e) != server.probe_verdict else logging.DEBUG
             server.probe_failures += 1
-            server.probe_verdict, server.probed_at = str(e), time.monotonic()
+            server.probe_verdict, server.probed_at = str(e), _now()
             log.log(level, "inference server %s stays out of rotation: %s", server.url, e)
 
     def out_of_rotation(self) -> str:
         """The servers out of rotation, in a clause for a stall line: why each left, and its last probe's
         verdict (a probe that keeps failing says why here, not once an hour in the log)."""
-        now = time.monotonic()
+        now = _now()
         parts = []
         for s in self.servers:
             if s.in_rotation:
@@ -453,11 +457,11 @@ class InferencePool:
         """The backend's pause / load / resume; one sync per server at a time; logged when slow."""
         path = weights_dir(ckpt, self.cfg.weights_path)
         async with server.sync_lock:
-            t0 = time.monotonic()
+            t0 = _now()
             try:
                 await self.weights.sync(server.api, ckpt, path, self._timed)
             finally:
                 if server.waiting_since is not None:  # the pause froze its requests: that time is not waiting
-                    server.waiting_since = min(time.monotonic(), server.waiting_since + time.monotonic() - t0)
+                    server.waiting_since = min(_now(), server.waiting_since + _now() - t0)
             server.version = ckpt.step
-            log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, time.monotonic() - t0)
+            log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, _now() - t0)

@@ -25,6 +25,7 @@ from orchestrator.realstack.server import VLLMServer
 from orchestrator.testing.jobs import Section, toml_text
 from orchestrator.trainer.reference import Learner, ReferenceTrainer, read_journal
 
+RESET_TRIES = 20  # reload_base's prefix-cache resets, 0.5 s apart
 ENVS = {
     "arith": "orchestrator-arithmetic",  # single turn
     "guess": "orchestrator-guess-number",  # 2-6 turns
@@ -116,7 +117,10 @@ async def run_real_job(job: RealJob, learner: Learner, *,
 
 
 async def reload_base(url: str, model: Path) -> None:
-    """Pause, reload ``model``'s own weights, resume: a shared server back on the weights it started with."""
+    """A shared server back to the state it started in: pause, reload ``model``'s own weights, resume, and empty
+    its prefix cache. Its KV blocks were computed with a previous test's weights under the ``cache_salt`` of a
+    policy version (inference/weights.py) that this test's run numbers again from 0: reused, they would give this
+    run's requests that run's logprobs. A reset fails while blocks are held (requests still running): retried."""
     root = url.removesuffix("/v1")
     async with aiohttp.ClientSession() as session:
         for path, body in (("/pause?mode=keep&clear_cache=false", None),
@@ -125,6 +129,14 @@ async def reload_base(url: str, model: Path) -> None:
             async with session.post(root + path, json=body) as reply:
                 if reply.status != 200:
                     raise RuntimeError(f"{root}{path}: HTTP {reply.status}: {(await reply.text())[:300]}")
+        for _ in range(RESET_TRIES):
+            async with session.post(root + "/reset_prefix_cache") as reply:
+                if reply.status != 200:
+                    raise RuntimeError(f"{root}/reset_prefix_cache: HTTP {reply.status}: {(await reply.text())[:300]}")
+                if (await reply.json()).get("success"):
+                    return
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"{root}/reset_prefix_cache: no success in {RESET_TRIES} tries (requests still running)")
 
 
 async def get_json(url: str) -> Any:
