@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from orchestrator.columns.layout import span_layout
 from orchestrator.columns.store import ColumnStore
 from orchestrator.contracts.manifest import StepManifest, build_manifest, decode_manifest
 from orchestrator.contracts.protocol import PoolInfo
@@ -121,7 +120,7 @@ async def test_a_trainer_views_a_workers_columns_without_a_copy_and_they_outlive
 
 def span_bytes(manifest: StepManifest, rollouts: set[str]) -> int:
     """The bytes the spans of ``rollouts`` take in their pool."""
-    return sum(span_layout(s.tokens, s.layers, s.top_k, s.routed_dtype).nbytes
+    return sum(s.layout().nbytes
                for s in manifest.spans if s.rollout in rollouts)
 
 

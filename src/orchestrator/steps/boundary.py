@@ -18,10 +18,11 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from orchestrator.columns.layout import ROUTED, column_names, shared_optional
 from orchestrator.contracts.manifest import StepManifest
 from orchestrator.contracts.protocol import RolloutRecord
 from orchestrator.contracts.rows import RolloutRow, dropped_rows
-from orchestrator.contracts.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
+from orchestrator.contracts.wire import Batch, LogprobsMode
 from orchestrator.rollouts.config import EnvConfig
 from orchestrator.scoring.advantage import AdvantageFn
 from orchestrator.scoring.config import PipelineConfig
@@ -118,26 +119,27 @@ class StepBuilder:
         return rows, trained
 
     def assemble(self, step: int, trained: Sequence[tuple[RolloutRecord, float]]) -> Batch:
-        """Phase ``assemble``: concatenate every trained rollout's column frames once; scalars per sample."""
+        """Phase ``assemble``: concatenate every trained rollout's column frames once; scalars per sample. The
+        batch has the optional columns every trained rollout has (columns/layout.py), and routed experts when they
+        all have the same routed shape."""
         lengths: list[int] = []
         scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": [], "temperature": [],
                                          "policy": []}
         tails = {s[1:] for rec, _ in trained for s in rec.header.samples}
-        with_routed = len(tails) == 1 and (0, 0) not in tails
         if len(tails) > 1:
             log.warning("step %d: routed-expert shapes differ across rollouts %s; the batch carries none",
                         step, sorted(tails))
-        chunks: dict[str, list[np.ndarray]] = {name: [] for name in TOKEN_COLUMNS}
-        if with_routed:
-            chunks[ROUTED] = []
+        names = list(column_names(shared_optional(rec.header.optional for rec, _ in trained if rec.header.samples)))
+        if not (len(tails) == 1 and (0, 0) not in tails):
+            names.remove(ROUTED)
+        chunks: dict[str, list[np.ndarray]] = {name: [] for name in names}
         for rec, adv in trained:
             shapes = rec.header.samples
             if not shapes:
                 continue
-            for name in TOKEN_COLUMNS:
-                chunks[name].append(rec.column(name))
-            if with_routed:
-                chunks[ROUTED].append(rec.column(ROUTED).reshape(rec.tokens, *shapes[0][1:]))
+            for name in names:
+                column = rec.column(name)
+                chunks[name].append(column.reshape(rec.tokens, *shapes[0][1:]) if name == ROUTED else column)
             for s in shapes:
                 lengths.append(s[0])
                 scalars["advantage"].append(adv)

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from orchestrator.columns.layout import span_layout
 from orchestrator.contracts.manifest import PoolRef, StepManifest
 from orchestrator.errors import WireError
 from orchestrator.security import ClientKeys, KeyPair
@@ -169,8 +168,7 @@ class PoolMaps:
         """Blocking, at most ``fetch_timeout_s``: the bytes of every span of ``m`` in pool ``m.pools[p]``, from
         its span server, by span index. WireError when they cannot be had (a lost step)."""
         index = [i for i, s in enumerate(m.spans) if s.pool == p]
-        spans = [(m.spans[i].offset, span_layout(m.spans[i].tokens, m.spans[i].layers, m.spans[i].top_k,
-                                                 m.spans[i].routed_dtype).nbytes) for i in index]
+        spans = [(m.spans[i].offset, m.spans[i].layout().nbytes) for i in index]
         return dict(zip(index, self._fetch(ref, spans), strict=True))
 
     def _fetch(self, ref: PoolRef, spans: Sequence[tuple[int, int]]) -> list[memoryview]:
@@ -190,7 +188,7 @@ class PoolMaps:
         ``fetched`` bytes (``check_manifest`` has checked the span lies inside its pool)."""
         s = m.spans[i]
         region, base = (fetched[i], 0) if i in fetched else (self._pools[m.pools[s.pool].id].view, s.offset)
-        layout = span_layout(s.tokens, s.layers, s.top_k, s.routed_dtype)
+        layout = s.layout()
         out: dict[str, np.ndarray] = {}
         for c in m.columns:
             offset, nbytes = layout.columns[c.name]

@@ -34,7 +34,8 @@ import zmq.asyncio
 
 from orchestrator.columns.memfd import check_socket_path, serve_pool
 from orchestrator.columns.samples import Sample, SampleError, samples_from_trace
-from orchestrator.columns.store import ColumnStore, PoolTooSmall, rollout_layout
+from orchestrator.columns.store import ColumnStore, PoolTooSmall, rollout_layout, sample_optional
+from orchestrator.columns.versions import TokenVersions
 from orchestrator.contracts.protocol import (
     FLUSH_S,
     HEARTBEAT_S,
@@ -140,7 +141,7 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = 
         return RolloutHeader.failed(base, Failure.INVALID_REWARD, f"the environment returned a reward of {reward}",
                                     wall_s=wall_s, stop=stop), []
     try:
-        samples = samples_from_trace(trace) if train else []
+        samples = samples_from_trace(trace, TokenVersions(base.policy_step)) if train else []
         shapes, routed_dtype, _ = rollout_layout(samples)
     except SampleError as e:
         return RolloutHeader.failed(base, Failure.BAD_SAMPLE, str(e), wall_s=wall_s, stop=stop), []
@@ -434,6 +435,7 @@ class Worker:
         named in the header (direct), with the token filters it matched (the orchestrator cannot read them)."""
         if not samples:
             return header, []
+        header.optional = list(sample_optional(samples))
         if self.store is None:
             return header, sample_frames(samples)[1]
         if self.setup.token_filters:
