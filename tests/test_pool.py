@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import io
 import itertools
 import logging
 import random
@@ -21,7 +22,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
+import pybase64
 import pytest
 
 from orchestrator.config import InferenceConfig
@@ -264,14 +267,26 @@ def test_reply_parser_reads_what_verifiers_reads_and_names_the_fix() -> None:
     gen = parse_generate_reply(orjson.dumps(ok), 5)  # 7 tokens: 6 rows, the last token has none yet
     assert gen.routed_experts is not None
     assert (gen.routed_experts.shape, gen.routed_experts.dtype.name) == ((6, 2, 1), "uint16")
-    new_logprobs = orjson.loads(orjson.dumps(ok))
-    new_logprobs["choices"][0]["logprobs"]["content"] = [{"token_id": 5, "logprob": -1.0, "rank": 1},
-                                                         {"token_id": 6, "logprob": -0.5, "rank": 1}]
-    with pytest.raises(MalformedReply, match=r"use vLLM 0\.31 \(or 0\.26\) or prime-rl"):
-        parse_generate_reply(orjson.dumps(new_logprobs), 5)
+    assert (gen.adapted, gen.weight_versions) == (False, None)
+    # vLLM 0.32+: {"token_id": N} entries and weight_versions; upstream vLLM: routed experts as a .npy string. An
+    # env worker's shim adapts both (workers/adapter.py), and so does this parser
+    new = orjson.loads(orjson.dumps(ok))
+    new["choices"][0]["logprobs"]["content"] = [{"token_id": 5, "logprob": -1.0, "rank": 1, "top_logprobs": []},
+                                                {"token_id": 6, "logprob": -0.5, "rank": 1, "top_logprobs": []}]
+    buf = io.BytesIO()
+    np.save(buf, np.arange(12, dtype=np.int32).reshape(6, 2, 1))
+    new["choices"][0]["routed_experts"] = pybase64.b64encode(buf.getvalue()).decode()
+    new["choices"][0]["weight_versions"] = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1,
+                                                                                   "end": 2}]
+    gen = parse_generate_reply(orjson.dumps(new), 5)
+    assert gen.adapted
+    assert gen.logprobs == [-1.0, -0.5]
+    assert gen.weight_versions == ((3, 0, 1), (4, 1, 2))
+    assert gen.routed_experts is not None
+    assert (gen.routed_experts.dtype.name, gen.routed_experts[:, 0, 0].tolist()) == ("uint8", [0, 2, 4, 6, 8, 10])
     npy = orjson.loads(orjson.dumps(ok))
-    npy["choices"][0]["routed_experts"] = "k05VTVBZAQB2AHsnZGVzY3InOiAnfHUxJyw="
-    with pytest.raises(MalformedReply, match="prime-rl's inference server"):
+    npy["choices"][0]["routed_experts"] = "k05VTVBZAQB2AHsnZGVzY3InOiAnfHUxJyw="  # a truncated .npy header
+    with pytest.raises(MalformedReply, match=r"not a \.npy array"):
         parse_generate_reply(orjson.dumps(npy), 5)
 
 
@@ -318,7 +333,7 @@ async def test_a_server_whose_generate_hangs_stays_out_until_it_answers_again(ca
             prober = tg.create_task(pool.run())
             pool.report_failure(server, Failure.TIMEOUT, "generate: Request timed out")
             assert not server.in_rotation
-            # probes keep trying it (health, resume, canary), and it stays out while its generate hangs
+            # probes keep trying it (health, resume and label, canary), and it stays out while its generate hangs
             await wait_until(lambda: [c[1] for c in hung.calls].count("/inference/v1/generate") >= 3, WAIT_S,
                              "three probes")
             assert not server.in_rotation
@@ -328,7 +343,7 @@ async def test_a_server_whose_generate_hangs_stays_out_until_it_answers_again(ca
             prober.cancel()
     probes = [c for c in hung.calls if c[1] == "/inference/v1/generate"]
     assert all(body["cache_salt"] == PROBE_CACHE_SALT and body["model"] == "m" for _, _, _, body in probes)
-    assert [c[1] for c in hung.calls[:3]] == ["/health", "/resume", "/inference/v1/generate"]
+    assert [c[1] for c in hung.calls[:4]] == ["/health", "/resume", "/update_weight_version", "/inference/v1/generate"]
     assert (pool.metrics["evictions"], pool.metrics["rejoins"]) == (1, 1)
     info = [r.getMessage() for r in caplog.records if "stays out of rotation" in r.getMessage()]  # INFO and up
     # three probes timed out: one line at INFO, the same reason again at DEBUG (a server may stay out for hours); a

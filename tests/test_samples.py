@@ -5,6 +5,7 @@ import pytest
 
 from orchestrator.columns.samples import PlainNode as Node
 from orchestrator.columns.samples import SampleError, build_sample
+from orchestrator.columns.versions import CallKey, CallSpans
 
 
 def routed(n: int, layers: int = 2, k: int = 3, fill: int = 0) -> np.ndarray:
@@ -86,7 +87,7 @@ def test_versions_are_bounded_by_the_floor_without_calls_and_exact_from_them() -
     assert build_sample(nodes).optional == ()  # no TokenVersions: no column
 
     # the first call's completion (token 5) starts at position 4; the second's (8, 9) at 7, half of it unknown
-    calls = {call_key(4, [5]): [np.array([8], np.int32)], call_key(7, [8, 9]): [np.array([8, -1], np.int32)]}
+    calls: dict[CallKey, list[CallSpans]] = {call_key(4, [5]): [((8, 0, 1),)], call_key(7, [8, 9]): [((8, 0, 1),)]}
     versions = TokenVersions(floor=7, calls=calls)
     s = build_sample(nodes, versions)
     assert s.versions is not None
@@ -100,21 +101,27 @@ def test_a_completion_two_calls_reported_differently_is_bounded_by_the_older() -
     from orchestrator.columns.versions import TokenVersions, bounded, call_key
 
     nodes = [Node([1, 2]), Node([3, 4], [True, True], [-1.0, -1.0])]
-    calls = {call_key(2, [3, 4]): [np.array([5, 6], np.int32), np.array([6, 6], np.int32)]}
+    calls: dict[CallKey, list[CallSpans]] = {call_key(2, [3, 4]): [((5, 0, 1), (6, 1, 2)), ((6, 0, 2),)]}
     s = build_sample(nodes, TokenVersions(floor=4, calls=calls))
     assert s.versions is not None
     assert s.versions.tolist() == [-1, -1, bounded(5), bounded(6)]
-    other_place = {call_key(1, [3, 4]): [np.array([5, 6], np.int32)]}  # the same tokens after another prompt
+    other_place: dict[CallKey, list[CallSpans]] = {call_key(1, [3, 4]): [((5, 0, 2),)]}  # after another prompt
     s = build_sample(nodes, TokenVersions(floor=4, calls=other_place))
     assert s.versions is not None
     assert s.versions.tolist() == [-1, -1, bounded(4), bounded(4)]
 
 
-def test_span_versions_read_only_step_numbers() -> None:
-    from orchestrator.columns.versions import span_versions
+def test_call_spans_read_only_step_numbers() -> None:
+    from orchestrator.columns.versions import call_spans, expand
+
+    def per_token(raw: object, n: int) -> list[int]:
+        out: list[int] = expand(call_spans(raw, n), n).tolist()
+        return out
 
     spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
-    assert span_versions(spans, 5).tolist() == [3, 3, 4, 4, 4]
-    assert span_versions([{"version": "default", "start": 0, "end": 3}], 3).tolist() == [-1, -1, -1]
-    assert span_versions(None, 2).tolist() == [-1, -1]  # vLLM: no label reported for these tokens
-    assert span_versions([{"version": "3", "start": 1, "end": 9}], 3).tolist() == [-1, -1, -1]  # past the end
+    assert call_spans(spans, 5) == ((3, 0, 2), (4, 2, 5))
+    assert per_token(spans, 5) == [3, 3, 4, 4, 4]
+    assert per_token([{"version": "default", "start": 0, "end": 3}], 3) == [-1, -1, -1]
+    assert per_token(None, 2) == [-1, -1]  # vLLM: no label reported for these tokens
+    assert per_token([{"version": "3", "start": 1, "end": 9}], 3) == [-1, -1, -1]  # past the end
+    assert per_token([{"version": "-3", "start": 0, "end": 1}, "junk"], 1) == [-1]

@@ -193,8 +193,10 @@ class Orchestrator:
 
     async def _reload_policy(self) -> tuple[Checkpoint, UnloadableCheckpoint] | None:
         """Resumed: the servers may have restarted since; load the saved policy again. A refused one (its
-        directory gone or corrupt) is the weight sync loop's to retry, on the clock of any refusal."""
+        directory gone or corrupt) is the weight sync loop's to retry, on the clock of any refusal. A fresh run
+        labels the servers' weights as policy 0, the step every token they sample until the first sync is."""
         if not self.state.policy_step:
+            await self.pool.label()
             return None
         ckpt = Checkpoint(self.state.policy_step, self.state.policy_path)
         try:

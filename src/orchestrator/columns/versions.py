@@ -14,8 +14,8 @@ One int32 per token:
 old (a large lag: masked by any staleness check) and never equal to its own step (left out of any parity check),
 which is the safe side.
 
-``TokenVersions`` makes the column in the env worker, per sample, from the versions each generate call of the
-rollout reported (``CallVersions``, keyed by the call's prompt length and completion tokens, which is where that
+``TokenVersions`` makes the column in the env worker, per sample, from the spans each generate call of the
+rollout reported (``CallSpans``, keyed by the call's prompt length and completion tokens, which is where that
 completion lies in every sample that holds it): O(tokens).
 """
 
@@ -30,6 +30,7 @@ NOT_SAMPLED = -1
 DTYPE = np.dtype("<i4")
 
 CallKey = tuple[int, int, int]  # (prompt tokens, completion tokens, hash of the completion's int32 bytes)
+CallSpans = tuple[tuple[int, int, int], ...]  # (step or -1 when unknown, start, end) over a reply's output tokens
 
 
 def bounded(lower: int) -> int:
@@ -55,29 +56,35 @@ def call_key(prompt_tokens: int, completion: np.ndarray | Sequence[int]) -> Call
     return (prompt_tokens, int(ids.size), hash(ids.tobytes()))
 
 
-def span_versions(spans: Any, tokens: int) -> np.ndarray:
-    """Per output token, the step a reply's ``weight_versions`` spans name (``[{"version", "start", "end"}]``,
-    half-open over output tokens); -1 where no span names a step (a label that is not a step number, such as
-    vLLM's ``"default"`` before the first sync; a token no span covers; malformed spans)."""
-    out = np.full(tokens, -1, np.int32)
-    if not isinstance(spans, list):
-        return out
-    for span in spans:
+def call_spans(weight_versions: Any, tokens: int) -> CallSpans:
+    """A reply's ``weight_versions`` (``[{"version", "start", "end"}]``, half-open over its ``tokens`` output tokens)
+    as spans of step numbers; -1 for a label that is not a step number (vLLM's ``"default"`` before the first
+    sync), and for malformed spans or output tokens no span covers (vLLM: null when no label was reported)."""
+    out: list[tuple[int, int, int]] = []
+    for span in weight_versions if isinstance(weight_versions, list) else ():
         if not isinstance(span, dict):
             continue
         label, start, end = span.get("version"), span.get("start"), span.get("end")
-        if isinstance(label, str) and label.isdigit() and isinstance(start, int) and isinstance(end, int) \
-                and 0 <= start <= end <= tokens and int(label) < 2**31 - 1:
-            out[start:end] = int(label)
+        if isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= tokens:
+            step = int(label) if isinstance(label, str) and label.isdigit() and len(label) < 10 else -1
+            out.append((step, start, end))
+    return tuple(out)
+
+
+def expand(spans: CallSpans, tokens: int) -> np.ndarray:
+    """One int32 per output token: the step of the span that covers it, -1 where none does."""
+    out = np.full(tokens, -1, DTYPE)
+    for step, start, end in spans:
+        out[start:end] = step
     return out
 
 
 class TokenVersions:
-    """The versions of one rollout's sampled tokens: ``calls`` maps a generate call's key to what each of its
-    replies reported per output token (-1: unknown); tokens no call explains, or explained with -1 or by replies
-    that disagree, are bounded by ``floor`` (the policy the rollout was assigned under)."""
+    """The versions of one rollout's sampled tokens: ``calls`` maps a generate call's key to the spans each reply
+    with that key reported; tokens no call explains, or explained as unknown or by replies that disagree, are
+    bounded by ``floor`` (the policy the rollout was assigned under)."""
 
-    def __init__(self, floor: int, calls: Mapping[CallKey, list[np.ndarray]] | None = None) -> None:
+    def __init__(self, floor: int, calls: Mapping[CallKey, list[CallSpans]] | None = None) -> None:
         self.floor = floor
         self.calls = calls or {}
         self.exact = 0  # sampled tokens given an exact version, over every sample built
@@ -104,10 +111,12 @@ class TokenVersions:
         floor = np.int32(bounded(self.floor))
         if not found:
             return np.full(completion.size, floor, DTYPE)
-        if any(not np.array_equal(found[0], other) for other in found[1:]):  # two calls, same tokens: which?
-            lowest: np.ndarray = np.minimum.reduce([np.where(v >= 0, v, self.floor) for v in found])
+        first = expand(found[0], completion.size)
+        if any(other != found[0] for other in found[1:]):  # two calls, the same tokens: which one is this?
+            lowest: np.ndarray = np.minimum.reduce([np.where(v >= 0, v, self.floor)
+                                                    for v in (expand(f, completion.size) for f in found)])
             return (-2 - lowest).astype(DTYPE)
-        out: np.ndarray = np.where(found[0] >= 0, found[0], floor).astype(DTYPE)
+        out: np.ndarray = np.where(first >= 0, first, floor).astype(DTYPE)
         return out
 
 

@@ -348,9 +348,12 @@ class InferencePool:
                     await self.admit(server.api)
                 server.admitted = True
             if server.version == self.target.step:
-                # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped)
+                # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped);
+                # labelled: it may have restarted, and an engine starts as "default"
                 async with server.sync_lock:
                     await self._timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
+                    await self.weights.label(server.api, server.version,
+                                             lambda call, what, **_: self._timed(call, what, timeout_s))
             while server.version != self.target.step:  # newer weights may be announced while it loads
                 await self.loadable(self.target)  # checked when announced; it may have been deleted since
                 await self._sync_one(server, self.target)  # ends with a resume
@@ -441,6 +444,19 @@ class InferencePool:
             log.warning("weight sync to step %d failed on %d of %d servers: %s", ckpt.step, len(result.failed),
                         len(self.servers), result.failed)
         return result
+
+    async def label(self) -> None:
+        """Label the weights of every server in rotation as the target's step (weights.py ``label``): at the start
+        of a run that loads none, so replies name that step, not the engine's "default". A server that fails it
+        leaves rotation (and is labelled before it rejoins)."""
+        live = [s for s in self.servers if s.in_rotation]
+        outcomes = await asyncio.gather(*(self.weights.label(s.api, self.target.step, self._timed) for s in live),
+                                        return_exceptions=True)
+        for server, outcome in zip(live, outcomes, strict=True):
+            if isinstance(outcome, InferenceError):
+                self._set_rotation(server, False, f"labelling its weights as step {self.target.step} failed: {outcome}")
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def loadable(self, ckpt: Checkpoint) -> str:
         """The directory of ``ckpt``'s weights; CheckpointError without one, UnloadableCheckpoint when
