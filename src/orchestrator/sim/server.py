@@ -55,6 +55,7 @@ from orchestrator.sim.responses import (
     read_json_body,
     validation_error,
 )
+from orchestrator.sim.segments import Generation
 from orchestrator.sim.vocab import SimVocab
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class SimServer:
         self.engine = Engine()  # broken by a failed weight load, dead at the next request that reaches it
         self.kv = None if kv is None else KVDriver(kv, lambda: self.gate.mode == "keep", kv_time_scale)
         self.log = SimLog()
+        self._generating: set[Generation] = set()  # inside the engine, tokens not sampled yet (segments.py)
         self._fault_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
         self._created = int(time.time())
         self.url = ""
@@ -335,9 +337,16 @@ class SimServer:
             return engine_error(503, PAUSED_MESSAGE).response()
         request_id = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
         async with self.gate.inflight() as aborted:
-            aborted = aborted or await self.gate.hold(delay_s)
+            gen = None if aborted or req.sampling.n != 1 else Generation(req.token_ids, req.sampling, delay_s)
+            if gen is not None:
+                self._generating.add(gen)  # a keep pause from here on cuts it in two (segments.py)
+            try:
+                aborted = aborted or await self.gate.hold(delay_s)
+            finally:
+                if gen is not None:
+                    self._generating.discard(gen)
             # the forward pass: a broken engine dies here (engine.py)
-            reply = self._reply(req, request_id, aborted) if aborted or self.engine.forward() else None
+            reply = self._reply(req, request_id, aborted, gen) if aborted or self.engine.forward() else None
             sampled_with = (self.weights_path, self.loads)
             if reply is not None and not aborted and self.kv is not None:  # decoded under the KV cache's capacity
                 await self.kv.decode(len(req.token_ids), reply["usage"]["completion_tokens"])
@@ -382,12 +391,27 @@ class SimServer:
 
     # ------------------------------------------------------------------------------------------ sampling
 
-    def _reply(self, req: GenerateRequest, request_id: str, aborted: bool) -> dict[str, Any]:
+    def interrupt_generations(self) -> None:
+        """A keep pause begins on a running engine: the requests inside sample the tokens produced so far, with the
+        weights and version label of now (segments.py)."""
+        if self.gate.mode is None:
+            for gen in self._generating:
+                gen.interrupt(self.policy, self.weight_version)
+
+    def _reply(self, req: GenerateRequest, request_id: str, aborted: bool, gen: Generation | None = None
+               ) -> dict[str, Any]:
         sp = req.sampling
         self.counters.requests += 1
         choices = []
         for i in range(sp.n):
-            sample = None if aborted else self.policy.sample(req.token_ids, sp)
+            spans: list[tuple[str, int, int]] = []
+            if aborted:
+                sample = None
+            elif gen is not None and i == 0:
+                sample, spans = gen.finish(self.policy, self.weight_version)
+            else:
+                sample = self.policy.sample(req.token_ids, sp)
+                spans = [(self.weight_version, 0, int(sample.token_ids.size))]
             experts = None
             if sample is not None:
                 self.counters.generated_tokens += int(sample.token_ids.size)
@@ -396,7 +420,7 @@ class SimServer:
                     rows = len(req.token_ids) + int(sample.token_ids.size) - 1 - start
                     experts = replies.routed_experts(self.profile, self.policy.route(rows), start, self.num_experts)
             choices.append(replies.choice(self.profile, i, sample, logprobs=sp.logprobs, experts=experts,
-                                          weight_version=self.weight_version))
+                                          weight_versions=spans))
         if aborted:
             self.counters.aborted += 1
         return replies.generate_reply(self.profile, request_id, self.model, len(req.token_ids), choices)
