@@ -53,7 +53,8 @@ def test_a_manifest_is_built_from_headers_and_round_trips() -> None:
     assert [(c.name, c.dtype, c.tail) for c in m.columns] == [
         ("token_ids", "<i4", []), ("loss_mask", "|u1", []), ("logprobs", "<f4", []), ("routed_experts", "|u1", [4, 2])]
     assert m.scalars == {"advantage": [0.5, 0.5, -0.5, 0.0], "reward": [1.0] * 4, "env": ["e"] * 4,
-                         "rollout": ["r0", "r0", "r1", "r2"], "policy": [12, 12, 11, 12]}
+                         "rollout": ["r0", "r0", "r1", "r2"], "policy": [12, 12, 11, 12],
+                         "policy_max": [12, 12, 11, 12], "min_version": [None] * 4}
     data = encode_manifest(m)
     assert decode_manifest(data) == m
     assert decode_manifest(memoryview(data)) == m

@@ -258,7 +258,8 @@ class OrchestratorSteps:
         extra = {"samples": result.num_samples, "policy": sched.policy, "sent": sent,
                  "orch_cpu_ms_per_rollout": round((time.process_time() - self._cpu0) * 1e3 / max(len(result.rows), 1),
                                                   3),
-                 "filters": result.filter_counts, "scheduler": counts, "pool": dict(orch.pool.metrics),
+                 "filters": result.filter_counts, "versions": result.versions, "scheduler": counts,
+                 "pool": dict(orch.pool.metrics),
                  "hub": dict(orch.hub.metrics)}
         extra.update(orch.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
         return extra

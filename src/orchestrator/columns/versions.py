@@ -125,3 +125,24 @@ def summary(versions: np.ndarray, loss_mask: np.ndarray) -> list[tuple[int, int]
     carries so the orchestrator can count and mask stale tokens without reading columns."""
     values, counts = np.unique(versions[loss_mask != 0], return_counts=True)
     return [(int(v), int(c)) for v, c in zip(values.tolist(), counts.tolist(), strict=True)]
+
+
+def older_than(versions: np.ndarray, floor: int | np.ndarray) -> np.ndarray:
+    """bool per token: sampled by weights (possibly, for a bounded token) older than ``floor``."""
+    out: np.ndarray = (versions != NOT_SAMPLED) & (lower_bound(versions) < floor)
+    return out
+
+
+def mask_older(loss_mask: np.ndarray, versions: np.ndarray, offsets: np.ndarray,
+               floors: list[int | None]) -> np.ndarray:
+    """``loss_mask`` (the concatenation of samples ``offsets[i]:offsets[i + 1]``) with 0 on every token older than
+    its sample's floor (None: no floor); a new array when anything changes, else ``loss_mask`` itself."""
+    if all(f is None for f in floors):
+        return loss_mask
+    lengths = np.diff(offsets)
+    per_token = np.repeat(np.array([np.iinfo(np.int64).min if f is None else f for f in floors], np.int64), lengths)
+    stale = older_than(versions, per_token)
+    if not stale.any():
+        return loss_mask
+    out: np.ndarray = np.where(stale, 0, loss_mask).astype(loss_mask.dtype)
+    return out

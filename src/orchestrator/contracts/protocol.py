@@ -74,6 +74,7 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     worker: str
     server: str
     ok: bool
+    policy_max: Count | None = None  # the orchestrator's, on arrival: the newest weights its server could have had
     reward: float | None = None  # None: a failed rollout with no usable reward
     metrics: dict[str, float] = {}
     failure: Failure | None = None
@@ -83,6 +84,9 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     samples: list[tuple[Count, Count, Count]] = []  # per sample: tokens, layers, top_k
     routed_dtype: Literal["uint8", "uint16"] = "uint8"  # of the routed-experts frame
     optional: Annotated[list[Name], msgspec.Meta(max_length=8)] = []  # the optional token columns it has
+    # per sample, its trained tokens by their versions value ((value, count), columns/versions.py): what the
+    # orchestrator masks stale tokens with (max_token_lag) without reading columns; empty without a versions column
+    versions: list[Annotated[list[tuple[int, Count]], msgspec.Meta(max_length=1 << 16)]] = []
     tokens: Count = 0
     turns: Count = 0  # model turns (verifiers' trace.num_turns)
     wall_s: float = 0.0

@@ -92,6 +92,7 @@ class Server:
     cap: int | None = None  # rollouts it may have at once (rollouts/concurrency.py); None: no cap of its own
     failures: int = 0  # consecutive
     version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with)
+    ceiling: int = 0  # the newest weights it may serve: the step of the newest sync begun on it (even one that failed)
     last_error: str = ""
     probe_failures: int = 0  # since it last left rotation
     waiting_since: float | None = None  # given work, and no answer (success or failure) from it since
@@ -474,6 +475,7 @@ class InferencePool:
         path = weights_dir(ckpt, self.cfg.weights_path)
         async with server.sync_lock:
             t0 = _now()
+            server.ceiling = max(server.ceiling, ckpt.step)  # before the pause: tokens of it may come from now on
             try:
                 await self.weights.sync(server.api, ckpt, path, self._timed)
             finally:

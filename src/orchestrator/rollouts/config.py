@@ -153,6 +153,10 @@ class EnvConfig:
     workers: int = opt(1, ge=0, doc="env worker processes; 0 runs in-process (debugging only)")
     max_concurrent: int | None = opt(None, ge=1, doc="rollouts of this env running at once")
     group_scoring: bool = opt(False, doc="the env scores whole groups: any failure drops the group")
+    max_token_lag: int | None = opt(None, ge=0, doc="trained tokens sampled by weights more than this many steps "
+                                    "behind the step they train in are masked out of the loss (the versions column; "
+                                    "a token whose version is only bounded counts at its lower bound); a sample "
+                                    "left with nothing to train is dropped; unset: no limit")
     sampling: SamplingConfig = opt(SamplingConfig(), doc="sampling parameters")
     curriculum: CurriculumConfig | None = opt(None, doc="[env.curriculum]: draw tasks from pools by their recent "
                                               "pass rate; unset: every task in turn, in a seeded order")
@@ -212,6 +216,10 @@ def rollout_problems(scheduler: SchedulerConfig, envs: Sequence[EnvConfig], ev: 
             yield (f"{source(f'env[{i}].name')}: env[{i}].name: {env.label!r} is already used by "
                    f"env[{labels[env.label]}]; give each environment a distinct name")
         labels.setdefault(env.label, i)
+        if env.max_token_lag is not None and env.max_token_lag >= scheduler.max_async_level:
+            yield (f"{source(f'env[{i}].max_token_lag')}: env[{i}].max_token_lag: {env.max_token_lag} can never "
+                   f"mask a token: a rollout is at most scheduler.max_async_level ({scheduler.max_async_level}) "
+                   "steps behind its step, and its tokens are no older than it; set it below that, or leave it unset")
     for i, env in enumerate(envs):
         yield from _sampling_problems(env, f"env[{i}]", source)
     if ev is not None:

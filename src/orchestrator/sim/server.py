@@ -346,7 +346,8 @@ class SimServer:
                 if gen is not None:
                     self._generating.discard(gen)
             # the forward pass: a broken engine dies here (engine.py)
-            reply = self._reply(req, request_id, aborted, gen) if aborted or self.engine.forward() else None
+            alive = aborted or self.engine.forward()
+            reply, spans = self._reply(req, request_id, aborted, gen) if alive else (None, [])
             sampled_with = (self.weights_path, self.loads)
             if reply is not None and not aborted and self.kv is not None:  # decoded under the KV cache's capacity
                 await self.kv.decode(len(req.token_ids), reply["usage"]["completion_tokens"])
@@ -355,8 +356,8 @@ class SimServer:
             return dead_error()
         raw, fault = self._maybe_malformed(reply)
         first = reply["choices"][0]
-        recorded = {"token_ids": [*req.token_ids, *first["token_ids"]],
-                    "routed_experts": first.get("routed_experts")} if self.record_replies else {}
+        recorded = {"token_ids": [*req.token_ids, *first["token_ids"]], "routed_experts": first.get("routed_experts"),
+                    "versions": spans} if self.record_replies else {}
         self._log_generate(200, req.cache_salt, arrival, sampled_with=sampled_with,
                            finish_reason=first["finish_reason"], fault=fault, prompt_tokens=len(req.token_ids),
                            completion_tokens=reply["usage"]["completion_tokens"], **recorded)
@@ -399,10 +400,12 @@ class SimServer:
                 gen.interrupt(self.policy, self.weight_version)
 
     def _reply(self, req: GenerateRequest, request_id: str, aborted: bool, gen: Generation | None = None
-               ) -> dict[str, Any]:
+               ) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
+        """The reply, and the version spans of its first choice."""
         sp = req.sampling
         self.counters.requests += 1
         choices = []
+        first: list[tuple[str, int, int]] = []
         for i in range(sp.n):
             spans: list[tuple[str, int, int]] = []
             if aborted:
@@ -421,9 +424,10 @@ class SimServer:
                     experts = replies.routed_experts(self.profile, self.policy.route(rows), start, self.num_experts)
             choices.append(replies.choice(self.profile, i, sample, logprobs=sp.logprobs, experts=experts,
                                           weight_versions=spans))
+            first = first if i else spans
         if aborted:
             self.counters.aborted += 1
-        return replies.generate_reply(self.profile, request_id, self.model, len(req.token_ids), choices)
+        return replies.generate_reply(self.profile, request_id, self.model, len(req.token_ids), choices), first
 
     def _log_generate(self, status: int, cache_salt: str | None, pause_mode: str | None, *,
                       sampled_with: tuple[str | None, int] | None = None, **rest: Any) -> None:

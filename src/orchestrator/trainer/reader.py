@@ -10,8 +10,11 @@ of it is left, and frees the memory once the worker has let go of it too.
 
 Views stay valid as long as they live (the mapping does), even after the worker dies; but the worker reuses
 a span once the orchestrator releases it, which it does when the trainer acknowledges the step: read (or
-copy) a step's arrays before acknowledging it. ``StepView.gather()`` makes the through path's contiguous
-``Batch`` with one copy per column, for trainers that want it; ``transport.packing.pack`` works on it.
+copy) a step's arrays before acknowledging it. A sample whose ``min_version`` scalar is set gets a loss mask with 0
+on every token older than it (its env's ``max_token_lag``, columns/versions.py): a copy of that one column, the
+rest stays views; the through plane's batches come with that mask already applied. ``StepView.gather()`` makes
+the through path's contiguous ``Batch`` with one copy per column, for trainers that want it;
+``transport.packing.pack`` works on it.
 
 Pools on another host (``PoolRef.host``) with a span server (``PoolRef.address``) are not mapped: ``view``
 fetches the step's spans from it (trainer/fetch.py; blocking, at most ``fetch_timeout_s`` per pool) and the
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from orchestrator.columns.versions import mask_older
 from orchestrator.contracts.manifest import PoolRef, StepManifest
 from orchestrator.errors import WireError
 from orchestrator.security import ClientKeys, KeyPair
@@ -234,11 +238,15 @@ class StepView:
         return self.manifest.logprobs_mode
 
     def sample(self, i: int) -> dict[str, Any]:
-        """Sample ``i``: each column's tokens ``start:start + tokens`` of its span (views), and its scalars."""
+        """Sample ``i``: each column's tokens ``start:start + tokens`` of its span (views), and its scalars (the
+        loss mask a copy with stale tokens masked, when its ``min_version`` masks any)."""
         ref = self.manifest.samples[i]
         span = self._spans[ref.span]
         out: dict[str, Any] = {name: col[ref.start:ref.start + ref.tokens] for name, col in span.items()}
         out.update({k: v[i] for k, v in self.manifest.scalars.items()})
+        floor = out.get("min_version")
+        if floor is not None and "versions" in out:
+            out["loss_mask"] = mask_older(out["loss_mask"], out["versions"], np.array([0, ref.tokens]), [floor])
         return out
 
     def gather(self) -> Batch:
@@ -250,5 +258,9 @@ class StepView:
         names = [c.name for c in m.columns]
         chunks = {name: [self._spans[ref.span][name][ref.start:ref.start + ref.tokens] for ref in m.samples]
                   for name in names}
-        return Batch.from_columns(m.run, m.step, chunks, [ref.tokens for ref in m.samples],
-                                  {k: list(v) for k, v in m.scalars.items()}, m.logprobs_mode)
+        batch = Batch.from_columns(m.run, m.step, chunks, [ref.tokens for ref in m.samples],
+                                   {k: list(v) for k, v in m.scalars.items()}, m.logprobs_mode)
+        if "versions" in batch.columns and "min_version" in batch.scalars:
+            batch.columns["loss_mask"] = mask_older(batch.columns["loss_mask"], batch.columns["versions"],
+                                                    batch.offsets, batch.scalars["min_version"])
+        return batch

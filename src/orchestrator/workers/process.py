@@ -39,7 +39,7 @@ import zmq.asyncio
 from orchestrator.columns.memfd import check_socket_path, serve_pool
 from orchestrator.columns.samples import Sample, SampleError, samples_from_trace
 from orchestrator.columns.store import ColumnStore, PoolTooSmall, rollout_layout, sample_optional
-from orchestrator.columns.versions import TokenVersions
+from orchestrator.columns.versions import TokenVersions, summary
 from orchestrator.contracts.protocol import (
     FLUSH_S,
     HEARTBEAT_S,
@@ -447,6 +447,8 @@ class Worker:
         if not samples:
             return header, []
         header.optional = list(sample_optional(samples))
+        if "versions" in header.optional:
+            header.versions = [summary(s.versions, s.loss_mask) for s in samples if s.versions is not None]
         if self.store is None:
             return header, sample_frames(samples)[1]
         if self.setup.token_filters:
