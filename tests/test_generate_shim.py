@@ -55,15 +55,14 @@ def test_a_0_33_reply_becomes_what_verifiers_reads_and_a_0_31_one_keeps_its_byte
                         "weight_versions": [{"version": "4", "start": 0, "end": 1},
                                             {"version": "5", "start": 1, "end": 3}]}],
            "output_mode": "tokens"}
-    reply = adapt_reply(orjson.dumps(new), Request(prompt_tokens=0, logprobs=1, routed_start=1))
+    reply = adapt_reply(orjson.dumps(new), Request(prompt_tokens=0, routed_start=1))
     assert reply.changed
     assert reply.token_ids == [5, 6, 7]
     assert reply.spans == ((4, 0, 1), (5, 1, 3))
     adapted = orjson.loads(reply.body)
     choice: dict[str, Any] = adapted["choices"][0]
-    assert choice["logprobs"]["content"][0] == {"token": "token_id:5", "logprob": -0.5, "bytes": None,
-                                                "top_logprobs": [{"token": "token_id:5", "logprob": -0.5,
-                                                                  "bytes": None}]}  # the first max(1, 1)
+    first = new["choices"][0]["logprobs"]["content"][0]
+    assert choice["logprobs"]["content"][0] == {**first, "token": "token_id:5"}  # what verifiers reads, beside vLLM's
     assert choice["logprobs"]["content"][1]["logprob"] == -9999.0  # kept: verifiers refuses it, as it should
     assert list(choice["routed_experts"]) == ["data", "shape", "start", "dtype"]  # data first: its fast path
     assert choice["routed_experts"]["dtype"] == "uint16"
@@ -78,16 +77,16 @@ def test_a_0_33_reply_becomes_what_verifiers_reads_and_a_0_31_one_keeps_its_byte
     old = {"choices": [{"index": 0, "token_ids": [5], "finish_reason": "stop", "routed_experts": None,
                         "logprobs": {"content": [{"token": "token_id:5", "logprob": -0.5, "bytes": None}]}}]}
     raw = orjson.dumps(old)
-    same = adapt_reply(raw, Request(0, 1, 0))
+    same = adapt_reply(raw, Request(0, 0))
     assert (same.body is raw, same.changed, same.spans) == (True, False, None)  # nothing to do: not re-encoded
 
 
 def test_what_the_adapter_cannot_convert_is_left_for_verifiers_to_refuse() -> None:
     for junk in (b"not json", b"[]", b'{"choices": []}', b'{"choices": [7]}'):
-        assert adapt_reply(junk, Request(0, 1, 0)).body == junk
+        assert adapt_reply(junk, Request(0, 0)).body == junk
     broken = {"choices": [{"token_ids": [5], "routed_experts": "bm90IGFuIG5weQ==",  # base64, not a .npy
                            "logprobs": {"content": [{"tok": 5, "logprob": -1.0}]}}]}
-    reply = adapt_reply(orjson.dumps(broken), Request(0, 1, 0))
+    reply = adapt_reply(orjson.dumps(broken), Request(0, 0))
     assert not reply.changed
     assert orjson.loads(reply.body) == broken
 

@@ -125,7 +125,7 @@ def build_sample(nodes: Sequence[NodeLike], versions: TokenVersions | None = Non
         loss_mask=sampled.view(np.uint8),
         logprobs=logprobs,
         routed_experts=np.concatenate(routed) if routed else None,
-        versions=None if versions is None else versions.sample(token_ids, sampled, ends),
+        versions=None if versions is None else versions.sample(token_ids, sampled, ends, positions),
     )
 
 

@@ -52,7 +52,7 @@ def exact(versions: np.ndarray) -> np.ndarray:
 
 def call_key(prompt_tokens: int, completion: np.ndarray | Sequence[int]) -> CallKey:
     """Where a generate call's completion lies in a sample, and what it is."""
-    ids = np.asarray(completion, dtype=np.int32)
+    ids = np.asarray(completion, dtype=DTYPE)
     return (prompt_tokens, int(ids.size), hash(ids.tobytes()))
 
 
@@ -90,34 +90,45 @@ class TokenVersions:
         self.exact = 0  # sampled tokens given an exact version, over every sample built
         self.bounded = 0
 
-    def sample(self, ids: np.ndarray, sampled: np.ndarray, ends: Sequence[int]) -> np.ndarray:
+    def sample(self, ids: np.ndarray, sampled: np.ndarray, ends: Sequence[int],
+               positions: np.ndarray | None = None) -> np.ndarray:
         """The column of one sample: ``ids`` its tokens, ``sampled`` bool per token, ``ends`` the token offset
-        after each of its nodes (a node's sampled tokens are one call's completion)."""
+        after each of its nodes (a node's sampled tokens are one call's completion); ``positions``: the sampled
+        tokens' indices, when the caller has them."""
         out = np.where(sampled, np.int32(bounded(self.floor)), np.int32(NOT_SAMPLED)).astype(DTYPE)
-        if self.calls:
+        n_sampled = int(np.count_nonzero(sampled))
+        if self.calls and n_sampled:
+            positions = np.flatnonzero(sampled) if positions is None else positions
+            cuts = np.searchsorted(positions, np.asarray(ends, np.int64)).tolist()  # each node's sampled tokens
             start = 0
-            for end in ends:
-                positions = np.flatnonzero(sampled[start:end]) + start
-                if positions.size:
-                    out[positions] = self._node(int(positions[0]), ids[positions])
-                start = end
-        known = out >= 0
-        self.exact += int(np.count_nonzero(known))
-        self.bounded += int(np.count_nonzero(sampled)) - int(np.count_nonzero(known))
+            for cut in cuts:
+                if cut > start:
+                    self._node(out, ids, positions[start:cut])
+                start = cut
+        known = int(np.count_nonzero(out >= 0))
+        self.exact += known
+        self.bounded += n_sampled - known
         return out
 
-    def _node(self, prompt_tokens: int, completion: np.ndarray) -> np.ndarray:
-        found = self.calls.get(call_key(prompt_tokens, completion))
-        floor = np.int32(bounded(self.floor))
+    def _node(self, out: np.ndarray, ids: np.ndarray, where: np.ndarray) -> None:
+        """Write one node's sampled tokens (at ``where``: one call's completion) into ``out``, if a call says."""
+        first, n = int(where[0]), int(where.size)
+        contiguous = int(where[-1]) - first == n - 1  # verifiers' layout: the completion ends its node
+        completion = ids[first:first + n] if contiguous else ids[where]
+        found = self.calls.get(call_key(first, completion))
         if not found:
-            return np.full(completion.size, floor, DTYPE)
-        first = expand(found[0], completion.size)
+            return  # bounded, as written
         if any(other != found[0] for other in found[1:]):  # two calls, the same tokens: which one is this?
-            lowest: np.ndarray = np.minimum.reduce([np.where(v >= 0, v, self.floor)
-                                                    for v in (expand(f, completion.size) for f in found)])
-            return (-2 - lowest).astype(DTYPE)
-        out: np.ndarray = np.where(first >= 0, first, floor).astype(DTYPE)
-        return out
+            lowest: np.ndarray = np.minimum.reduce([np.where(v >= 0, v, self.floor) for v in
+                                                    (expand(f, n) for f in found)])
+            out[where] = -2 - lowest
+            return
+        for step, start, end in found[0]:
+            if step >= 0:
+                if contiguous:
+                    out[first + start:first + end] = step
+                else:
+                    out[where[start:end]] = step
 
 
 def summary(versions: np.ndarray, loss_mask: np.ndarray) -> list[tuple[int, int]]:

@@ -40,11 +40,11 @@ class Generation:
     adapted: bool = False  # the worker's shim rewrites such replies for verifiers (vLLM 0.32+ logprobs, .npy experts)
 
 
-def parse_generate_reply(raw: bytes, prompt_len: int, *, logprobs: int = 1, routed_start: int = 0) -> Generation:
+def parse_generate_reply(raw: bytes, prompt_len: int, *, routed_start: int = 0) -> Generation:
     """The reply's first choice as an env worker reads it (adapted by its shim, then parsed by verifiers' rules);
-    MalformedReply saying what is wrong, and how to fix it when we know. ``logprobs`` and ``routed_start``: what the
-    request asked (``sampling_params.logprobs``, ``routed_experts_prompt_start``)."""
-    reply = adapt_reply(raw, Request(prompt_len, logprobs, routed_start))
+    MalformedReply saying what is wrong, and how to fix it when we know. ``routed_start``: what the request asked
+    (``sampling_params.routed_experts_prompt_start``)."""
+    reply = adapt_reply(raw, Request(prompt_len, routed_start))
     raw = reply.body
     try:
         data = orjson.loads(raw)

@@ -9,13 +9,18 @@ candidate in ``top_logprobs``, the sampled token first (``v033:.../serving.py`` 
 upstream vLLM sends routed experts as a base64 ``.npy`` string (``v031:``/``v032:`` ``protocol.py``
 ``routed_experts``), which verifiers cannot read; prime-rl's server sends the object.
 
-``adapt_reply`` rewrites a reply, per choice, into the 0.31 form: each logprobs entry becomes ``{"token":
-"token_id:N", "logprob", "bytes": null, "top_logprobs": [the first max(logprobs, 1) candidates, the same way]}``
-(-9999 values kept: verifiers rejects them, as it should), a ``.npy`` routed-experts string becomes the object
-(``start``: the request's ``routed_experts_prompt_start``; ``dtype`` the narrowest of uint8/uint16 that holds the
-ids, ``data`` first so verifiers' fast path splices it out). Every other field stays (``weight_versions``,
-``stop_reason``, ``output_mode``: verifiers ignores them). A reply that needs none of this keeps its bytes. An entry
-or string it cannot convert is left as it was, so verifiers reports the reply malformed, as it would without us.
+``adapt_reply`` rewrites what verifiers reads of a reply, per choice: each logprobs entry gets the ``"token":
+"token_id:N"`` key it checks (beside vLLM's own keys, which it ignores: ``token_id``, ``rank``, ``top_logprobs``,
+whether 0.33's every candidate or 0.32's first ``max(logprobs, 1)``; -9999 values kept: verifiers rejects them, as it
+should), a ``.npy`` routed-experts string becomes the object (``start``: the request's
+``routed_experts_prompt_start``; ``dtype`` the narrowest of uint8/uint16 that holds the ids, ``data`` first so
+verifiers' fast path splices it out). Every other field stays (``weight_versions``, ``stop_reason``,
+``output_mode``: verifiers ignores them). A reply that needs none of this keeps its bytes, without being parsed when
+its bytes show it (no ``token_id`` key, no ``weight_versions``, no routed-experts string). An entry or string it
+cannot convert is left as it was, so verifiers reports the reply malformed, as it would without us.
+
+Cost (scripts/perf/bench_shim.py): a JSON parse and write of the reply and a dictionary key per output token, in
+the env worker.
 
 ``Reply.spans``: the first choice's ``weight_versions`` (vLLM 0.32+: spans of output tokens and the version label
 that sampled them, ``v032:outputs.py`` ``WeightVersionSpan``) as step numbers (-1 where unknown,
@@ -41,7 +46,6 @@ class Request:
     """What the adaptation needs of a generate request body."""
 
     prompt_tokens: int
-    logprobs: int  # sampling_params.logprobs (verifiers always asks for 1)
     routed_start: int  # sampling_params.routed_experts_prompt_start
 
     @classmethod
@@ -55,10 +59,8 @@ class Request:
         if not isinstance(ids, list):
             return None
         sp = data.get("sampling_params")
-        sp = sp if isinstance(sp, dict) else {}
-        k, start = sp.get("logprobs"), sp.get("routed_experts_prompt_start")
-        return cls(len(ids), k if isinstance(k, int) and not isinstance(k, bool) else 1,
-                   start if isinstance(start, int) and not isinstance(start, bool) else 0)
+        start = sp.get("routed_experts_prompt_start") if isinstance(sp, dict) else None
+        return cls(len(ids), start if isinstance(start, int) and not isinstance(start, bool) else 0)
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,14 @@ class Reply:
     changed: bool
 
 
+_NEEDS = (b'"token_id"', b'"weight_versions"', b'"routed_experts"')
+_NULL_EXPERTS = (b'"routed_experts":null', b'"routed_experts": null')
+
+
 def adapt_reply(raw: bytes, request: Request) -> Reply:
     """``raw`` (a 200 generate reply) in the form verifiers 0.4.0 reads (see the module docstring)."""
+    if not any(key in raw for key in _NEEDS[:2]) and (_NEEDS[2] not in raw or any(n in raw for n in _NULL_EXPERTS)):
+        return Reply(raw, None, None, False)  # vLLM 0.26/0.31 or prime-rl without routed experts: nothing to do
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -81,7 +89,7 @@ def adapt_reply(raw: bytes, request: Request) -> Reply:
     changed = False
     for choice in choices:
         if isinstance(choice, dict):
-            changed |= _logprobs(choice, request.logprobs)
+            changed |= _logprobs(choice)
             changed |= _routed_experts(choice, request.routed_start)
     first = choices[0] if isinstance(choices[0], dict) else {}
     ids = first.get("token_ids")
@@ -90,23 +98,16 @@ def adapt_reply(raw: bytes, request: Request) -> Reply:
     return Reply(orjson.dumps(data) if changed else raw, ids, spans, changed)
 
 
-def _logprobs(choice: dict[str, Any], asked: int) -> bool:
+def _logprobs(choice: dict[str, Any]) -> bool:
     content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
     if not isinstance(content, list):
         return False
     changed = False
-    keep = max(asked, 1)
-    for i, entry in enumerate(content):
-        if isinstance(entry, dict) and "token" not in entry and isinstance(entry.get("token_id"), int):
-            top = entry.get("top_logprobs")
-            content[i] = {**_entry(entry), "top_logprobs": [_entry(t) for t in top[:keep] if isinstance(t, dict)]
-                          if isinstance(top, list) else []}
+    for entry in content:  # one key per token: this loop is the adaptation's cost
+        if type(entry) is dict and "token" not in entry and type(token := entry.get("token_id")) is int:
+            entry["token"] = f"token_id:{token}"
             changed = True
     return changed
-
-
-def _entry(e: dict[str, Any]) -> dict[str, Any]:
-    return {"token": f"token_id:{e.get('token_id')}", "logprob": e.get("logprob"), "bytes": None}
 
 
 def _routed_experts(choice: dict[str, Any], start: int) -> bool:
