@@ -194,3 +194,41 @@ def test_a_limit_that_can_never_mask_is_a_config_error(tmp_path: Path) -> None:
     path = write_job_toml(tmp_path, inference={"servers": ["http://127.0.0.1:9/v1"]},
                           scheduler={"batch_size": 8, "max_async_level": 2}, env=[{**ARITHMETIC, "max_token_lag": 1}])
     assert load_config(path).env[0].max_token_lag == 1
+
+
+def test_a_rollout_with_versions_is_masked_even_in_a_step_of_rollouts_without_them() -> None:
+    """A step carries the versions column only when every rollout has it; a rollout that has it is still masked by its
+    own versions, on both planes (the direct plane's reader reads the span's versions for that)."""
+    from orchestrator.columns.store import ColumnStore
+    from orchestrator.trainer.reader import PoolMaps
+
+    b = builder(0)
+    plain = rollout("plain", "synth-a", [((5, 2),)], 5)  # as an older worker sends it: no versions
+    plain.header = msgspec.structs.replace(plain.header, optional=[], versions=[], frames=4)
+    plain.frames = [plain.frames[i] for i in (0, 1, 2, 4)]
+    plain.check()
+    recs = [plain, rollout("mixed", "synth-a", [((4, 2), (5, 3))], 4)]
+    through = b.assemble(STEP, [(r, 0.0) for r in recs])
+    assert "versions" not in through.columns
+    assert through.scalars["min_version"] == [None, 5]  # nothing to mask "plain" with
+    assert through.sample(1)["loss_mask"].tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1]
+
+    store = ColumnStore(1 << 20)
+    maps = PoolMaps(host="h")
+    try:
+        for r in recs:  # the same columns, in a worker's pool
+            samples = [Sample(np.asarray(r.column("token_ids")), np.asarray(r.column("loss_mask")),
+                              np.asarray(r.column("logprobs")), None,
+                              np.asarray(r.column("versions")) if "versions" in r.header.optional else None)]
+            r.header.span = store.put(r.rid, samples)
+        maps.adopt(store.id, store.capacity, store.fd)
+        pools = {"w": PoolInfo(id=store.id, size=store.capacity, host="h", path=None)}
+        manifest = build_manifest("run", STEP, [(r, 0.0) for r in recs], pools, plan=lambda h: b.lag.keep(h, STEP))
+        direct = maps.view(manifest).gather()
+        assert "versions" not in direct.columns
+        np.testing.assert_array_equal(direct.columns["loss_mask"], through.columns["loss_mask"])
+        np.testing.assert_array_equal(direct.columns["token_ids"], through.columns["token_ids"])
+        del direct
+    finally:
+        maps.close()
+        store.close()

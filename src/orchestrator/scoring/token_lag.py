@@ -32,7 +32,7 @@ class LagPlan:
 
     keep: list[bool]  # per sample (every one when its env has no limit)
     masked: int  # trained tokens below the floor (in kept and dropped samples)
-    floor: int | None  # the lowest version kept; None: no limit
+    floor: int | None  # the lowest version kept; None: no limit (or nothing to apply it with: no versions)
 
     @property
     def dropped(self) -> int:
@@ -57,8 +57,8 @@ class TokenLag:
         """``header``: a ``RolloutHeader`` with samples."""
         n = len(header.samples)
         floor = self.floor(header.env, step)
-        if floor is None or len(header.versions) != n:
-            return LagPlan([True] * n, 0, floor)
+        if floor is None or len(header.versions) != n or "versions" not in header.optional:
+            return LagPlan([True] * n, 0, None)  # no limit, or a rollout without versions: nothing to mask
         keep, masked = [], 0
         for counts in header.versions:
             total = sum(c for v, c in counts if v != NOT_SAMPLED)

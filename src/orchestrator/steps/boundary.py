@@ -157,6 +157,9 @@ class StepBuilder:
             plan = self.lag.plan(h, step)
             columns = {name: rec.column(name).reshape(rec.tokens, *h.samples[0][1:]) if name == ROUTED
                        else rec.column(name) for name in names}
+            if plan.floor is not None:  # its own versions say which tokens to mask, whatever the step carries
+                columns["loss_mask"] = mask_older(columns["loss_mask"], rec.column("versions"),
+                                                  np.array([0, rec.tokens]), [plan.floor])
             kept = [(at, s) for at, s, keep in zip(_starts(h.samples), h.samples, plan.keep, strict=True) if keep]
             for name, column in columns.items():
                 if len(kept) == len(h.samples):
@@ -173,11 +176,7 @@ class StepBuilder:
                 scalars["policy"].append(h.policy_step)
                 scalars["policy_max"].append(h.policy_step if h.policy_max is None else h.policy_max)
                 scalars["min_version"].append(plan.floor)
-        batch = Batch.from_columns(self.run, step, chunks, lengths, scalars, self.logprobs_mode)
-        if "versions" in batch.columns:
-            batch.columns["loss_mask"] = mask_older(batch.columns["loss_mask"], batch.columns["versions"],
-                                                    batch.offsets, scalars["min_version"])
-        return batch
+        return Batch.from_columns(self.run, step, chunks, lengths, scalars, self.logprobs_mode)
 
 
 def _starts(shapes: Sequence[tuple[int, int, int]]) -> list[int]:

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_OWN_VERSIONS = "_own_versions"  # a span's versions, read for the loss mask only (the step does not carry them)
+
 
 @dataclass
 class _Mapped:
@@ -189,16 +191,19 @@ class PoolMaps:
 
     def _span_columns(self, m: StepManifest, i: int, fetched: dict[int, memoryview]) -> dict[str, np.ndarray]:
         """The columns of span ``i`` the step carries, as read-only views of its pool's mapping, or of its
-        ``fetched`` bytes (``check_manifest`` has checked the span lies inside its pool)."""
+        ``fetched`` bytes (``check_manifest`` has checked the span lies inside its pool); and its own ``versions``
+        when the span has them and the step does not (a step of spans that do not all have them), for the mask."""
         s = m.spans[i]
         region, base = (fetched[i], 0) if i in fetched else (self._pools[m.pools[s.pool].id].view, s.offset)
         layout = s.layout()
         out: dict[str, np.ndarray] = {}
-        for c in m.columns:
-            offset, nbytes = layout.columns[c.name]
-            dtype = np.dtype(c.dtype)
+        specs = [(c.name, np.dtype(c.dtype), c.tail) for c in m.columns]
+        if "versions" in s.optional and all(c.name != "versions" for c in m.columns):
+            specs.append((_OWN_VERSIONS, layout.dtype("versions"), []))
+        for name, dtype, tail in specs:
+            offset, nbytes = layout.columns[name.removeprefix("_own_")]
             at = base + offset
-            out[c.name] = np.frombuffer(region[at:at + nbytes], dtype).reshape(s.tokens, *c.tail)
+            out[name] = np.frombuffer(region[at:at + nbytes], dtype).reshape(s.tokens, *tail)
         return out
 
     def _drop(self, pool_id: str) -> None:
@@ -244,9 +249,10 @@ class StepView:
         span = self._spans[ref.span]
         out: dict[str, Any] = {name: col[ref.start:ref.start + ref.tokens] for name, col in span.items()}
         out.update({k: v[i] for k, v in self.manifest.scalars.items()})
+        versions = out.pop(_OWN_VERSIONS, out.get("versions"))
         floor = out.get("min_version")
-        if floor is not None and "versions" in out:
-            out["loss_mask"] = mask_older(out["loss_mask"], out["versions"], np.array([0, ref.tokens]), [floor])
+        if floor is not None and versions is not None:
+            out["loss_mask"] = mask_older(out["loss_mask"], versions, np.array([0, ref.tokens]), [floor])
         return out
 
     def gather(self) -> Batch:
@@ -256,11 +262,11 @@ class StepView:
 
         m = self.manifest
         names = [c.name for c in m.columns]
+        floors = m.scalars.get("min_version") or [None] * len(m.samples)
         chunks = {name: [self._spans[ref.span][name][ref.start:ref.start + ref.tokens] for ref in m.samples]
                   for name in names}
-        batch = Batch.from_columns(m.run, m.step, chunks, [ref.tokens for ref in m.samples],
-                                   {k: list(v) for k, v in m.scalars.items()}, m.logprobs_mode)
-        if "versions" in batch.columns and "min_version" in batch.scalars:
-            batch.columns["loss_mask"] = mask_older(batch.columns["loss_mask"], batch.columns["versions"],
-                                                    batch.offsets, batch.scalars["min_version"])
-        return batch
+        for i, floor in enumerate(floors):  # the samples with a floor: their loss mask, masked (a copy of it)
+            if floor is not None:
+                chunks["loss_mask"][i] = self.sample(i)["loss_mask"]
+        return Batch.from_columns(m.run, m.step, chunks, [ref.tokens for ref in m.samples],
+                                  {k: list(v) for k, v in m.scalars.items()}, m.logprobs_mode)
