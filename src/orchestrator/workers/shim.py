@@ -37,7 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from orchestrator.columns.versions import CallKey, CallSpans, call_key
-from orchestrator.workers.adapter import Request, adapt_reply
+from orchestrator.workers.adapter import Reply, Request, adapt_reply
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ SESSION_HEADER = "X-Session-ID"
 MAX_SESSIONS = 4096
 PAUSED = b"Generation is paused"  # vLLM 0.33's 503 while paused (abort or wait mode)
 RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0
+OFF_LOOP_BYTES = 1 << 20  # a reply this large is adapted in a thread, not on the worker's loop
 # request headers the hop sets itself; response headers that describe the upstream connection or body encoding
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding",
                   "content-encoding", "upgrade", "te", "trailer", "proxy-connection"})
@@ -101,6 +102,9 @@ class GenerateShim:
         return self._sessions.pop(session, {})
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
+        """One request of verifiers' client, passed on to its server; the server's reply passed back (a generate
+        reply adapted: ``_generated``, in a thread for a large one). Waits on the server; while it refuses a
+        generate request because it is paused (0.33), sends it again; the client going away cancels it."""
         index = int(request.match_info["index"])
         if index >= len(self._upstreams):
             return web.json_response({"error": f"no inference server {index} behind this shim"}, status=404)
@@ -126,15 +130,14 @@ class GenerateShim:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
         if generate and status == 200:
-            raw = self._generated(index, body, raw, request.headers.get(SESSION_HEADER))
+            # routed experts of a long reply are megabytes of base64 to convert: then in a thread, not on this loop
+            adapted = await asyncio.to_thread(_adapt, body, raw) if len(raw) > OFF_LOOP_BYTES else _adapt(body, raw)
+            if adapted is not None:
+                raw = self._keep(index, *adapted, request.headers.get(SESSION_HEADER))
         return web.Response(body=raw, status=status, headers={"Content-Type": content_type})
 
-    def _generated(self, index: int, body: bytes, raw: bytes, session: str | None) -> bytes:
-        """A generate reply, adapted; its versions kept under ``session``."""
-        req = Request.of(body)
-        if req is None:
-            return raw
-        reply = adapt_reply(raw, req)
+    def _keep(self, index: int, req: Request, reply: Reply, session: str | None) -> bytes:
+        """An adapted generate reply's bytes; its versions kept under ``session``."""
         if reply.changed:
             self.counts["adapted"] += 1
             if index not in self._adapted:
@@ -149,6 +152,12 @@ class GenerateShim:
                 self._sessions.popitem(last=False)
                 self.counts["sessions_evicted"] += 1
         return reply.body
+
+
+def _adapt(body: bytes, raw: bytes) -> tuple[Request, Reply] | None:
+    """A generate reply as verifiers reads it (None: the request was not one: passed back as it is)."""
+    req = Request.of(body)
+    return None if req is None else (req, adapt_reply(raw, req))
 
 
 def _drop(request: web.Request) -> web.Response:
