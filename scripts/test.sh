@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Quick start, line 2 (and what CI runs): set up .venv (with the [torch] extra: the PyTorch trainer's tests), then
 # lint, type check and the whole test suite, then the end-to-end, resume, fault, shutdown, supervision and sinks
-# tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md): a real vLLM
-# server for CPUs and tiny real models set up in .real-stack (cached), and the tests against them (tests/real).
+# tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md): real vLLM
+# servers for CPUs (0.32.0, and 0.31.0 for one job) and tiny real models set up in .real-stack (cached), and the tests
+# against them (tests/real).
 # Extra arguments go to every pytest run. REAL_STACK=0 skips the real stack (say so when you report a run).
 # SLURM and munge are installed first (scripts/slurm-setup.sh) for tests/test_launch_slurm.py (marked slurm).
 #
@@ -65,5 +66,5 @@ if [ "${REAL_STACK:-1}" = 0 ]; then
     echo "== real stack: skipped (REAL_STACK=0)" >&2
     exit 0
 fi
-stage "real stack: setup (.real-stack)" .venv/bin/orchestrator real-stack setup --dir .real-stack
+stage "real stack: setup (.real-stack)" .venv/bin/orchestrator real-stack setup --dir .real-stack --vllm 0.32.0 --vllm 0.31.0
 tests "pytest --real-stack tests/real" --real-stack .real-stack tests/real "$@"

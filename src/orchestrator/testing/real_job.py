@@ -62,8 +62,10 @@ class RealJob:
     workers: int = 1  # env workers per environment
     seed: int = 0
     concurrency: Section = field(default_factory=dict)  # [scheduler.concurrency], e.g. {"adaptive": True}
-    # more keys of each env's sampling table, e.g. {"extra_body": {"ignore_eos": True}}
+    # more keys of each env's sampling table, e.g. {"extra_body": {"ignore_eos": True}}; env_sampling: per env
     sampling: Section = field(default_factory=dict)
+    env_sampling: Mapping[str, Section] = field(default_factory=dict)
+    pipeline: Section = field(default_factory=lambda: {"gates": []})  # [pipeline]: every finished group trains
     extra: Mapping[str, Section | Sequence[Section]] = field(default_factory=dict)  # more sections (testing.jobs)
 
     @property
@@ -80,9 +82,9 @@ class RealJob:
             scheduler={"batch_size": self.batch_size, "max_inflight": self.max_inflight or self.batch_size,
                        "max_async_level": self.max_async_level, "max_off_policy_steps": self.max_async_level + 1,
                        "concurrency": self.concurrency},
-            pipeline={"gates": []},  # every finished group trains
+            pipeline=self.pipeline,
             env=[{"name": name, "taskset": ENVS[name], "group_size": self.group_size, "workers": self.workers,
-                  "sampling": sampling} for name in self.envs],
+                  "sampling": {**sampling, **self.env_sampling.get(name, {})}} for name in self.envs],
             **self.extra)
 
 
