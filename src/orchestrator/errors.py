@@ -45,6 +45,10 @@ class Failure(enum.StrEnum):
     STALE = "stale"  # cancelled: sampled too many policy versions ago
     GROUP_TIMEOUT = "group_timeout"  # its group ran longer than scheduler.group_timeout_s
     KV_PRESSURE = "kv_pressure"  # cancelled: its server's KV cache was nearly full (scheduler.concurrency)
+    # the teacher ([teacher]) could not score its samples, after its retries (workers/teacher.py)
+    TEACHER_ERROR = "teacher_error"  # the teacher refused or failed (HTTP error, connection refused, down)
+    TEACHER_TIMEOUT = "teacher_timeout"  # no answer within teacher.request_timeout_s
+    TEACHER_MALFORMED = "teacher_malformed"  # an answer without a finite logprob for every token
 
     @property
     def server_fault(self) -> bool:

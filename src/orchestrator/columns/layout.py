@@ -45,6 +45,9 @@ TOKEN_COLUMNS: tuple[TokenColumn, ...] = (
     TokenColumn("logprobs", np.dtype("<f4"), doc="sampling logprob where loss_mask, else 0"),
     TokenColumn("versions", np.dtype("<i4"), optional=True,
                 doc="the policy step that sampled the token (columns/versions.py: -1 not sampled, <= -2 bounded)"),
+    TokenColumn("ref_logprobs", np.dtype("<f4"), optional=True,
+                doc="the teacher's logprob of the token given the tokens before it (0 for a sample's first token, "
+                    "which has no context; all 0 for a sample its env does not distil): [teacher], workers/teacher.py"),
 )
 ROUTED = "routed_experts"  # [tokens, layers, top_k] of ROUTED_DTYPES; last, absent when layers * top_k == 0
 

@@ -3,7 +3,8 @@
 One sample per trainable root-to-leaf branch. Each node contributes a chunk per column (token ids,
 loss mask, logprobs scattered to token positions, routed experts); each column is concatenated once,
 so building a sample costs O(total tokens) however many turns it has, never a re-pack per turn. Given the
-rollout's ``TokenVersions`` (versions.py), a sample also has the ``versions`` column.
+rollout's ``TokenVersions`` (versions.py), a sample also has the ``versions`` column; the env worker adds the
+teacher's ``ref_logprobs`` after scoring it (workers/teacher.py).
 Routed experts stay ``[tokens, layers, top_k]`` in the narrowest type that holds every expert id, uint8 or
 uint16 (a model with more than 256 experts), throughout; an id that fits neither is an error, never a wrap.
 
@@ -55,6 +56,7 @@ class Sample:
     logprobs: np.ndarray  # float32 [T]: sampling logprob where loss_mask, else 0
     routed_experts: np.ndarray | None  # uint8 or uint16 [T, layers, top_k]
     versions: np.ndarray | None = None  # int32 [T]: the policy step that sampled each token (versions.py)
+    ref_logprobs: np.ndarray | None = None  # float32 [T]: the teacher's logprob of each token (workers/teacher.py)
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ worker -> orchestrator (``WorkerMessage``)
   ``fatal``      Fatal       the worker cannot go on (an env failed to load)
 
 orchestrator -> worker (``OrchestratorMessage``)
-  ``setup``      Setup       environments to load, model, tokenizer
+  ``setup``      Setup       environments to load, model, tokenizer, the teacher (if any)
   ``assign``     Assign      run len(rids) rollouts of one task on one inference server
   ``cancel``     Cancel      drop a group (stale or timed out)
   ``release``    Release     direct data plane: these rollouts' spans of the worker's column pool are free
@@ -24,10 +24,10 @@ orchestrator -> worker (``OrchestratorMessage``)
 A rollout is a ``RolloutHeader`` (scalars, per sample ``[tokens, layers, top_k]``, and the optional token columns
 it has: ``optional``), followed, when it has samples, by one frame per column of ``column_names(optional)``
 (columns/layout.py: token ids (int32), loss mask (uint8), logprobs (float32), the optional ones it has (``versions``,
-int32), then routed experts (``routed_dtype``: uint8, or uint16 for models with more than 256 experts; possibly
-empty)), each the concatenation of all its samples. Frames are sent and received without copies. On the direct
-data plane (docs/data-plane.md) no frames follow: the header's ``span`` says where the worker wrote the same bytes
-in its own column pool (``Ready.pool``), in the layout of columns/layout.py.
+int32; ``ref_logprobs``, float32), then routed experts (``routed_dtype``: uint8, or uint16 for models with more than
+256 experts; possibly empty)), each the concatenation of all its samples. Frames are sent and received without
+copies. On the direct data plane (docs/data-plane.md) no frames follow: the header's ``span`` says where the worker
+wrote the same bytes in its own column pool (``Ready.pool``), in the layout of columns/layout.py.
 
 A failed rollout carries a ``Failure`` kind (one small vocabulary, shared by worker, hub, scheduler, pool and
 metrics) and a message; ``RolloutHeader.failed`` is the one way to make one.
@@ -174,6 +174,21 @@ class EnvSpec(msgspec.Struct):
     verifiers: dict[str, Any] = {}
     select: dict[str, Any] = {}
     key: str = "env"  # its key path in the job config (env[1]), so load errors name it
+    distill: bool = False  # its trainable samples are scored by the setup's teacher (algorithm opd or reward+opd)
+
+
+class TeacherSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The teacher as a worker scores with it (``[teacher]``; workers/teacher.py): its servers' base URLs, the
+    served model, this worker's share of ``teacher.max_inflight``, each request's timeout, and the retries after a
+    request's first attempt."""
+
+    servers: Annotated[list[Name], msgspec.Meta(min_length=1)]
+    model: Name
+    max_inflight: Annotated[int, msgspec.Meta(ge=1)] = 8
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    retries: Count = 3
+    retry_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    api_key_env: str | None = None
 
 
 TokenFilterName = Literal["gibberish", "repetition"]  # scoring/filters.py TOKEN_FILTERS
@@ -200,6 +215,7 @@ class Setup(msgspec.Struct, tag="setup", tag_field="type"):
     session: str = ""  # the orchestrator process: a worker set up again by another one renews its pool
     token_filters: list[TokenFilter] = []  # direct data plane: filters the worker runs (header.filters)
     span_clients: list[str] = []  # direct: the trainers' public keys (Z85) a worker's span server accepts (CURVE)
+    teacher: TeacherSpec | None = None  # scores the samples of the envs that distil (EnvSpec.distill)
 
     def same_job(self, other: Setup) -> bool:
         """Whether ``other`` loads the same environments the same way (only ``session`` may differ)."""
