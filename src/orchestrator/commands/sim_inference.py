@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
     p.add_argument("--model", default="sim-model", help="model name served (default: sim-model)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of sampling and faults")
+    p.add_argument("--policy-seed", type=int, default=None,
+                   help="start from another tiny policy, drawn from this seed (a teacher for on-policy distillation; "
+                   "default: the initial policy every simulated server starts from)")
     p.add_argument("--layers", type=int, default=d.layers, help="MoE layers of routed experts (0: none)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="experts per token of routed experts")
     p.add_argument("--num-experts", type=int, default=d.num_experts,
@@ -110,7 +113,8 @@ async def _serve(args: argparse.Namespace, faults: object, kv: object) -> int:
     async with SimServer.open(args.host, args.port, profile=args.profile, dev_mode=args.dev_mode, model=args.model,
                               seed=args.seed, layers=args.layers, top_k=args.top_k, num_experts=args.num_experts,
                               faults=faults, record_replies=args.record_replies, scale_out=args.scale_out,
-                              logprobs_mode=args.logprobs_mode, max_model_len=args.max_model_len, kv=kv) as server:
+                              logprobs_mode=args.logprobs_mode, max_model_len=args.max_model_len, kv=kv,
+                              policy_seed=args.policy_seed) as server:
         print(server.url, flush=True)
         if await _first_set(stop, server.engine.died) is server.engine.died:
             # the real process exits a second or three after its engine died (observed on vLLM 0.31.0); until

@@ -15,6 +15,11 @@ float32 recomputation, OBSERVED.md), are exact:
 
 The ranks and top logprobs of a reply are of the same distribution as its logprobs.
 
+``prompt_logprobs(ids, k)`` scores a sequence (a teacher's prefill): each token's raw logprob given the tokens before
+it, whatever the mode or the request's temperature (observed on vLLM 0.31.0: equal to a float32 recomputation's raw
+log-softmax to 5e-7 with ``--logprobs-mode processed_logprobs`` at temperature 0.7; VLLM-032.md section 5), with its
+rank and the top ``k``.
+
 ``read(path)`` (blocking: a worker thread) reads the parameters the trainer saved in the weights directory
 (``orchestrator.policy.FILE``) and ``install`` puts them in place. The simulator's weights are that file, so a
 path that is not a directory, a directory without it, or a file it cannot read fail the load as a real
@@ -39,7 +44,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from orchestrator.errors import CheckpointError
-from orchestrator.policy import FILE, Cursor, Policy
+from orchestrator.policy import FILE, Cursor, Policy, Sequences
 from orchestrator.sim.engine import LoadFailed
 from orchestrator.sim.requests import SamplingParams
 from orchestrator.sim.vocab import SimVocab
@@ -73,6 +78,16 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """What vLLM reports for each prompt token after the first (``prompt_logprobs``): rows are tokens 1..T-1."""
+
+    logprobs: np.ndarray  # float64 [T-1]: each token's raw logprob given the tokens before it
+    ranks: np.ndarray  # int64 [T-1]
+    top_ids: np.ndarray  # int64 [T-1, k]: the k most likely ids at each position
+    top_logprobs: np.ndarray  # float64 [T-1, k]
+
+
+@dataclass(frozen=True)
 class Experts:
     """The MoE shape routed experts are drawn for."""
 
@@ -83,13 +98,13 @@ class Experts:
 
 class SimPolicy:
     def __init__(self, vocab: SimVocab, seed: int, experts: Experts | None = None,
-                 logprobs_mode: LogprobsModeName = "raw_logprobs") -> None:
+                 logprobs_mode: LogprobsModeName = "raw_logprobs", start: Policy | None = None) -> None:
         tokens_seed, routing_seed = np.random.SeedSequence(seed).spawn(2)
         self.vocab = vocab
         self.experts = experts
         self.logprobs_mode = logprobs_mode  # what replies report (vLLM's --logprobs-mode; raw is its default)
         self._prompts: OrderedDict[bytes, Cursor] = OrderedDict()  # least recently used first
-        self._model = Policy.initial()
+        self._model = start or Policy.initial()  # the weights it starts from (a teacher: Policy.seeded)
         self.weights_path: str | None = None  # the last directory loaded; None: the weights it started with
         self.loads = 0
         self._file_id: FileId | None = None  # the weights file loaded last
@@ -187,6 +202,19 @@ class SimPolicy:
         return Sample(np.array(ids, np.int64), np.maximum(logprobs, floor), np.array(ranks, np.int64), finish,
                       stop_reason, np.array(top_ids, np.int64).reshape(len(ids), k),
                       np.maximum(np.array(top_lps).reshape(len(ids), k), floor))
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], k: int) -> PromptLogprobs:
+        """The raw logprob, rank and top ``k`` of every prompt token after the first (floored at vLLM's -9999.0)."""
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        seqs = Sequences(ids, np.array([0, ids.size], np.int64), np.arange(1, ids.size, dtype=np.int64))
+        z = self.model.logits_at(seqs)
+        z -= z.max(axis=1, keepdims=True)
+        lp = np.maximum(z - np.log(np.exp(z).sum(axis=1, keepdims=True)), LOGPROB_FLOOR)
+        rows = np.arange(seqs.positions.size)
+        chosen = lp[rows, ids[1:]]
+        top = np.argsort(-lp, axis=1, kind="stable")[:, :k]
+        return PromptLogprobs(chosen, 1 + np.count_nonzero(lp > chosen[:, None], axis=1), top,
+                              np.take_along_axis(lp, top, axis=1))
 
     def _reported(self, logits: np.ndarray, z: np.ndarray, log_total: float, sp: SamplingParams) -> np.ndarray:
         """The logprobs a reply reports for every id: those of the sampling distribution (processed, but not for

@@ -8,6 +8,10 @@
 - routed experts ``[prompt + completion - 1 - start, layers, top_k]``: vLLM a base64 ``.npy`` string, uint8
   when num_experts <= 256 else uint16; prime-rl ``{"data", "shape", "start", "dtype"}`` (raw bytes, dtype by
   the largest id), in that key order, so its compact JSON holds ``"routed_experts":{"data":"``.
+- ``prompt_logprobs`` (only when ``sampling_params.prompt_logprobs`` is set; every profile): ``[null, {"<id>":
+  {"logprob", "rank", "decoded_token"}, ...}, ...]``, one entry per prompt token, the token's own first, then the
+  top k others (observed on vLLM 0.31.0; ``decoded_token`` null with ``detokenize: false``; prime-rl passes vLLM's
+  through, ``prl:src/prime_rl/inference/vllm/serving_tokens.py``).
 - 0.32+: ``choices[i].weight_versions`` spans over the output tokens, one per run of tokens a version label sampled
   (two when a keep pause cut the request: segments.py; empty without output tokens) and
   ``stop_reason``; 0.31 neither, but ``choices[i].sampling_mask`` and ``usage.completion_tokens_details`` (null),
@@ -26,11 +30,12 @@ import numpy as np
 import orjson
 import pybase64
 
-from orchestrator.sim.policy import Sample
+from orchestrator.sim.policy import PromptLogprobs, Sample
 from orchestrator.sim.profiles import Profile
 
 MALFORMED_KINDS = ("bad_token", "nan_logprob", "sentinel_logprob", "short_logprobs", "bad_routed_shape",
-                   "truncated_json")
+                   "truncated_json", "bad_prompt_token", "short_prompt_logprobs")
+PROMPT_KINDS = ("bad_prompt_token", "short_prompt_logprobs")  # break prompt_logprobs (a teacher's reply)
 
 
 def routed_experts(profile: Profile, experts: np.ndarray, start: int, num_experts: int) -> str | dict[str, Any]:
@@ -65,6 +70,23 @@ def logprobs_content(profile: Profile, sample: Sample, asked: int) -> list[dict[
     return content
 
 
+def prompt_logprobs(ids: list[int], scored: PromptLogprobs, decode: list[str] | None) -> list[Any]:
+    """The reply's ``prompt_logprobs``: null for the first token, then per token its own entry and the top k
+    (a top id equal to the token's own is not repeated); ``decode`` maps ids to ``decoded_token`` (None: null)."""
+    out: list[Any] = [None]
+    for token, lp, rank, top_ids, top_lps in zip(ids[1:], scored.logprobs.tolist(), scored.ranks.tolist(),
+                                                 scored.top_ids.tolist(), scored.top_logprobs.tolist(), strict=True):
+        entry = {str(token): _prompt_entry(lp, rank, token, decode)}
+        for r, (t, tlp) in enumerate(zip(top_ids, top_lps, strict=True)):
+            entry.setdefault(str(t), _prompt_entry(tlp, r + 1, t, decode))
+        out.append(entry)
+    return out
+
+
+def _prompt_entry(logprob: float, rank: int, token: int, decode: list[str] | None) -> dict[str, Any]:
+    return {"logprob": logprob, "rank": rank, "decoded_token": None if decode is None else decode[token]}
+
+
 def choice(profile: Profile, index: int, sample: Sample | None, *, logprobs: int | None,
            experts: str | dict[str, Any] | None, weight_versions: list[tuple[str, int, int]]) -> dict[str, Any]:
     """One ``choices[i]``; ``sample`` None: a request an abort pause ended before any token. ``weight_versions``:
@@ -95,7 +117,7 @@ _TAIL_KEYS: dict[str, tuple[str, ...]] = {
 
 
 def generate_reply(profile: Profile, request_id: str, model: str, prompt_len: int,
-                   choices: list[dict[str, Any]]) -> dict[str, Any]:
+                   choices: list[dict[str, Any]], prompt: list[Any] | None = None) -> dict[str, Any]:
     completion = sum(len(c["token_ids"]) for c in choices)
     usage: dict[str, Any] = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + completion,
                              "completion_tokens": completion, "prompt_tokens_details": None}
@@ -104,18 +126,30 @@ def generate_reply(profile: Profile, request_id: str, model: str, prompt_len: in
     head = {"request_id": f"generate-tokens-{request_id}", "model": None if profile.prime_rl else model,
             "created": None if profile.prime_rl else int(time.time())}
     if profile.reply_form == "0.32":  # choices last, after output_mode (observed on 0.32.0, 2026-11-28)
-        return {**head, "usage": usage, **dict.fromkeys(_TAIL_KEYS["0.32"]), "output_mode": "tokens",
-                "choices": choices}
-    return {**head, "choices": choices, "usage": usage, **dict.fromkeys(_TAIL_KEYS[profile.reply_form])}
+        reply: dict[str, Any] = {**head, "usage": usage, **dict.fromkeys(_TAIL_KEYS["0.32"]),
+                                 "output_mode": "tokens", "choices": choices}
+    else:
+        reply = {**head, "choices": choices, "usage": usage, **dict.fromkeys(_TAIL_KEYS[profile.reply_form])}
+    reply["prompt_logprobs"] = prompt  # in its place among the tail keys
+    return reply
 
 
 def malformed_kinds(reply: dict[str, Any]) -> list[str]:
     """The kinds that can break this reply (routed experts and logprobs only when it has them)."""
     first = reply["choices"][0]
     content = (first.get("logprobs") or {}).get("content") or []
-    return [k for k in MALFORMED_KINDS
-            if (k != "bad_routed_shape" or first.get("routed_experts") is not None)
-            and (k.endswith(("json", "shape")) or content)]
+    prompt = reply.get("prompt_logprobs")
+
+    def breaks(kind: str) -> bool:
+        if kind == "truncated_json":
+            return True
+        if kind == "bad_routed_shape":
+            return first.get("routed_experts") is not None
+        if kind in PROMPT_KINDS:
+            return prompt is not None and len(prompt) > 1
+        return bool(content)
+
+    return [k for k in MALFORMED_KINDS if breaks(k)]
 
 
 def malform(profile: Profile, reply: dict[str, Any], kind: str) -> bytes:
@@ -133,6 +167,12 @@ def malform(profile: Profile, reply: dict[str, Any], kind: str) -> bytes:
         content[0]["logprob"] = -9999.0  # vLLM's floor: renderers reads it as "no sampling evidence"
     elif kind == "short_logprobs":
         content.pop()
+    elif kind == "bad_prompt_token":  # the last token's entry names another id than the token's
+        last = reply["prompt_logprobs"][-1]
+        token, value = next(iter(last.items()))
+        reply["prompt_logprobs"][-1] = {str(int(token) + 1): value}
+    elif kind == "short_prompt_logprobs":
+        reply["prompt_logprobs"].pop()
     elif kind == "bad_routed_shape":
         experts = first["routed_experts"]
         if isinstance(experts, dict):

@@ -19,6 +19,7 @@ from orchestrator.sim.profiles import Profile
 from orchestrator.sim.responses import Refusal, engine_error, missing, model_not_found, validation_error
 
 CACHE_SALT_MAX = 128
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
 
 
@@ -36,6 +37,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # no stop token (EOS or stop_token_ids) is sampled before this many
     routed_experts_prompt_start: int = 0
+    prompt_logprobs: int | None = None  # None: no prompt logprobs in the reply; k: each prompt token's and the top k
+    detokenize: bool = True  # False: prompt logprob entries carry no decoded_token (null)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def _token_ids(body: Mapping[str, Any]) -> list[int]:
     return ids
 
 
-def _sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
+def _sampling(raw: Any, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
     loc = ("body", "sampling_params")
     if raw is None:
         raise missing(loc, raw)
@@ -136,6 +139,17 @@ def _sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
         raise bad(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
     if min_tokens > max_tokens:
         raise bad(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    prompt_logprobs = raw.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if not _is_int(prompt_logprobs):
+            raise validation_error((*loc, "prompt_logprobs"), "int_type", "Input should be a valid integer",
+                                   prompt_logprobs)
+        asked = vocab_size if prompt_logprobs == -1 else prompt_logprobs
+        if asked > MAX_LOGPROBS:  # observed on 0.31.0, for -1 too (the whole vocabulary)
+            raise engine_error(400, f"Requested prompt logprobs of {asked}, which is greater than max allowed: "
+                               f"{MAX_LOGPROBS} (parameter=prompt_logprobs, value={asked})", param="prompt_logprobs")
+        if asked < 0:
+            raise bad(f"prompt_logprobs must be non-negative or -1, got {prompt_logprobs}.")
     start = raw.get("routed_experts_prompt_start", 0)
     if start is None:
         start = 0
@@ -145,7 +159,8 @@ def _sampling(raw: Any, prompt_len: int, max_model_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=min(max_tokens, max_model_len - prompt_len), temperature=float(temperature),
                           top_k=top_k, top_p=float(top_p), n=n, logprobs=logprobs, stop_token_ids=frozenset(stops),
                           ignore_eos=bool(raw.get("ignore_eos", False)), min_tokens=min_tokens,
-                          routed_experts_prompt_start=start)
+                          routed_experts_prompt_start=start, prompt_logprobs=prompt_logprobs,
+                          detokenize=bool(raw.get("detokenize", True)))
 
 
 def parse_generate(body: Any, profile: Profile, *, model: str, vocab_size: int, max_model_len: int) -> GenerateRequest:
@@ -156,16 +171,22 @@ def parse_generate(body: Any, profile: Profile, *, model: str, vocab_size: int, 
     if profile.strict_cache_salt:  # 0.31+: a "before" model validator, so it runs ahead of the fields
         check_cache_salt(body.get("cache_salt"), profile)
     token_ids = _token_ids(body)
-    sampling = _sampling(body.get("sampling_params"), len(token_ids), max_model_len)
+    sampling = _sampling(body.get("sampling_params"), len(token_ids), max_model_len, vocab_size)
     salt = check_cache_salt(body.get("cache_salt"), profile)
     asked = body.get("model")
     if asked is not None and asked != model:
         raise model_not_found(str(asked))
     if max(token_ids) >= vocab_size:
         raise engine_error(400, f"Token id {max(token_ids)} is out of vocabulary")
-    if len(token_ids) >= max_model_len:
+    if len(token_ids) > max_model_len:  # the messages observed on vLLM 0.31.0 (v031:v1/engine/input_processor.py)
         raise engine_error(400, f"The decoder prompt (length {len(token_ids)}) is longer than the maximum model "
-                                f"length of {max_model_len}.")
+                                f"length of {max_model_len}. Make sure that `max_model_len` is no smaller than the "
+                                "number of text tokens.")
+    if len(token_ids) == max_model_len:
+        raise engine_error(400, f"The decoder prompt (length {len(token_ids)}) plus the number of requested output "
+                                f"tokens (at least 1) is longer than the maximum model length of {max_model_len}. "
+                                "Make sure that `max_model_len` is no smaller than the number of text tokens (prompt "
+                                "+ requested output tokens).")
     start = sampling.routed_experts_prompt_start
     last = len(token_ids) if profile.start_may_equal_prompt_len else len(token_ids) - 1
     if not 0 <= start <= last:

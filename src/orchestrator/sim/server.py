@@ -5,7 +5,8 @@ Routes, for every profile (its differences are in ``profiles.py``, ``admin.py`` 
 - ``GET /health`` (200, empty body; 503 empty when down), ``GET /v1/models`` (``max_model_len`` on the card),
   ``GET /version``, ``POST /tokenize`` (the built-in tokenizer)
 - ``POST /inference/v1/generate``: token ids in; sampled ids, logprobs, ``finish_reason``, ``usage`` and (with
-  ``layers``/``top_k`` set) routed experts out
+  ``layers``/``top_k`` set) routed experts out; with ``sampling_params.prompt_logprobs`` each prompt token's raw
+  logprob too (a teacher's scoring, replies.py)
 - ``POST /v1/chat/completions``: plain chat for evaluation clients
 - the profile's admin routes (``admin.py``): pause, resume, weight loads
 - ``POST /sim/faults`` (change ``Faults`` at run time) and ``GET /sim/log`` (what the server saw: ``log.py``);
@@ -32,6 +33,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from orchestrator.policy import Policy
 from orchestrator.sim import replies
 from orchestrator.sim.admin import ADMIN_PATHS, admin_routes
 from orchestrator.sim.engine import Engine, LoadFailed, dead_error, load_error_message, sanitize
@@ -93,6 +95,8 @@ class SimServer:
       default ``max_tokens`` is what remains of it after the prompt;
     - ``layers``/``top_k``/``num_experts`` (<= 65535): routed experts in replies when ``layers`` is set;
     - ``seed``: sampling, routing and faults are deterministic under it for a given order of requests;
+    - ``policy_seed``: start from ``Policy.seeded(policy_seed)`` instead of ``Policy.initial()`` (another model:
+      a teacher for on-policy distillation, which scores samples with ``sampling_params.prompt_logprobs``);
     - ``faults``: injected faults (assign ``server.faults`` to change them while it runs);
     - ``kv``: a KV-cache model (kv.py): generate replies then take as long as the engine needs to decode them
       under that capacity, preempting when it is full; ``kv_time_scale`` scales its clock. None: replies are
@@ -105,8 +109,8 @@ class SimServer:
     def __init__(self, *, profile: str = DEFAULT_PROFILE, dev_mode: bool = True, model: str = "sim-model",
                  seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
                  faults: Faults = Faults(), record_replies: bool = False, scale_out: bool = True,
-                 logprobs_mode: str = "raw_logprobs", kv: KVModel | None = None, kv_time_scale: float = 1.0
-                 ) -> None:
+                 logprobs_mode: str = "raw_logprobs", kv: KVModel | None = None, kv_time_scale: float = 1.0,
+                 policy_seed: int | None = None) -> None:
         if (layers == 0) != (top_k == 0):
             raise ValueError("set layers and top_k both (routed experts) or neither")
         if not 1 <= num_experts <= MAX_EXPERTS or top_k > num_experts:
@@ -122,7 +126,8 @@ class SimServer:
         self.max_model_len = max_model_len
         self.vocab = SimVocab.load()
         self.policy = SimPolicy(self.vocab, seed, Experts(layers, top_k, num_experts) if layers else None,
-                                logprobs_mode_named(logprobs_mode))
+                                logprobs_mode_named(logprobs_mode),
+                                None if policy_seed is None else Policy.seeded(policy_seed))
         self.gate = Gate()
         self.faults = faults
         self.record_replies = record_replies  # the log keeps each reply's tokens and routed experts (tests)
@@ -427,7 +432,11 @@ class SimServer:
             first = first if i else spans
         if aborted:
             self.counters.aborted += 1
-        return replies.generate_reply(self.profile, request_id, self.model, len(req.token_ids), choices), first
+        prompt = None
+        if sp.prompt_logprobs is not None and not aborted:  # a teacher's prefill: each prompt token scored
+            scored = self.policy.prompt_logprobs(req.token_ids, sp.prompt_logprobs)
+            prompt = replies.prompt_logprobs(req.token_ids, scored, self.vocab.tokens if sp.detokenize else None)
+        return replies.generate_reply(self.profile, request_id, self.model, len(req.token_ids), choices, prompt), first
 
     def _log_generate(self, status: int, cache_salt: str | None, pause_mode: str | None, *,
                       sampled_with: tuple[str | None, int] | None = None, **rest: Any) -> None:
