@@ -27,7 +27,7 @@ from typing import Any, Literal
 from orchestrator.configbase import Source, opt
 from orchestrator.delivery.config import TransportConfig
 from orchestrator.errors import ConfigError
-from orchestrator.inference.config import InferenceConfig, ModelConfig
+from orchestrator.inference.config import InferenceConfig, ModelConfig, TeacherConfig
 from orchestrator.launch.config import LaunchConfig, launch_problems
 from orchestrator.rollouts.config import (
     OWNED_SAMPLING_KEYS,
@@ -49,7 +49,8 @@ from orchestrator.sinks.config import MonitorConfig, WandbConfig
 __all__ = [
     "DEFAULT_FILTERS", "OWNED_SAMPLING_KEYS", "CurriculumConfig", "EnvConfig", "EvalConfig", "FilterConfig",
     "GateConfig", "InferenceConfig", "JobConfig", "ModelConfig", "MonitorConfig", "PipelineConfig", "RunConfig",
-    "SamplingConfig", "SchedulerConfig", "SecurityConfig", "SimConfig", "TransportConfig", "WandbConfig",
+    "SamplingConfig", "SchedulerConfig", "SecurityConfig", "SimConfig", "TeacherConfig", "TransportConfig",
+    "WandbConfig",
     "load_config", "to_toml",
 ]
 
@@ -71,6 +72,8 @@ class JobConfig:
     run: RunConfig = opt(RunConfig(), doc="run identity and output")
     model: ModelConfig = opt(ModelConfig(), doc="model and tokenizer")
     inference: InferenceConfig = opt(doc="inference servers")
+    teacher: TeacherConfig | None = opt(None, doc="[teacher]: the frozen model env workers score samples with, for "
+                                        "envs whose algorithm is 'opd' or 'reward+opd'; unset: none")
     scheduler: SchedulerConfig = opt(SchedulerConfig(), doc="rollout scheduling")
     transport: TransportConfig = opt(TransportConfig(), doc="batches to the trainer")
     security: SecurityConfig = opt(SecurityConfig(), doc="CURVE authentication of the tcp:// sockets we bind")
@@ -375,6 +378,9 @@ def _cross_checks(cfg: JobConfig, source: Source) -> Iterable[str]:
             yield (f"{source(f'env[{i}].group_size')}: env[{i}].group_size: 1 with the default advantage (reward "
                    "minus the group's mean) gives every sample advantage 0: nothing would train. Use group_size "
                    ">= 2, or a pipeline.advantage with its own baseline")
+        if env.distills and cfg.teacher is None:
+            yield (f"{source(f'env[{i}].algorithm')}: env[{i}].algorithm: {env.algorithm!r} scores every sample "
+                   "under a teacher: add a [teacher] table (servers, model), or use algorithm = 'reward'")
         if cfg.transport.kind == "prime-rl" and env.label == "all":
             yield (f"{source(f'env[{i}].name')}: env[{i}].name: 'all' is reserved by prime-rl's trainer (its metrics "
                    "aggregate); name the environment otherwise")

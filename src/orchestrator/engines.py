@@ -17,7 +17,7 @@ from typing import Any
 
 from orchestrator.assets import tokenizer_dir
 from orchestrator.config import JobConfig
-from orchestrator.contracts.protocol import EnvSpec, Setup
+from orchestrator.contracts.protocol import EnvSpec, Setup, TeacherSpec
 from orchestrator.contracts.rows import RolloutRow
 from orchestrator.contracts.wire import LogprobsMode
 from orchestrator.dataplane.direct import DirectPlane
@@ -38,7 +38,7 @@ from orchestrator.hub.hub import WorkerHub
 from orchestrator.inference.discovery import Resolver
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.pool import InferencePool
-from orchestrator.inference.preflight import PreflightError, preflight
+from orchestrator.inference.preflight import PreflightError, encode_probe, preflight, preflight_teacher
 from orchestrator.inference.server import InferenceServer
 from orchestrator.rollouts.links import WorkerLink
 from orchestrator.rollouts.scheduler import EVAL_PREFIX, Scheduler
@@ -63,12 +63,14 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
     train = () if evaluation_only else cfg.env
     evals = cfg.eval.env if cfg.eval is not None else ()
-    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args, e.verifiers, e.select, f"env[{i}]")
-                     for i, e in enumerate(train)),
+    workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
+    teacher = None if evaluation_only else teacher_spec(cfg, workers + cfg.scheduler.remote_workers)
+    setup = Setup([*(EnvSpec(e.label, e.taskset, e.args, e.verifiers, e.select, f"env[{i}]",
+                             distill=e.distills and teacher is not None) for i, e in enumerate(train)),
                    *(EnvSpec(EVAL_PREFIX + e.label, e.taskset, e.args, e.verifiers, e.select, f"eval.env[{i}]")
                      for i, e in enumerate(evals))],
                   cfg.model.name, str(tokenizer), cfg.inference.request_timeout_s, cfg.inference.api_key_env,
-                  session=uuid.uuid4().hex)  # session: this process
+                  session=uuid.uuid4().hex, teacher=teacher)  # session: this process
     setup = worker_setup(setup, cfg.transport, cfg.security, cfg.pipeline.filters, tokenizer, out)
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
@@ -84,7 +86,10 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
                  sorted({r.max_model_len or 0 for r in checked.servers}))
         logprobs_mode = checked.logprobs_mode
         pool.admit = functools.partial(admit_server, cfg, tokenizer, dataclasses.replace(check, stated=logprobs_mode))
-    workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
+        if teacher is not None and cfg.teacher is not None:
+            lengths = [r.max_model_len for r in checked.servers if r.max_model_len]
+            await preflight_teacher(cfg.teacher, encoded=encode_probe(tokenizer),
+                                    policy_max_len=max(lengths) if lengths else None)
     hub = await stack.enter_async_context(WorkerHub.open(
         worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
         cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s, cfg.transport.span_address))
@@ -99,6 +104,17 @@ async def admit_server(cfg: JobConfig, tokenizer: Path, check: LogprobsCheck, se
                         resume=True, logprobs=check)
     except PreflightError as e:
         raise InferenceError("preflight: " + "; ".join(e.problems)) from None
+
+
+def teacher_spec(cfg: JobConfig, workers: int) -> TeacherSpec | None:
+    """What env workers are told of ``[teacher]`` (each gets ``workers``' even share of its in-flight bound); None
+    when no training env distils (or there is no teacher)."""
+    t = cfg.teacher
+    if t is None or not any(e.distills for e in cfg.env):
+        return None
+    return TeacherSpec(servers=list(t.servers), model=t.model, max_inflight=t.worker_share(workers),
+                       timeout_s=t.request_timeout_s, retries=t.retries, retry_backoff_s=t.retry_backoff_s,
+                       api_key_env=t.api_key_env)
 
 
 async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[asyncio.Task[Any]],

@@ -1,4 +1,5 @@
-"""The inference stage's config sections: ``[model]`` (what the servers serve) and ``[inference]`` (the servers)."""
+"""The inference stage's config sections: ``[model]`` (what the servers serve), ``[inference]`` (the servers) and
+``[teacher]`` (the frozen model that scores samples for on-policy distillation)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,38 @@ class InferenceConfig:
             if not host or urlsplit(self.discover).port is None:
                 yield (f"{source(f'{key}.discover')}: {key}.discover: expected http://NAME:PORT/v1 (a DNS name and "
                        f"the port every server listens on), got {self.discover!r}")
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    """The frozen teacher of on-policy distillation (``[[env]] algorithm = "opd"`` or ``"reward+opd"``): env workers
+    score every trainable sample of those envs under it, one prompt-logprobs request per sample (workers/teacher.py),
+    and ship the teacher's logprob of each token in the ``ref_logprobs`` column. It must use the policy's tokenizer
+    (preflight compares them)."""
+
+    servers: tuple[str, ...] = opt(doc="base URLs of the teacher's inference engines (vLLM-compatible, serving "
+                                   "POST /inference/v1/generate: --enable-scale-out on vLLM >= 0.30), e.g. "
+                                   "http://10.0.0.7:8000/v1")
+    model: str = opt(doc="the teacher's served model name")
+    max_inflight: int = opt(32, ge=1, doc="teacher requests in flight across the job, split evenly over the env "
+                            "workers (each gets at least 1)")
+    max_inflight_per_worker: int = opt(8, ge=1, doc="teacher requests in flight per env worker, at most")
+    request_timeout_s: float = opt(120.0, gt=0, doc="timeout of one scoring request (a prefill of the whole sample)")
+    retries: int = opt(3, ge=0, doc="attempts after a scoring request's first, each on the next server after "
+                       "retry_backoff_s (doubling); then the rollout fails as teacher_error, teacher_timeout or "
+                       "teacher_malformed")
+    retry_backoff_s: float = opt(1.0, ge=0, doc="wait before the first retry; doubles with each")
+    api_key_env: str | None = opt(None, doc="environment variable holding the teacher servers' API key")
+
+    def problems(self, key: str, source: Source) -> Iterable[str]:
+        if not self.servers:
+            yield f"{source(f'{key}.servers')}: {key}.servers: at least one teacher server URL is required"
+        for i, url in enumerate(self.servers):
+            if not url.startswith(("http://", "https://")):
+                yield (f"{source(f'{key}.servers[{i}]')}: {key}.servers[{i}]: expected an http:// or "
+                       f"https:// URL, got {url!r}")
+
+    def worker_share(self, workers: int) -> int:
+        """Each of ``workers`` env workers' bound on teacher requests in flight: ``max_inflight`` split evenly
+        (at least 1 each), at most ``max_inflight_per_worker``."""
+        return max(1, min(self.max_inflight_per_worker, self.max_inflight // max(workers, 1)))

@@ -20,6 +20,11 @@ For each server, concurrently (``orchestrator run`` at start, and ``orchestrator
 
 A run first resumes each server (``resume=True``): a run killed during a weight sync leaves its servers
 paused, and a paused server holds every request.
+
+``preflight_teacher`` checks the ``[teacher]`` servers the same way, as far as a frozen model needs: reachable,
+serving ``teacher.model`` with a ``max_model_len`` above the policy's (a sample of N tokens needs N + 1 there), the
+policy's tokenizer (its ``/tokenize`` must encode the probe as ``model.tokenizer`` does: the teacher scores the
+policy's token ids), and one scoring request whose reply env workers can read (workers/teacher.py).
 """
 
 from __future__ import annotations
@@ -30,14 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from orchestrator.contracts.wire import LogprobsMode
 from orchestrator.errors import InferenceError, MalformedReply, OrchestratorError
+from orchestrator.inference.config import TeacherConfig
 from orchestrator.inference.logprobs import LogprobsCheck, Settled, resolve, server_mode
 from orchestrator.inference.replies import parse_generate_reply
-from orchestrator.inference.server import HttpStatusError, InferenceServer
+from orchestrator.inference.server import HttpInferenceServer, HttpStatusError, InferenceServer, api_key
 from orchestrator.inference.weights import PrimeRLWeights, VLLMWeights, weight_sync
+from orchestrator.workers.teacher import TeacherError, parse_prompt_logprobs, score_body
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +144,8 @@ async def _check(server: InferenceServer, backend: str, model: str, encoded: lis
     if resume:  # a run killed during a weight sync leaves the server paused: every request would wait
         await _call(server, "POST", "/resume")
     if encoded is not None and (mismatch := await _tokenizer_mismatch(server, model, encoded)):
-        problems.append(f"{server.url}: {mismatch}")
+        problems.append(f"{server.url}: {mismatch}: set model.tokenizer to the served model's tokenizer directory "
+                        "(the built-in one is only for the simulated servers)")
     versions = False
     try:
         prompt = encoded or [1, 2, 3]
@@ -176,8 +185,8 @@ async def _call(server: InferenceServer, method: str, path: str, body: Any = Non
                              "server holds requests until POST /resume)") from None
 
 
-def _served(raw: bytes, model: str) -> int:
-    """``max_model_len`` of ``model``'s card; ValueError naming what is missing."""
+def _served(raw: bytes, model: str, key: str = "model.name") -> int:
+    """``max_model_len`` of ``model``'s card; ValueError naming what is missing (``key``: the config key naming it)."""
     try:
         cards = orjson.loads(raw).get("data")
         ids = [c.get("id") for c in cards]
@@ -185,7 +194,7 @@ def _served(raw: bytes, model: str) -> int:
         raise ValueError(f"/v1/models answered {raw[:100]!r}, not a model list") from None
     card = next((c for c in cards if c.get("id") == model), None)
     if card is None:
-        raise ValueError(f"serves {ids}, not model.name = {model!r}: set model.name to the served name")
+        raise ValueError(f"serves {ids}, not {key} = {model!r}: set {key} to the served name")
     max_len = card.get("max_model_len")
     if not isinstance(max_len, int) or max_len <= 0:
         raise ValueError(f"its /v1/models card for {model!r} has no max_model_len")
@@ -227,7 +236,61 @@ async def _tokenizer_mismatch(server: InferenceServer, model: str, encoded: list
         log.warning("%s: cannot compare tokenizers (/tokenize: %s)", server.url, e)
         return None
     if theirs != encoded:
-        return (f"its tokenizer encodes {PROBE_TEXT!r} as {theirs}, model.tokenizer as {encoded}: set "
-                "model.tokenizer to the served model's tokenizer directory (the built-in one is only for the "
-                "simulated servers)")
+        return f"its tokenizer encodes {PROBE_TEXT!r} as {theirs}, model.tokenizer as {encoded}"
     return None
+
+
+async def preflight_teacher(teacher: TeacherConfig, *, encoded: list[int] | None,
+                            policy_max_len: int | None) -> list[ServerReport]:
+    """Check every teacher server (see the module docstring); PreflightError listing every problem found.
+    ``encoded``: the probe in the policy's tokenizer (``encode_probe``); ``policy_max_len``: the largest
+    ``max_model_len`` of the policy's servers (None: not known)."""
+    import aiohttp
+
+    key = api_key(teacher.api_key_env)
+    async with aiohttp.ClientSession() as session:
+        servers = [HttpInferenceServer(url, session, key) for url in teacher.servers]
+        reports = await asyncio.gather(*(_check_teacher(s, teacher.model, encoded, policy_max_len) for s in servers))
+    problems = [p for r in reports for p in r.problems]
+    if problems:
+        raise PreflightError(problems)
+    log.info("preflight: %d teacher server(s) ready (max_model_len %s)", len(reports),
+             sorted({r.max_model_len or 0 for r in reports}))
+    return list(reports)
+
+
+async def _check_teacher(server: InferenceServer, model: str, encoded: list[int] | None,
+                         policy_max_len: int | None) -> ServerReport:
+    where = f"teacher {server.url}"
+    try:
+        await _call(server, "GET", "/health")
+        max_len = _served(await _call(server, "GET", "/v1/models"), model, "teacher.model")
+    except HttpStatusError as e:
+        return ServerReport(server.url, None, (f"{where}: answers HTTP {e.status} ({e}); restart it",))
+    except InferenceError as e:
+        return ServerReport(server.url, None, (f"{where}: not reachable ({e}); is it running, and is "
+                                               "teacher.servers right?",))
+    except ValueError as e:
+        return ServerReport(server.url, None, (f"{where}: {e}",))
+    problems = []
+    if policy_max_len is not None and max_len < policy_max_len:
+        problems.append(f"{where}: max_model_len {max_len} is below the policy servers' {policy_max_len}: samples "
+                        f"longer than {max_len - 1} tokens could not be scored; serve the teacher with "
+                        f"--max-model-len {policy_max_len + 1}")
+    elif policy_max_len is not None and max_len == policy_max_len:
+        log.warning("%s: max_model_len %d equals the policy's: a sample that fills the policy's whole context cannot "
+                    "be scored (it needs %d) and its rollout fails as teacher_error", where, max_len, max_len + 1)
+    if encoded is not None and (mismatch := await _tokenizer_mismatch(server, model, encoded)):
+        problems.append(f"{where}: {mismatch}: the teacher scores the policy's token ids, so it must use the "
+                        "policy's tokenizer (distil from a model of the same tokenizer)")
+    prompt = np.asarray(encoded or [1, 2, 3], np.int64)
+    try:
+        parse_prompt_logprobs(await _call(server, "POST", "/inference/v1/generate",
+                                          orjson.loads(score_body(model, prompt))), prompt)
+    except TeacherError as e:
+        problems.append(f"{where}: env workers could not read its scoring replies: {e}")
+    except HttpStatusError as e:
+        problems.append(f"{where}: {_scale_out_problem(e) or f'a scoring request (prompt_logprobs) failed ({e})'}")
+    except InferenceError as e:
+        problems.append(f"{where}: a scoring request (prompt_logprobs) failed ({e})")
+    return ServerReport(server.url, max_len, tuple(problems))

@@ -72,7 +72,7 @@ class Completion:
         self.max_dropped = limits.max_buffered_rollouts
         self.fault_lines = ServerFaultLines(stall_warn_s)  # server-fault failures: a line per event
         self.advantage = AdvantageFn(pipeline)
-        self.gates = Gates(pipeline.gates)
+        self.gates = Gates(pipeline.gates, [name for name, e in envs.items() if e.distills])
         self.dropped: deque[Group] = deque()  # dropped groups whose rows the next step writes (keep_dropped)
         self.eval_rows: asyncio.Queue[EvalRow] = asyncio.Queue()  # one per round
         self.rejected = 0  # rollouts (or tokens) rejected by gates while the current step waits

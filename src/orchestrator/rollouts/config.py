@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from orchestrator.configbase import Source, address_problems, opt
 from orchestrator.rollouts.curriculum import CurriculumConfig
@@ -113,6 +113,9 @@ class SchedulerConfig:
         yield from address_problems(f"{key}.worker_address", self.worker_address, source)
 
 
+# what an env's samples train on (EnvConfig.algorithm): the reward's advantage, the teacher's reverse KL, or both
+Algorithm = Literal["reward", "opd", "reward+opd"]
+
 # set by the orchestrator (cache_salt: the policy version) or by verifiers' client, never by the user
 OWNED_SAMPLING_KEYS = {"cache_salt", "logprobs", "stop_token_ids", "routed_experts_prompt_start"}
 
@@ -166,10 +169,25 @@ class EnvConfig:
                                     "in `orchestrator check` and the env workers)")
     select: dict[str, Any] = opt({}, doc="which tasks, as verifiers' SelectConfig: limit, skip, include, exclude... "
                                  "(an endless taskset needs limit)")
+    algorithm: Algorithm = opt("reward", doc="what its samples train on: 'reward' (the reward's advantage), 'opd' "
+                               "(on-policy distillation: the reverse KL to [teacher] on the sampled tokens, no reward "
+                               "advantage) or 'reward+opd' (both, the KL term weighted by opd_weight)")
+    opd_weight: float = opt(1.0, gt=0, doc="the weight of the teacher's KL term (algorithm 'opd' and 'reward+opd'), "
+                            "shipped per sample as the opd_weight scalar")
 
     @property
     def label(self) -> str:
         return self.name or self.taskset
+
+    @property
+    def distills(self) -> bool:
+        """Its samples are scored by the teacher (and carry its logprobs)."""
+        return self.algorithm != "reward"
+
+    @property
+    def reward_weight(self) -> float:
+        """The weight of the reward's advantage in what its samples train on: 0 for 'opd', else 1."""
+        return 0.0 if self.algorithm == "opd" else 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +204,8 @@ class EvalConfig:
                                    "(default: half of it), so evaluation never starves training")
     hold_weights: bool = opt(True, doc="a round keeps the policy it started with: a weight sync waits for it "
                              "(training goes on meanwhile); false: record the versions that sampled it")
-    env: tuple[EnvConfig, ...] = opt(doc="[[eval.env]] tables, as [[env]] (group_size, weight, curriculum unused)")
+    env: tuple[EnvConfig, ...] = opt(doc="[[eval.env]] tables, as [[env]] (group_size, weight, curriculum, algorithm "
+                                     "unused)")
 
     def problems(self, key: str, source: Source) -> Iterable[str]:
         if not self.env:

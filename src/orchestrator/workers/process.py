@@ -15,6 +15,10 @@ this worker's own column pool (``columns.store.ColumnStore``, served read-only t
 ``<pool_dir>/<worker id>.pool``) and its record carries the span instead of frames; ``release`` frees spans.
 Spans of records never sent (a cancelled group) are freed here. A setup from another orchestrator process
 (a new ``session``) renews the pool: the old one's spans belonged to records that orchestrator held.
+
+With a ``teacher`` in its setup (``[teacher]``), each rollout of an env that distils (``EnvSpec.distill``) has its
+samples scored under the teacher before its record goes anywhere (teacher.py); one the teacher cannot score fails
+with the cause. Samples of the envs that do not distil get a column of zeros, so every step of the job has it.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from orchestrator.security import ClientKeys, KeyPair, RefusalWatch, ServerKeys,
 from orchestrator.trainer.fetch import SpanServer
 from orchestrator.workers.envconfig import resolve_env
 from orchestrator.workers.shim import Calls, GenerateShim
+from orchestrator.workers.teacher import Teacher, TeacherError, unscored
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +199,8 @@ class Worker:
         self.pool_path: str | None = None  # where trainers on this host get the pool's fd
         self.shim: GenerateShim | None = None  # verifiers' way to the servers (None: straight to them)
         self._contexts: dict[str, Any] = {}
+        self.teacher: Teacher | None = None  # the setup's teacher: scores the samples of the envs in distill
+        self.distill: set[str] = set()
 
     async def run(self) -> int:
         ctx = zmq.asyncio.Context()
@@ -215,6 +222,9 @@ class Worker:
                     self.shim = await stack.enter_async_context(GenerateShim.open())
                     await self._load(stack, setup)
                     await self.open_store(stack, setup)
+                    if setup.teacher is not None:
+                        self.teacher = await stack.enter_async_context(Teacher.open(setup.teacher))
+                        self.distill = {spec.name for spec in setup.envs if spec.distill}
                     gc.freeze()  # everything loaded so far lives for the process: keep it out of GC passes
                     await sock.send(pack(self._ready()))
                     await self._serve(sock)
@@ -435,11 +445,24 @@ class Worker:
             trace_id = ep.traces[0].id if ep.traces and self.shim is not None else None
             calls = self.shim.take(trace_id) if self.shim is not None and trace_id else None
             header, samples = episode_record(ep, base, round(time.monotonic() - start, 4), train, calls)
+            header, samples = await self._scored(header, samples)
             item = await self._columns(header, samples)
         except Exception as e:  # an env that raises fails this rollout, not the worker
             item = (RolloutHeader.failed(base, Failure.ENV, f"{type(e).__name__}: {e}",
                                          wall_s=round(time.monotonic() - start, 4)), [])
         done.put_nowait(item)  # no await between a span's write and here: a cancel cannot lose it
+
+    async def _scored(self, header: RolloutHeader, samples: list[Sample]) -> tuple[RolloutHeader, list[Sample]]:
+        """With a teacher: ``samples`` with their ``ref_logprobs`` (the teacher's for an env that distils, zeros
+        for the others), or the rollout failed with the teacher's failure."""
+        if self.teacher is None or not samples:
+            return header, samples
+        if header.env not in self.distill:
+            return header, unscored(samples)
+        try:
+            return header, await self.teacher.scored(samples)
+        except TeacherError as e:
+            return RolloutHeader.failed(header, e.kind, str(e), wall_s=header.wall_s, stop=header.stop), []
 
     async def _columns(self, header: RolloutHeader, samples: list[Sample]) -> tuple[RolloutHeader, list[Any]]:
         """Where a rollout's columns go: frames after its header (through), or one span of this worker's pool,
