@@ -30,7 +30,7 @@ class ManifestBuilder:
     def __init__(self, steps: StepBuilder) -> None:
         self.steps = steps
         # custom filters may read tokens and cannot run here (not built): named once, when the first step is built
-        self.filters = FilterSet(steps.filter_configs, steps.vocab_size, in_worker=True)
+        self.filters = FilterSet(steps.filter_configs, steps.vocab_size, in_worker=True, distilling=steps.distilling)
         self.skipped = sorted(set(self.filters.skipped))
 
     def __call__(self, step: int, groups: Sequence[Any], dropped: Sequence[Any], pools: Mapping[str, PoolInfo],
@@ -51,5 +51,7 @@ class ManifestBuilder:
         t = time.perf_counter()
         manifest = build_manifest(b.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools,
                                   attempt, b.logprobs_mode, b.temperatures, lambda h: b.lag.keep(h, step))
+        if any(c.name == "ref_logprobs" for c in manifest.columns):  # as the through plane's batch (boundary.py)
+            manifest.scalars.update(b.distill_scalars([str(env) for env in manifest.scalars["env"]]))
         phase["assemble"] = time.perf_counter() - t
         return b.result(manifest, rows, phase, groups, trained, self.filters)

@@ -5,7 +5,8 @@ from the batch) or monitor-only (matched rollouts are counted and marked, and st
 arguments. Built in:
 
 - ``zero_advantage`` (enforced by default): the rollout's advantage is within ``tolerance`` (1e-6) of 0, so
-  it carries no gradient (a group of equal non-binary rewards has advantages of about 1e-17, not 0).
+  it carries no gradient (a group of equal non-binary rewards has advantages of about 1e-17, not 0). It never
+  matches a rollout of an env that distils (``distilling``): the teacher's term carries its gradient.
 - ``gibberish`` (monitor-only by default): a sampled token with id > ``token_id_threshold`` (a rare token)
   sampled at logprob < -ln(vocab_size) - ``logprob_offset`` (below uniform: high entropy). The rule is the
   one prime-rl's gibberish detector uses; this is an independent vectorised implementation.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,8 +103,10 @@ class FilterSet:
     the filters it matched) instead of the tokens, and custom filters, which may read tokens, are not applied
     (``skipped`` names them)."""
 
-    def __init__(self, filters: Sequence[FilterConfig], vocab_size: int, *, in_worker: bool = False) -> None:
+    def __init__(self, filters: Sequence[FilterConfig], vocab_size: int, *, in_worker: bool = False,
+                 distilling: Iterable[str] = ()) -> None:
         self._filters: list[tuple[str, bool, Callable[[Filterable, float], bool]]] = []
+        exempt = frozenset(distilling)
         self.skipped: list[str] = []
         for i, f in enumerate(filters):
             if in_worker and f.name in TOKEN_FILTERS:
@@ -113,6 +116,8 @@ class FilterSet:
                 continue
             else:
                 fn = self._build(f, i, vocab_size)
+            if f.name == "zero_advantage" and exempt:
+                fn = _unless(exempt, fn)
             self._filters.append((f.name, f.enforce, fn))
         self.counts: Counter[tuple[str, str]] = Counter()  # (filter, env) -> matched rollouts
 
@@ -151,4 +156,9 @@ class FilterSet:
     def take_counts(self) -> dict[str, dict[str, int]]:
         """Counts since the last call, as {filter: {env: matched}}; resets them."""
         return take_by_name_and_env(self.counts)
+
+
+def _unless(envs: frozenset[str], fn: Callable[[Filterable, float], bool]) -> Callable[[Filterable, float], bool]:
+    """``fn``, never matching a rollout of ``envs``."""
+    return lambda r, adv: r.env not in envs and fn(r, adv)
 

@@ -6,7 +6,8 @@ taught nothing. ``[[pipeline.gates]]`` tables, all of which must accept a group 
 
 - ``zero_advantage`` (default on; ``tolerance = 1e-6``): rejects a group whose every advantage is within
   ``tolerance`` of 0: it carries no gradient. A tolerance, not ``== 0``: a group of equal non-binary
-  rewards has advantages of about 1e-17, not 0.
+  rewards has advantages of about 1e-17, not 0. It never rejects a group of an env that distils (``distilling``:
+  algorithm 'opd' or 'reward+opd'): the teacher's term carries a gradient whatever the advantages.
 - ``reward_range`` (``min``, ``max``): rejects a group whose mean reward is outside [min, max] (e.g. keep
   only tasks the policy solves sometimes).
 - ``advantage_range`` (``min``, ``max``): rejects a group whose every advantage lies inside [min, max].
@@ -92,14 +93,16 @@ def _no_more(args: dict[str, Any]) -> None:
 class Gates:
     """The configured gates, applied to one completed group at a time."""
 
-    def __init__(self, gates: Sequence[GateConfig]) -> None:
-        self._gates = [(g.name, set(g.envs), build_gate(g, f"pipeline.gates[{i}]")) for i, g in enumerate(gates)]
+    def __init__(self, gates: Sequence[GateConfig], distilling: Iterable[str] = ()) -> None:
+        exempt = frozenset(distilling)  # envs zero_advantage does not apply to (see the module docstring)
+        self._gates = [(g.name, set(g.envs), build_gate(g, f"pipeline.gates[{i}]"),
+                        exempt if g.name == "zero_advantage" else frozenset()) for i, g in enumerate(gates)]
         self.counts: Counter[tuple[str, str]] = Counter()  # (gate, env) -> groups rejected
 
     def __call__(self, group: GroupView) -> str | None:
         """The name of the first gate that rejects ``group``; None when every gate keeps it."""
-        for name, envs, fn in self._gates:
-            if (not envs or group.env in envs) and not fn(group):
+        for name, envs, fn, exempt in self._gates:
+            if (not envs or group.env in envs) and group.env not in exempt and not fn(group):
                 self.counts[(name, group.env)] += 1
                 return name
         return None

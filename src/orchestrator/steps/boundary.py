@@ -6,6 +6,11 @@ Rollout records come from env workers (see contracts/protocol.py); a rollout's f
 
 The direct data plane builds a manifest instead of the batch, with the same ``rows`` and ``result``
 (dataplane/direct.py). ``trained`` lists the rollouts a step names; ``untrained`` the survivors it leaves out.
+
+On-policy distillation (``[[env]] algorithm``): a step that carries the teacher's ``ref_logprobs`` column also
+carries, per sample, ``opd_weight`` (the weight of the teacher's KL term: its env's ``opd_weight``, 0 for an env
+that does not distil) and ``reward_weight`` (0 for ``opd``, else 1); the ``advantage`` a sample ships is its
+reward's advantage times ``reward_weight`` (its row keeps the reward's own).
 """
 
 from __future__ import annotations
@@ -59,10 +64,13 @@ class StepBuilder:
         # sampling temperature (its env's), which a trainer recomputing processed logprobs needs
         self.logprobs_mode = logprobs_mode
         self.temperatures = {e.label: e.sampling.temperature for e in envs}
+        # per env: (reward_weight, opd_weight) of what its samples train on (the module docstring)
+        self.weights = {e.label: (e.reward_weight, e.opd_weight if e.distills else 0.0) for e in envs}
+        self.distilling = frozenset(e.label for e in envs if e.distills)
         self.advantage = AdvantageFn(pipeline)
         self.vocab_size = vocab_size
         self.filter_configs = pipeline.filters
-        self.filters = FilterSet(pipeline.filters, vocab_size)
+        self.filters = FilterSet(pipeline.filters, vocab_size, distilling=self.distilling)
         self.lag = TokenLag({e.label: e.max_token_lag for e in envs})
 
     def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult[Batch]:
@@ -130,7 +138,7 @@ class StepBuilder:
                     if not any(plan.keep):
                         matched, filtered = [*matched, LAG_FILTER], True
                 if not filtered:
-                    trained.append((rec, a))
+                    trained.append((rec, self.weights.get(rec.env, (1.0, 0.0))[0] * a + 0.0))  # + 0.0: no -0.0
                 rows.append(RolloutRow.survivor(step, g, rec, a, matched, filtered, masked_tokens=masked))
         return rows, trained
 
@@ -176,7 +184,14 @@ class StepBuilder:
                 scalars["policy"].append(h.policy_step)
                 scalars["policy_max"].append(h.policy_step if h.policy_max is None else h.policy_max)
                 scalars["min_version"].append(plan.floor)
+        if "ref_logprobs" in chunks:
+            scalars |= self.distill_scalars(scalars["env"])
         return Batch.from_columns(self.run, step, chunks, lengths, scalars, self.logprobs_mode)
+
+    def distill_scalars(self, envs: Sequence[str]) -> dict[str, list[Any]]:
+        """``opd_weight`` and ``reward_weight`` of samples of ``envs`` (the module docstring)."""
+        weights = [self.weights.get(env, (1.0, 0.0)) for env in envs]
+        return {"opd_weight": [w[1] for w in weights], "reward_weight": [w[0] for w in weights]}
 
 
 def _starts(shapes: Sequence[tuple[int, int, int]]) -> list[int]:
