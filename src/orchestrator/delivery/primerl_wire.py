@@ -23,6 +23,20 @@ loop. What we send, per packed token (see ``balance.PackedMicroBatch``; pads in 
 prime-rl's ``MicroBatch`` (559b447) has no field for which policy sampled each token: the batch's ``versions``
 column is not sent.
 
+On-policy distillation (a batch with the ``ref_logprobs`` column and the ``opd_weight`` / ``reward_weight`` scalars,
+trainer/distill.py) goes where prime-rl's trainer reads it, as its orchestrator stamps an ``opd`` sample
+(``prl:src/prime_rl/orchestrator/algo/routing.py`` ``stamp_loss_routing`` for ``ref_kl``) and packs it
+(``prl:src/prime_rl/trainer/batch.py`` ``_materialize_bin``, ``pad_micro_batch``, ``_make_dummy_batch``): in a
+micro-batch holding a sample with ``opd_weight`` > 0,
+
+- ``ref_logprobs`` the teacher's logprobs of those samples' tokens, 0.0 for other samples' and pads [0.0];
+- ``ref_kl_weights`` ``opd_weight`` on those samples' loss-mask tokens, 0.0 elsewhere [0.0]: prime-rl's ``ref_kl``
+  component (its ``ref_kl_loss_fn``) trains them, weighted so;
+- ``rl_weights``, when one of them has ``reward_weight`` 0 (algorithm ``opd``): 0.0 over its tokens, 1.0 over the
+  others' (prime-rl's fill) [0.0]; ``reward+opd`` samples keep the rl component (weight 1.0, no stream);
+
+else all three nil. A dummy keeps ``ref_logprobs`` (a copy of the first micro-batch) and has no weight streams.
+
 Importable without verifiers.
 """
 
@@ -136,11 +150,46 @@ def _micro_batch(mb: PackedMicroBatch, temperatures: Sequence[float], env_names:
         head, _floats(mb.per_token(temperatures, 1.0)),
         head, envs, b"\xa0" * mb.pad,  # env_names; a pad's is "" (fixstr of length 0)
         segments,  # seq_lens: one segment per sample, as sequence_lengths
-        _NIL,  # ref_logprobs
     ]
+    teacher = _teacher_fields(mb)
+    parts += [head, _floats(teacher.ref_logprobs)] if teacher else [_NIL]
     parts += _routed(mb) if ROUTED in mb.batch.columns and mb.samples.size else [_NIL]  # prime-rl: nil in an empty bin
-    parts.append(_NIL * 5)  # mm_kwargs, mm_token_type_ids, rl_weights, ce_weights, ref_kl_weights
+    parts.append(_NIL * 2)  # mm_kwargs, mm_token_type_ids
+    if teacher and teacher.rl_weights is not None and not mb.dummy:
+        parts += [head, _floats(teacher.rl_weights)]
+    else:
+        parts.append(_NIL)
+    parts.append(_NIL)  # ce_weights
+    parts += [head, _floats(teacher.ref_kl_weights)] if teacher and not mb.dummy else [_NIL]
     return parts
+
+
+@dataclass
+class _Teacher:
+    """The distillation fields of one micro-batch (see the module docstring), per packed token, pads included."""
+
+    ref_logprobs: np.ndarray
+    ref_kl_weights: np.ndarray
+    rl_weights: np.ndarray | None
+
+
+def _teacher_fields(mb: PackedMicroBatch) -> _Teacher | None:
+    """None when no sample of ``mb`` is distilled (or the batch has no teacher column)."""
+    batch = mb.batch
+    if "ref_logprobs" not in batch.columns or "opd_weight" not in batch.scalars or not mb.samples.size:
+        return None
+    opd = np.asarray(batch.scalars["opd_weight"], np.float64)
+    if not opd[mb.samples].any():
+        return None
+    rewarded = np.asarray(batch.scalars.get("reward_weight", [1.0] * batch.num_samples), np.float64)
+    distilled = mb.per_token(opd, 0.0) != 0
+    ref = np.where(distilled, mb.column("ref_logprobs", 0.0).astype(np.float64), 0.0)
+    ref_kl = np.where(mb.loss_mask() & distilled, mb.per_token(opd, 0.0), 0.0)
+    teacher_only = (opd != 0) & (rewarded == 0)
+    rl = None
+    if teacher_only[mb.samples].any():
+        rl = np.concatenate([np.repeat(np.where(teacher_only[mb.samples], 0.0, 1.0), mb.lengths), np.zeros(mb.pad)])
+    return _Teacher(ref, ref_kl, rl)
 
 
 def _array_header(n: int) -> bytes:

@@ -214,6 +214,9 @@ class Sample:
     env: str
     logprobs: list[float]
     routed: np.ndarray | None  # [tokens, layers, top_k] in the dtype sent
+    ref_logprobs: list[float] | None = None  # the micro-batch's, over this sample's tokens (None: it had none)
+    ref_kl_weights: list[float] | None = None
+    rl_weights: list[float] | None = None
 
 
 def check_step(grid: list[list[MicroBatch]], *, seq_len: int, pad_to_multiple_of: int = 1,
@@ -259,8 +262,15 @@ def _check_micro_batch(mb: MicroBatch, seq_len: int, multiple: int, routed_dtype
     assert (mb.input_ids[tail], mb.loss_mask[tail], mb.temperatures[tail], mb.advantages[tail]) == \
         ([1] * pads, [False] * pads, [1.0] * pads, [0.0] * pads)
     assert all(mb.advantages[i] == 0.0 for i in range(n) if not mb.loss_mask[i])
-    assert (mb.ref_logprobs, mb.mm_kwargs, mb.mm_token_type_ids) == (None, None, None)
-    assert (mb.rl_weights, mb.ce_weights, mb.ref_kl_weights) == (None, None, None)
+    assert (mb.mm_kwargs, mb.mm_token_type_ids, mb.ce_weights) == (None, None, None)
+    for name in ("ref_logprobs", "rl_weights", "ref_kl_weights"):  # distillation (primerl_wire.py): aligned
+        values = getattr(mb, name)
+        assert values is None or (len(values) == n and values[n - pads:] == [0.0] * pads), f"{name} misaligned"
+    if mb.ref_kl_weights is not None:  # a component weight only where the loss mask is
+        assert all(w == 0.0 for w, m in zip(mb.ref_kl_weights, mb.loss_mask, strict=True) if not m)
+        assert mb.ref_logprobs is not None, "ref_kl_weights without ref_logprobs: prime-rl's ref_kl loss raises"
+    if not any(mb.loss_mask):  # a dummy (or pads alone) trains nothing: no component weight streams
+        assert (mb.rl_weights, mb.ref_kl_weights) == (None, None)
     if routed_dtype is None or only_pads:
         assert mb.routed_experts is None
         return
@@ -291,8 +301,10 @@ def _samples(mb: MicroBatch) -> list[Sample]:
         temps, envs = set(mb.temperatures[at:end]), set(mb.env_names[at:end])
         assert len(temps) == 1, f"a sample with temperatures {temps}"
         assert len(envs) == 1, f"a sample with envs {envs}"
+        streams = [None if v is None else v[at:end] for v in (mb.ref_logprobs, mb.ref_kl_weights, mb.rl_weights)]
         out.append(Sample(mb.input_ids[at:end], mask, advantages.pop() if advantages else None, temps.pop(),
-                          envs.pop(), mb.inference_logprobs[at:end], None if routed is None else routed[at:end]))
+                          envs.pop(), mb.inference_logprobs[at:end], None if routed is None else routed[at:end],
+                          *streams))
         at += length
     return out
 

@@ -12,7 +12,9 @@ the public trainer library (``orchestrator.transport``):
 - ``batch.logprobs_mode``: which logprobs ``logprobs`` holds, ``"raw"`` or ``"processed"`` (below), and
   ``batch.scalars["temperature"][i]``: the temperature sample ``i`` was sampled at;
 - ``batch.scalars["policy"][i]``: the policy step of the weights that sampled it (``step_N`` checkpoints are
-  policy ``N``; a batch of step ``s`` from a trainer that trains every step is on-policy where it equals ``s``).
+  policy ``N``; a batch of step ``s`` from a trainer that trains every step is on-policy where it equals ``s``);
+- with a ``[teacher]`` (on-policy distillation, trainer/distill.py): ``ref_logprobs``, the teacher's logprob of each
+  token, and ``batch.scalars["opd_weight"][i]``, the weight of its term.
 
 The model it trains is the tiny policy the simulated servers sample from (``orchestrator.policy``); a real
 trainer would run its model's forward and backward instead of ``Policy.logits_at``/``gradient``, and the
@@ -22,7 +24,12 @@ sample weighing the same whatever its length (GRPO's):
 
     J(θ) = 1/N Σ_i 1/T_i Σ_t min(r·A_i, clip(r, 1 - ε, 1 + ε)·A_i)
 
-and each batch gets ``passes`` steps of plain gradient ascent ``θ += lr · ∇J``, ``r`` recomputed before each:
+With a teacher, ``A_i`` becomes per token: ``A_i + opd_weight_i · (r_t - log π_θ(y) + b)``, ``r_t`` the teacher's
+logprob of the token, ``log π_θ(y)`` taken as a constant, ``b`` the batch's baseline (trainer/distill.py): the policy
+gradient of the reverse KL to the teacher. The mean of ``log π_θ(y) - r_t`` before the update is reported
+(``teacher_kl``).
+
+Each batch gets ``passes`` steps of plain gradient ascent ``θ += lr · ∇J``, ``r`` recomputed before each:
 the first from where the behaviour policy left off (``r`` = 1 on-policy), the later ones where the clip keeps
 the policy near the data. Plain gradient steps, not Adam: a step is as large as the evidence, so data that
 is wrong in scale (behaviour logprobs of the wrong tokens: ratios far from 1) moves the policy little
@@ -50,6 +57,7 @@ import numpy as np
 
 from orchestrator.contracts.wire import Batch
 from orchestrator.policy import Policy, Sequences
+from orchestrator.trainer import distill
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +88,12 @@ class LearnStats:
     ratio_mean: float  # mean r over trained tokens before the first pass: how far off-policy the batch was
     clipped: float  # share of trained tokens whose gradient the clip removed in the last pass
     grad_norm: float  # of the first pass
+    teacher_kl: float | None = None  # mean log π_θ(y) - r_t over the distilled tokens, before the update
 
     def __str__(self) -> str:
+        kl = "" if self.teacher_kl is None else f", KL to the teacher {self.teacher_kl:.4f}"
         return (f"learned from {self.tokens} tokens: ratio {self.ratio_mean:.3f}, clipped {self.clipped:.1%}, "
-                f"objective {self.objective:+.4f}, grad norm {self.grad_norm:.3f}")
+                f"objective {self.objective:+.4f}, grad norm {self.grad_norm:.3f}{kl}")
 
 
 @dataclass
@@ -98,26 +108,32 @@ class PolicyLearner:
         seqs, advantage, behaviour, temperature = self.inputs(batch)
         if seqs.positions.size == 0:
             return LearnStats(batch.num_samples, 0, 0.0, 1.0, 0.0, 0.0)
+        teacher = self.teacher_inputs(batch, seqs)
         # each token's weight in J: 1 / (N · T_i)
         sample = np.searchsorted(seqs.offsets, seqs.positions, side="right") - 1
         weight = 1.0 / (batch.num_samples * np.bincount(sample, minlength=batch.num_samples)[sample])
         first = None
+        kl: float | None = None
         for _ in range(self.config.passes):
-            objective, ratio, clipped, grad = self._gradient(seqs, advantage, behaviour, temperature, weight)
+            objective, ratio, clipped, grad, logp = self._gradient(seqs, advantage, behaviour, temperature, weight,
+                                                                   teacher)
             norm = float(np.sqrt(sum(float(np.sum(g * g)) for g in grad.values())))
-            if first is None:
+            if first is None:  # the KL to the teacher as the batch has it (teacher_inputs may change what trains)
                 first = (objective, float(ratio.mean()), norm)
+                kl = distill.mean_kl(logp - distill.teacher_logprobs(batch)[seqs.positions], teacher[1])
             if norm == 0.0:  # every token clipped (or no advantage): nothing moves
                 break
             self.policy = self.policy.moved({k: self.config.lr * g for k, g in grad.items()}, step=self.policy.step)
         assert first is not None
         if self.policy.step is not None:
             self.policy.step += 1
-        return LearnStats(batch.num_samples, int(seqs.positions.size), first[0], first[1], clipped, first[2])
+        return LearnStats(batch.num_samples, int(seqs.positions.size), first[0], first[1], clipped, first[2], kl)
 
     def _gradient(self, seqs: Sequences, advantage: np.ndarray, behaviour: np.ndarray, temperature: np.ndarray,
-                  weight: np.ndarray) -> tuple[float, np.ndarray, float, dict[str, np.ndarray]]:
-        """J(θ) now, each token's ratio r, the share of tokens the clip removes, and ∇J."""
+                  weight: np.ndarray, teacher: tuple[np.ndarray, np.ndarray]
+                  ) -> tuple[float, np.ndarray, float, dict[str, np.ndarray], np.ndarray]:
+        """J(θ) now, each token's ratio r, the share of tokens the clip removes, ∇J, and each token's logprob
+        (``teacher``: per scored token, the teacher's logprob and the weight of its term)."""
         targets = seqs.token_ids[seqs.positions]
         rows = np.arange(targets.size)
         z = self.policy.logits_at(seqs) / temperature[:, None]
@@ -125,6 +141,9 @@ class PolicyLearner:
         probs = np.exp(z)
         probs /= probs.sum(axis=1, keepdims=True)
         logp = np.log(np.maximum(probs[rows, targets], 1e-300))
+        reference, opd = teacher
+        if opd.any():  # + opd · (r - ℓ + b), ℓ a constant (trainer/distill.py)
+            advantage = advantage - opd * (logp - reference - distill.baseline(behaviour, reference, opd))
         ratio = np.exp(np.minimum(logp - behaviour, MAX_LOG_RATIO))
         eps = self.config.clip
         active = np.where(advantage >= 0, ratio <= 1 + eps, ratio >= 1 - eps)  # where min() takes the unclipped term
@@ -132,7 +151,7 @@ class PolicyLearner:
         coef = np.where(active, weight * ratio * advantage, 0.0) / temperature  # dJ/dlogits: through r and 1/T
         dlogits = -probs * coef[:, None]  # d log π(y) / d logits = onehot(y) - p
         dlogits[rows, targets] += coef
-        return objective, ratio, float(1.0 - active.mean()), self.policy.gradient(seqs, dlogits)
+        return objective, ratio, float(1.0 - active.mean()), self.policy.gradient(seqs, dlogits), logp
 
     def inputs(self, batch: Batch) -> tuple[Sequences, np.ndarray, np.ndarray, np.ndarray]:
         """What the update reads from a batch: the sequences with their sampled positions, and per sampled
@@ -150,6 +169,13 @@ class PolicyLearner:
                 np.asarray(batch.scalars["advantage"], np.float64)[sample],
                 batch.columns["logprobs"][positions].astype(np.float64),
                 np.asarray(temps, np.float64)[sample])
+
+    def teacher_inputs(self, batch: Batch, seqs: Sequences) -> tuple[np.ndarray, np.ndarray]:
+        """Per scored token: the teacher's logprob of it and the weight of its term (0 without a teacher). A
+        subclass may change what is trained on (the learning tests shuffle the teacher's logprobs)."""
+        sample = np.searchsorted(seqs.offsets, seqs.positions, side="right") - 1
+        return (distill.teacher_logprobs(batch)[seqs.positions].astype(np.float64),
+                distill.opd_weights(batch)[sample])
 
     def save(self, directory: Path) -> Path:
         """Save the current policy into ``directory`` (the checkpoint a weight update names)."""

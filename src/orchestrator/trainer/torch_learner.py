@@ -28,7 +28,10 @@ For each batch:
    ``policy`` scalars is taken as on-policy throughout.
 3. **Learn.** PPO's clipped surrogate with per-sample weights (GRPO's: each sample weighs the same whatever its
    length), on the shipped advantages; AdamW; ``passes`` optimizer steps per batch, gradients clipped to
-   ``max_grad_norm``.
+   ``max_grad_norm``. With a teacher (on-policy distillation, trainer/distill.py) the advantage of each trained
+   token gains ``opd_weight · (r_t - ℓ_t + b)``: ``r_t`` the teacher's logprob of the token (``ref_logprobs``),
+   ``ℓ_t`` the recomputed one (no gradient through it), ``b`` the batch's baseline; and the step's report says the
+   mean KL to the teacher, ``ℓ_t - r_t`` over the distilled tokens before the update (``teacher_kl``).
 
 ``save(dir)`` writes the weights as safetensors (``save_pretrained``), which vLLM's ``reload_weights`` reads;
 ``resume(dir)`` loads them back (a trainer restarted from its journal). The optimizer's state is not saved.
@@ -47,6 +50,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from orchestrator.contracts.wire import Batch
+from orchestrator.trainer import distill
 from orchestrator.trainer.versions import clean_context, sampled_by
 
 log = logging.getLogger(__name__)
@@ -93,6 +97,7 @@ class TorchLearnStats:
     mixed_tokens: int = 0  # trained tokens of its weights in samples begun under older ones (stale KV context)
     mixed_max: float = math.nan  # max / mean |shipped - recomputed| over those (nan: none)
     mixed_mean: float = math.nan
+    teacher_kl: float | None = None  # mean ℓ_t - r_t over the distilled tokens before the update (None: none)
 
     def __str__(self) -> str:
         mismatch = (f"mismatch max {self.mismatch_max:.2e} mean {self.mismatch_mean:.2e}"
@@ -101,9 +106,10 @@ class TorchLearnStats:
         if self.mixed_tokens:
             stale += (f"; {self.mixed_tokens} tokens of its weights over an older context: mismatch max "
                       f"{self.mixed_max:.2e} mean {self.mixed_mean:.2e}")
+        kl = "" if self.teacher_kl is None else f", KL to the teacher {self.teacher_kl:.4f}"
         return (f"trained {self.tokens} tokens ({self.mode} logprobs): {mismatch}{stale}, "
                 f"ratio {self.ratio_mean:.4f} [{self.ratio_min:.3f}, {self.ratio_max:.3f}], "
-                f"clipped {self.clipped:.1%}, objective {self.objective:+.4f}, grad norm {self.grad_norm:.3f}")
+                f"clipped {self.clipped:.1%}, objective {self.objective:+.4f}, grad norm {self.grad_norm:.3f}{kl}")
 
 
 @dataclass
@@ -118,6 +124,9 @@ class Sample:
     on_policy: bool  # some of its trained tokens the weights the learner holds before this batch's update sampled
     own: torch.Tensor | None = None  # bool [P]: trained tokens those weights sampled over a context of theirs
     mixed: torch.Tensor | None = None  # bool [P]: trained tokens those weights sampled over an older context
+    opd_weight: float = 0.0  # the weight of the teacher's term (0: not distilled)
+    reference: torch.Tensor | None = None  # float32 [P]: the teacher's logprobs it trains towards
+    teacher: torch.Tensor | None = None  # float32 [P]: the teacher's logprobs as shipped (the KL report's)
 
 
 class TorchLearner:
@@ -141,6 +150,7 @@ class TorchLearner:
         ids, shipped = batch.columns["token_ids"], batch.columns["logprobs"]
         temps = batch.scalars.get("temperature") or [self.config.temperature] * batch.num_samples
         own, clean = sampled_by(batch), clean_context(batch)
+        opd, teacher, trained_towards = distill.opd_weights(batch), distill.teacher_logprobs(batch), self.teacher(batch)
         out = []
         for i in range(batch.num_samples):
             a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
@@ -148,11 +158,17 @@ class TorchLearner:
             positions = positions[positions >= 1]  # a sample's first token has no context
             mine = own[a:b][positions]
             out.append(Sample(torch.from_numpy(ids[a:b].astype(np.int64)), torch.from_numpy(positions),
-                              torch.from_numpy(shipped[a:b][positions].astype(np.float32)),
-                              float(batch.scalars["advantage"][i]), float(temps[i]), bool(mine.any()),
-                              torch.from_numpy(mine & clean[a:b][positions]),
-                              torch.from_numpy(mine & ~clean[a:b][positions])))
+                              _tensor(shipped[a:b][positions]), float(batch.scalars["advantage"][i]),
+                              float(temps[i]), bool(mine.any()), torch.from_numpy(mine & clean[a:b][positions]),
+                              torch.from_numpy(mine & ~clean[a:b][positions]), float(opd[i]),
+                              _tensor(trained_towards[a:b][positions]) if opd[i] else None,
+                              _tensor(teacher[a:b][positions]) if opd[i] else None))
         return out
+
+    def teacher(self, batch: Batch) -> np.ndarray:
+        """The teacher's logprobs the learner trains towards, per token of the batch: its ``ref_logprobs`` (a
+        subclass may change them: the learning tests shuffle them; the KL report keeps reading the batch's)."""
+        return distill.teacher_logprobs(batch)
 
     def mode(self, batch: Batch) -> str:
         """The logprobs mode to recompute in: what the batch says the server shipped; processed when it does not
@@ -170,9 +186,10 @@ class TorchLearner:
             return TorchLearnStats(len(samples), 0, mode, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, stale)
         first: dict[str, float] = {}
         clipped = 0.0
+        base = self._baseline(samples)
         for p in range(self.config.passes):
             self.optimizer.zero_grad(set_to_none=True)
-            seen = self._backward(samples, mode, len(samples), report=not first)
+            seen = self._backward(samples, mode, len(samples), base, report=not first)
             norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
             if p == 0:
                 first = {**seen, "grad_norm": norm}
@@ -182,7 +199,8 @@ class TorchLearner:
         stats = TorchLearnStats(len(samples), tokens, mode, first["mismatch_max"], first["mismatch_mean"],
                                 first["ratio_mean"], first["ratio_min"], first["ratio_max"], first["objective"],
                                 clipped, first["grad_norm"], stale, int(first["own_tokens"]),
-                                int(first["mixed_tokens"]), first["mixed_max"], first["mixed_mean"])
+                                int(first["mixed_tokens"]), first["mixed_max"], first["mixed_mean"],
+                                first["teacher_kl"] if math.isfinite(first["teacher_kl"]) else None)
         if stats.mismatch_mean > self.config.warn_mismatch:  # False for nan: no on-policy sample
             log.warning("step %d: the shipped logprobs differ from the trainer's recomputation by %.3g on average "
                         "(max %.3g): a misaligned loss mask, a logprobs mode the server and trainer disagree on, or "
@@ -190,20 +208,24 @@ class TorchLearner:
                         stats.mismatch_max)
         return stats
 
-    def _backward(self, samples: list[Sample], mode: str, n: int, *, report: bool) -> dict[str, float]:
-        """Accumulate the gradient of -J over micro-batches; what this pass saw (the mismatch when ``report``)."""
-        diffs, mixed, ratios, objective, active, total = [], [], [], 0.0, 0, 0
+    def _backward(self, samples: list[Sample], mode: str, n: int, base: float = 0.0, *, report: bool
+                  ) -> dict[str, float]:
+        """Accumulate the gradient of -J over micro-batches; what this pass saw (the mismatch and the KL to the
+        teacher when ``report``). ``base``: the teacher term's baseline (``_baseline``)."""
+        diffs, mixed, ratios, kls, objective, active, total = [], [], [], [], 0.0, 0, 0
         for group in self._micro_batches(samples):
             logps = self._logprobs(group, mode)
             loss = torch.zeros((), device=self.device)
             for s, logp in zip(group, logps, strict=True):
                 shipped = s.shipped.to(self.device)
                 ratio = torch.exp(logp - shipped)
+                advantage = self._advantage(s, logp.detach(), base)
                 clipped = torch.clamp(ratio, 1 - self.config.clip, 1 + self.config.clip)
-                surrogate = torch.minimum(ratio * s.advantage, clipped * s.advantage)
+                surrogate = torch.minimum(ratio * advantage, clipped * advantage)
                 loss = loss - surrogate.mean() / n
                 with torch.no_grad():
-                    unclipped = (ratio <= 1 + self.config.clip) if s.advantage >= 0 else (ratio >= 1 - self.config.clip)
+                    unclipped = torch.where(advantage >= 0, ratio <= 1 + self.config.clip,
+                                            ratio >= 1 - self.config.clip)
                     active += int(unclipped.sum())
                     total += int(ratio.numel())
                     if report:
@@ -213,17 +235,36 @@ class TorchLearner:
                         diffs.append(diff[own])
                         if s.mixed is not None:
                             mixed.append(diff[s.mixed])
+                        if s.teacher is not None:
+                            kls.append((logp.detach() - s.teacher.to(self.device)).cpu())
             loss.backward()  # type: ignore[no-untyped-call]
             objective -= float(loss.detach())
         out = {"objective": objective, "clipped": 1.0 - active / max(total, 1)}
         if report:
             d, r = _nonempty(diffs), torch.cat(ratios)
             m = _nonempty(mixed)
+            kl = float(torch.cat(kls).mean()) if kls else math.nan
             out |= {"mismatch_max": float(d.max()), "mismatch_mean": float(d.mean()), "ratio_mean": float(r.mean()),
                     "ratio_min": float(r.min()), "ratio_max": float(r.max()), "mixed_max": float(m.max()),
                     "mixed_mean": float(m.mean()), "own_tokens": sum(int(x.numel()) for x in diffs),
-                    "mixed_tokens": sum(int(x.numel()) for x in mixed)}
+                    "mixed_tokens": sum(int(x.numel()) for x in mixed), "teacher_kl": kl}
         return out
+
+    def _advantage(self, s: Sample, logp: torch.Tensor, base: float) -> torch.Tensor:
+        """Per trained token: the sample's advantage, plus the teacher's term when it is distilled."""
+        advantage = torch.full_like(logp, s.advantage)
+        if s.reference is not None and s.opd_weight:
+            advantage = advantage + s.opd_weight * (s.reference.to(self.device) - logp + base)
+        return advantage
+
+    @staticmethod
+    def _baseline(samples: list[Sample]) -> float:
+        """The teacher term's baseline: the mean of shipped - teacher logprob over the distilled tokens."""
+        parts = [(s.shipped, s.reference) for s in samples if s.reference is not None and s.opd_weight]
+        if not parts:
+            return 0.0
+        return distill.baseline(torch.cat([p[0] for p in parts]).numpy(), torch.cat([p[1] for p in parts]).numpy(),
+                                np.ones(sum(p[0].numel() for p in parts)))
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[Sample]]:
         """Samples with trained tokens, in groups of at most ``micro_batch_tokens`` padded tokens."""
@@ -279,3 +320,7 @@ def _nonempty(parts: list[torch.Tensor]) -> torch.Tensor:
     """``parts`` concatenated; a single nan when they hold nothing (max and mean are then nan)."""
     joined = torch.cat(parts) if parts else torch.zeros(0)
     return joined if joined.numel() else torch.full((1,), math.nan)
+
+
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(values.astype(np.float32))
