@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Quick start, line 2 (and what CI runs): set up .venv (with the [torch] extra: the PyTorch trainer's tests), then
-# lint, type check and the whole test suite, then the end-to-end, resume, fault, shutdown, supervision and sinks
-# tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md): real vLLM
-# servers for CPUs (0.32.0, and 0.31.0 for one job) and tiny real models set up in .real-stack (cached), and the tests
-# against them (tests/real).
+# lint, type check and the whole test suite, then the end-to-end, resume, fault, shutdown, supervision, sinks and
+# distillation tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md):
+# real vLLM servers for CPUs (0.32.0, and 0.31.0 for one job) and tiny real models set up in .real-stack (cached), and
+# the tests against them (tests/real).
 # Extra arguments go to every pytest run. REAL_STACK=0 skips the real stack (say so when you report a run).
 # SLURM and munge are installed first (scripts/slurm-setup.sh) for tests/test_launch_slurm.py (marked slurm).
 #
@@ -61,7 +61,7 @@ stage "pytest" .venv/bin/pytest --durations=20 "${WORKERS[@]}" "$@"  # strict: a
 # The sender conformance suite is not here: it runs its zmq-direct kind above.
 tests "pytest --data-plane direct" "${WORKERS[@]}" --data-plane direct tests/test_orchestrator.py tests/test_resume.py \
     tests/test_faults.py tests/test_shutdown.py tests/test_supervision.py tests/test_run_command.py \
-    tests/test_sinks.py "$@"
+    tests/test_sinks.py tests/test_distill.py "$@"
 if [ "${REAL_STACK:-1}" = 0 ]; then
     echo "== real stack: skipped (REAL_STACK=0)" >&2
     exit 0

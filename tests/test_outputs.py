@@ -43,6 +43,7 @@ def test_rows_of_dropped_groups_count_as_rollouts_and_failures_but_not_in_reward
                            dropped=True)]  # a group-scoring group's survivor: dropped with its group
     m = step_metrics(3, ROWS + dropped, phase_s={}, lag=LAG, rss_mb=1.0, wall_s=2.0)
     assert (m["rollouts"], m["failed"], m["dropped"], m["trained"], m["filtered"]) == (6, 2, 2, 2, 1)
+    assert m["failed_by"] == {"env_error": 1}  # per kind (the row of ROWS that failed names none)
     assert m["reward_mean"] == {"a": 0.5, "b": 0.5}  # as without the dropped rows
     assert m["off_policy"] == {"0": 2, "1": 1}
     assert m["tokens"] == 30

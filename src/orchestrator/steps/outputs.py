@@ -10,6 +10,7 @@ worker thread, never on the event loop; orjson serialises (numpy scalars include
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -37,8 +38,8 @@ def step_metrics(
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The metrics row of one step, aggregated over its rollout rows (``dropped``: rows of dropped groups).
-    ``rollouts`` and ``failed`` count every row; rewards, ``filtered``, ``off_policy`` and ``tokens`` only the
-    groups the step took."""
+    ``rollouts``, ``failed`` and ``failed_by`` (failed rows per failure kind) count every row; rewards, ``filtered``,
+    ``off_policy`` and ``tokens`` only the groups the step took."""
     df = pd.DataFrame.from_records([(r.env, r.reward, r.ok, r.filtered, r.tokens, r.off_policy, r.dropped)
                                     for r in rows],
                                    columns=["env", "reward", "ok", "filtered", "tokens", "off_policy", "dropped"])
@@ -56,6 +57,7 @@ def step_metrics(
         "trained": len(trained),
         "filtered": int(ok["filtered"].astype(bool).sum()) if len(ok) else 0,
         "failed": int((~df["ok"].astype(bool)).sum()) if len(df) else 0,
+        "failed_by": dict(sorted(Counter(str(r.failure) for r in rows if not r.ok and r.failure).items())),
         "dropped": int(dropped.sum()),
         "reward_mean": {str(env): round(float(r["mean"]), 6) for env, r in per_env.iterrows()},
         "rollouts_per_env": {str(env): int(r["count"]) for env, r in per_env.iterrows()},

@@ -110,6 +110,8 @@ class Teacher:
         self._session = session
         self._servers = [_Server(url.rstrip("/").removesuffix("/v1")) for url in spec.servers]
         self._slots = asyncio.Semaphore(spec.max_inflight)  # this worker's share of teacher.max_inflight
+        self.inflight = 0  # requests sent and not answered
+        self.waiting = 0  # requests waiting for one of the slots
         self._turn = 0
         self._headers = {"Content-Type": "application/json"}
         key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
@@ -145,13 +147,7 @@ class Teacher:
                 await asyncio.sleep(self.spec.retry_backoff_s * 2 ** (attempt - 1))
             server = self._pick()
             try:
-                async with self._slots:
-                    server.inflight += 1
-                    try:
-                        raw = await self._post(server, body)
-                    finally:
-                        server.inflight -= 1
-                return parse_prompt_logprobs(raw, token_ids)
+                return parse_prompt_logprobs(await self._request(server, body), token_ids)
             except TeacherError as e:
                 error = e
                 server.failed_until = time.monotonic() + self.spec.retry_backoff_s
@@ -169,6 +165,22 @@ class Teacher:
         n = len(self._servers)
         order = [self._servers[(self._turn + i) % n] for i in range(n)]
         return min(order, key=lambda s: (s.failed_until > now, s.inflight))
+
+    async def _request(self, server: _Server, body: bytes) -> bytes:
+        """``body`` to ``server`` once one of the worker's slots is free (counted in ``waiting``, then ``inflight``)."""
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.inflight += 1
+        server.inflight += 1
+        try:
+            return await self._post(server, body)
+        finally:
+            self.inflight -= 1
+            server.inflight -= 1
+            self._slots.release()
 
     async def _post(self, server: _Server, body: bytes) -> bytes:
         url = f"{server.root}/inference/v1/generate"
