@@ -65,6 +65,13 @@ def test_equal_rewards_give_exact_zero_and_are_filtered() -> None:
     assert filters(R(0.3), float(adv[0])).filtered
 
 
+def test_zero_advantage_never_filters_a_rollout_of_an_env_that_distils() -> None:
+    filters = FilterSet(DEFAULT_FILTERS, vocab_size=1000, distilling=["opd"])
+    assert not filters(R(0.3, env="opd"), 0.0).filtered  # its teacher's term carries the gradient
+    assert filters(R(0.3, env="e"), 0.0).filtered
+    assert filters.take_counts() == {"zero_advantage": {"e": 1}}
+
+
 def test_partial_group_uses_survivors_only() -> None:
     adv = AdvantageFn(PipelineConfig())([R(1.0), R(0.0)])  # two of a group of four came back
     assert adv.tolist() == [0.5, -0.5]

@@ -145,6 +145,18 @@ CASES = [
          "expected a step number >= 0, got -3", key="pipeline.dump_steps[1]"),
     Case("neither-batch-size-nor-budget", BASE.replace("batch_size = 8", "max_inflight = 8"),
          "set exactly one of them", key="scheduler.batch_size / scheduler.token_budget"),
+    # on-policy distillation: an env that distils needs a [teacher]; the teacher's own keys
+    Case("opd-without-teacher", BASE + 'algorithm = "opd"\n', "'opd' scores every sample under a teacher: add a "
+         "[teacher] table", key="env[0].algorithm"),
+    Case("unknown-algorithm", BASE + 'algorithm = "distill"\n', "expected one of 'reward', 'opd', 'reward+opd'",
+         key="env[0].algorithm"),
+    Case("opd-weight-zero", BASE + "opd_weight = 0.0\n", "expected a value > 0, got 0.0", key="env[0].opd_weight"),
+    Case("teacher-without-model", BASE + '\n[teacher]\nservers = ["http://127.0.0.1:9/v1"]\n',
+         "missing required key; expected a string (the teacher's served model name)", key="teacher.model"),
+    Case("teacher-server-not-a-url", BASE + '\n[teacher]\nservers = ["127.0.0.1:9"]\nmodel = "t"\n',
+         "expected an http:// or https:// URL, got '127.0.0.1:9'", key="teacher.servers[0]"),
+    Case("teacher-without-servers", BASE + '\n[teacher]\nservers = []\nmodel = "t"\n',
+         "at least one teacher server URL is required", key="teacher.servers"),
     # the environment list
     Case("empty-env-list", "env = []\n" + BASE[: BASE.index("[[env]]")],
          "at least one [[env]] table is required", key="env"),

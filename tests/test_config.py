@@ -276,3 +276,12 @@ def test_key_paths_are_relative_to_the_working_directory(tmp_path: Path, monkeyp
     monkeypatch.chdir(tmp_path / "configs")
     with pytest.raises(ConfigError, match=r"security\.server_key: keys/server/orchestrator\.key_secret: no such file"):
         load_config(path)
+
+
+def test_a_teachers_in_flight_bound_is_split_over_the_env_workers(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, GOOD + 'algorithm = "reward+opd"\n\n[teacher]\n'
+                            'servers = ["http://127.0.0.1:8001/v1"]\nmodel = "teacher"\nmax_inflight = 20\n'))
+    assert cfg.teacher is not None
+    assert cfg.env[0].distills
+    assert (cfg.env[0].reward_weight, cfg.env[0].opd_weight) == (1.0, 1.0)
+    assert [cfg.teacher.worker_share(n) for n in (1, 2, 3, 40)] == [8, 8, 6, 1]  # at most 8 per worker, at least 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -178,3 +179,27 @@ def test_a_dump_of_format_2_loads_and_its_step_builds_without_versions(tmp_path:
     versions = fresh.batch.columns["versions"]  # this version's records carry it, and so does their batch
     assert versions.dtype == np.dtype("<i4")
     np.testing.assert_array_equal(versions >= 0, fresh.batch.columns["loss_mask"] != 0)
+
+
+def test_a_step_with_the_teachers_column_dumps_loads_and_builds_it_again(tmp_path: Path) -> None:
+    """A distilling job's step: its records carry ``ref_logprobs``; a dump keeps it and a replay builds it again,
+    with the distillation scalars of the job's envs."""
+    cfg = synthetic_config(32, 4)
+    cfg = dataclasses.replace(cfg, env=(dataclasses.replace(cfg.env[0], algorithm="opd", opd_weight=0.25),
+                                        *cfg.env[1:]))
+    groups = synthetic_groups(32, 2, 48, 0, 0, group_size=4, seed=3, teacher=True)
+    result = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, VOCAB).build(2, groups)
+    batch = result.batch
+    assert batch.columns["ref_logprobs"].dtype == np.dtype("<f4")
+    expected = np.concatenate([r.column("ref_logprobs") for g in groups for r in g.survivors
+                               if r.rid in batch.scalars["rollout"]])
+    np.testing.assert_array_equal(batch.columns["ref_logprobs"], expected)
+    opd = dict(zip(batch.scalars["env"], batch.scalars["opd_weight"], strict=True))
+    assert opd == {cfg.env[0].label: 0.25, cfg.env[1].label: 0.0}
+    assert all(a == 0.0 for env, a in zip(batch.scalars["env"], batch.scalars["advantage"], strict=True)
+               if env == cfg.env[0].label)  # opd: the reward's advantage does not train
+    info = write_dump(dump_path(tmp_path, 2), 2, groups, batch, result.rows, run="r", vocab_size=VOCAB)
+    rebuilt = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, VOCAB).build(2, load_dump(info.path).groups).batch
+    for name in ("ref_logprobs", "versions", "token_ids"):
+        np.testing.assert_array_equal(rebuilt.columns[name], batch.columns[name])
+    assert rebuilt.scalars == batch.scalars

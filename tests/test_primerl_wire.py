@@ -33,7 +33,33 @@ GOLDEN = [
     "6ba567736d386ba567736d386ba567736d386ba567736d386ba567736d386b9108c093c4101415161718191a1b1c1d1e1f2021222393"
     "080201a575696e7438c0c0c0c0c0",
 ]
+# On-policy distillation: the same batch with a teacher's column, sample 0 of algorithm opd (weight 1), sample 1 of
+# reward (no teacher: zeros, weight 0), sample 2 of reward+opd (weight 0.5); prime-rl's prepare_batch (559b447) of
+# the TrainingSamples its orchestrator would make of them: stamp_loss_routing(ref_kl) for sample 0 (rl_weights 0,
+# ref_kl_weights 1 on the mask, no advantages), ref_logprobs and ref_kl_weights 0.5 on the mask for sample 2.
+GOLDEN_OPD = [
+    "91dc00109801ccc8ce00011170030506010198c2c3c3c3c2c3c2c298cb0000000000000000cb0000000000000000cb0000000000000000"
+    "cb0000000000000000cb0000000000000000cbbff0000000000000cb0000000000000000cb000000000000000098cb0000000000000000"
+    "cbbfe0000000000000cbbff4000000000000cbbfc0000000000000cb0000000000000000cbc000000000000000cb0000000000000000cb"
+    "000000000000000098000102030001000192040498cb3fe6666666666666cb3fe6666666666666cb3fe6666666666666cb3fe666666666"
+    "6666cb3ff0000000000000cb3ff0000000000000cb3ff0000000000000cb3ff000000000000098a567736d386ba567736d386ba567736d"
+    "386ba567736d386ba46d617468a46d617468a0a092040498cb0000000000000000cbbff8000000000000cbbfe8000000000000cbc00800"
+    "0000000000cb0000000000000000cb0000000000000000cb0000000000000000cb000000000000000093c41000010203040506070a0b0c"
+    "0d0000000093080201a575696e7438c0c098cb0000000000000000cb0000000000000000cb0000000000000000cb0000000000000000cb"
+    "3ff0000000000000cb3ff0000000000000cb0000000000000000cb0000000000000000c098cb0000000000000000cb3ff0000000000000"
+    "cb3ff0000000000000cb3ff0000000000000cb0000000000000000cb0000000000000000cb0000000000000000cb0000000000000000",
+    "91dc0010980708090a0b0c0d0e98c2c2c3c3c3c3c3c398cb0000000000000000cb0000000000000000cb3fd0000000000000cb3fd00000"
+    "00000000cb3fd0000000000000cb3fd0000000000000cb3fd0000000000000cb3fd000000000000098cb0000000000000000cb00000000"
+    "00000000cbbfd0000000000000cbbfd0000000000000cbbfd0000000000000cbbfd0000000000000cbbfd0000000000000cbbfd0000000"
+    "000000980001020304050607910898cb3fe6666666666666cb3fe6666666666666cb3fe6666666666666cb3fe6666666666666cb3fe666"
+    "6666666666cb3fe6666666666666cb3fe6666666666666cb3fe666666666666698a567736d386ba567736d386ba567736d386ba567736d"
+    "386ba567736d386ba567736d386ba567736d386ba567736d386b910898cb0000000000000000cbbfe0000000000000cbbff00000000000"
+    "00cbc000000000000000cbbfd0000000000000cbc010000000000000cbbff2000000000000cbbfb000000000000093c410141516171819"
+    "1a1b1c1d1e1f2021222393080201a575696e7438c0c0c0c098cb0000000000000000cb0000000000000000cb3fe0000000000000cb3fe0"
+    "000000000000cb3fe0000000000000cb3fe0000000000000cb3fe0000000000000cb3fe0000000000000",
+]
 TEMPERATURES = {"gsm8k": 0.7, "math": 1.0}
+REFS = [[0.0, -1.5, -0.75, -3.0], [0.0, 0.0], [0.0, -0.5, -1.0, -2.0, -0.25, -4.0, -1.125, -0.0625, -2.5, -0.375]]
 
 
 def golden_batch() -> Batch:
@@ -50,6 +76,15 @@ def golden_batch() -> Batch:
     scalars: dict[str, list[Any]] = {"advantage": [0.5, -1.0, 0.25], "env": ["gsm8k", "math", "gsm8k"],
                                      "reward": [1.0, 0.0, 1.0]}
     return Batch.from_columns("run", 0, chunks, [len(x) for x in ids], scalars)
+
+
+def opd_batch() -> Batch:
+    """``golden_batch`` with the teacher's column and the distillation scalars (see GOLDEN_OPD)."""
+    b = golden_batch()
+    columns = {**b.columns, "ref_logprobs": np.concatenate([np.array(r, np.float32) for r in REFS])}
+    scalars = {**b.scalars, "advantage": [0.0, -1.0, 0.25], "opd_weight": [1.0, 0.0, 0.5],
+               "reward_weight": [0.0, 1.0, 1.0]}
+    return Batch(b.run, b.step, columns, b.offsets, scalars)
 
 
 def lengths_batch(lengths: list[int], routed_dtype: str | None = None) -> Batch:
@@ -71,6 +106,29 @@ def test_bytes_equal_what_prime_rl_packs_and_msgspec_encodes() -> None:
     step = encode_step(golden_batch(), seq_len=8, ranks=2, pad_to_multiple_of=4, temperature=TEMPERATURES)
     assert [bytes(m).hex() for m in step.messages] == GOLDEN
     assert (step.micro_batches, step.pad_tokens, step.dummies, step.truncated) == (1, 2, 0, 1)
+
+
+def test_the_teachers_column_goes_where_prime_rls_trainer_reads_it() -> None:
+    step = encode_step(opd_batch(), seq_len=8, ranks=2, pad_to_multiple_of=4, temperature=TEMPERATURES)
+    assert [bytes(m).hex() for m in step.messages] == GOLDEN_OPD
+    grid = [DECODER.decode(m) for m in step.messages]
+    by_first = {s.input_ids[0]: s for s in check_step(grid, seq_len=8, pad_to_multiple_of=4, routed_dtype="uint8")}
+    opd, reward, both = by_first[1], by_first[5], by_first[7]
+    assert (opd.ref_logprobs, opd.ref_kl_weights, opd.rl_weights) == (REFS[0], [0.0, 1.0, 1.0, 1.0], [0.0] * 4)
+    assert opd.advantage == 0.0
+    assert reward.ref_logprobs == [0.0, 0.0]  # in the same micro-batch as a distilled sample: prime-rl's fill
+    assert (reward.ref_kl_weights, reward.rl_weights) == ([0.0, 0.0], [1.0, 1.0])
+    assert both.ref_logprobs == REFS[2][:8]  # cut to seq_len with its sample
+    assert both.ref_kl_weights == [0.0, 0.0] + [0.5] * 6
+    assert both.rl_weights is None  # reward+opd keeps the rl component (weight 1)
+
+
+def test_a_batch_without_a_distilled_sample_sends_no_teacher_fields() -> None:
+    b = opd_batch()
+    b.scalars["opd_weight"] = [0.0, 0.0, 0.0]  # a job with a teacher whose step holds only reward envs' samples
+    step = encode_step(b, seq_len=8, ranks=2, pad_to_multiple_of=4, temperature=TEMPERATURES)
+    for mb in (mb for m in step.messages for mb in DECODER.decode(m)):
+        assert (mb.ref_logprobs, mb.ref_kl_weights, mb.rl_weights) == (None, None, None)
 
 
 def test_the_trainers_decoder_reads_it_and_msgspec_writes_the_same_bytes() -> None:

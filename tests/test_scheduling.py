@@ -152,6 +152,15 @@ def test_zero_advantage_gate_rejects_equal_non_binary_rewards_whose_advantages_a
     assert gates.take_counts() == {}
 
 
+def test_zero_advantage_spares_the_groups_of_envs_that_distil() -> None:
+    """A distilling env's group trains on the teacher's term whatever its rewards: no gate of zero advantage."""
+    gates = Gates([GateConfig(name="zero_advantage"), GateConfig(name="reward_range", args={"max": 0.5})],
+                  distilling=["opd"])
+    assert gates(view([0.0, 0.0, 0.0], env="opd")) is None
+    assert gates(view([1.0, 1.0, 1.0], env="opd")) == "reward_range"  # only zero_advantage spares it
+    assert gates(view([0.0, 0.0, 0.0], env="a")) == "zero_advantage"
+
+
 def test_range_gates_and_env_scoping() -> None:
     gates = Gates([GateConfig(name="reward_range", args={"min": 0.2, "max": 0.8}, envs=("a",)),
                    GateConfig(name="advantage_range", args={"min": -0.1, "max": 0.1})])

@@ -2,7 +2,8 @@
 
 ``synthetic_groups`` makes ``rollouts`` records in groups of ``group_size``; each record has one sample of
 ``tokens`` tokens over ``turns`` turns (half prompt, half sampled per turn), routed experts ``layers`` x
-``top_k`` (none when either is 0), a ``versions`` column (policy 0 on the sampled tokens), binary rewards, and
+``top_k`` (none when either is 0), a ``versions`` column (policy 0 on the sampled tokens), with ``teacher`` a
+``ref_logprobs`` column, binary rewards, and
 the same header fields and column frames as ``worker.process.episode_record``. Seeded: the same arguments give
 the same bytes. Used by tests and by ``scripts/perf`` (synthetic dumps, replay, bench_step). ``rollout_row`` makes
 a rollout's row with only the fields a test of a row's reader cares about.
@@ -33,8 +34,9 @@ def synthetic_config(rollouts: int, group_size: int = 8, run: str = "synthetic")
 
 
 def synthetic_record(rng: np.random.Generator, rid: str, gid: str, env: str, task: int, turns: int, tokens: int,
-                     layers: int, top_k: int) -> RolloutRecord:
-    """One successful rollout record with a single ``turns``-turn sample of ``tokens`` tokens."""
+                     layers: int, top_k: int, teacher: bool = False) -> RolloutRecord:
+    """One successful rollout record with a single ``turns``-turn sample of ``tokens`` tokens (``teacher``: with a
+    ``ref_logprobs`` column, random logprobs after the first token)."""
     turns = max(1, min(turns, tokens // 2 or 1))
     bounds = np.linspace(0, tokens, 2 * turns + 1).astype(np.int64)
     mask = np.zeros(tokens, np.uint8)
@@ -43,27 +45,32 @@ def synthetic_record(rng: np.random.Generator, rid: str, gid: str, env: str, tas
     token_ids = rng.integers(0, 150_000, tokens, dtype=np.int32)
     logprobs = np.where(mask, rng.normal(-1.0, 0.5, tokens), 0.0).astype(np.float32)
     versions = np.where(mask, 0, NOT_SAMPLED).astype(np.int32)
+    columns = [token_ids, mask, logprobs, versions]
+    if teacher:
+        columns.append(np.concatenate([[0.0], rng.normal(-2.0, 1.0, tokens - 1)]).astype(np.float32)[:tokens])
     routed = (np.frombuffer(rng.bytes(tokens * layers * top_k), np.uint8) if layers and top_k
               else np.zeros(0, np.uint8))
     shape = (tokens, layers, top_k) if layers and top_k else (tokens, 0, 0)
     header = RolloutHeader(rid=rid, group=gid, env=env, task=task, policy_step=0, worker="synthetic",
                            server="synthetic", ok=True, reward=float(rng.integers(0, 2)), metrics={"correct": 1.0},
-                           stop="length", samples=[shape], tokens=tokens, optional=["versions"],
-                           wall_s=round(float(rng.uniform(1, 30)), 4), frames=5)
-    frames = [a.data.cast("B") for a in (token_ids, mask, logprobs, versions, routed)]
+                           stop="length", samples=[shape], tokens=tokens,
+                           optional=["versions", "ref_logprobs"] if teacher else ["versions"],
+                           wall_s=round(float(rng.uniform(1, 30)), 4), frames=len(columns) + 1)
+    frames = [a.data.cast("B") for a in (*columns, routed)]
     return RolloutRecord(header, frames)
 
 
 def synthetic_groups(rollouts: int, turns: int, tokens: int, layers: int, top_k: int, *, group_size: int = 8,
-                     seed: int = 0) -> list[ReplayGroup]:
-    """``rollouts`` records in groups of ``group_size`` (the last group may be smaller), two environments."""
+                     seed: int = 0, teacher: bool = False) -> list[ReplayGroup]:
+    """``rollouts`` records in groups of ``group_size`` (the last group may be smaller), two environments
+    (``teacher``: every record with a ``ref_logprobs`` column)."""
     rng = np.random.default_rng(seed)
     groups: list[ReplayGroup] = []
     for g, start in enumerate(range(0, rollouts, group_size)):
         size = min(group_size, rollouts - start)
         gid, env = f"g{g}", ENVS[g % len(ENVS)]
         group = ReplayGroup(gid, env, task=g, policy=0, size=size)
-        group.records = [synthetic_record(rng, f"{gid}-{i}", gid, env, g, turns, tokens, layers, top_k)
+        group.records = [synthetic_record(rng, f"{gid}-{i}", gid, env, g, turns, tokens, layers, top_k, teacher)
                          for i in range(size)]
         groups.append(group)
     return groups
