@@ -129,3 +129,41 @@ def test_save_and_resume_round_trip_the_weights(model_dir: Path, tmp_path: Path)
     assert TorchLearnConfig().lr == 1e-6  # a real model's default, not the tests' tiny one's
     with pytest.raises(ValueError, match="lr > 0"):
         TorchLearnConfig(lr=0)
+
+
+def with_teacher(batch: Batch, shift: list[float]) -> Batch:
+    """``batch`` distilled from a teacher whose logprob of each sampled token of sample i is the shipped one plus
+    ``shift[i]`` (it likes the token more than the policy does where ``shift`` > 0); no reward advantage."""
+    mask = batch.columns["loss_mask"] != 0
+    per_token = np.repeat(np.asarray(shift, np.float32), np.diff(batch.offsets))
+    batch.columns["ref_logprobs"] = np.where(mask, batch.columns["logprobs"] + per_token, -3.0).astype(np.float32)
+    batch.scalars.update(opd_weight=[1.0] * batch.num_samples, reward_weight=[0.0] * batch.num_samples,
+                         advantage=[0.0] * batch.num_samples)
+    return batch
+
+
+def sampled_logprob(model: Any, batch: Batch, i: int) -> float:
+    """Sample ``i``'s last token's logprob under ``model`` given the tokens before it."""
+    ids = torch.from_numpy(batch.sample(i)["token_ids"].astype(np.int64))
+    with torch.no_grad():
+        return float(torch.log_softmax(model(input_ids=ids[None]).logits[0, -2], -1)[ids[-1]])
+
+
+def test_the_kl_to_the_teacher_is_reported_and_the_teachers_term_moves_the_policy_its_way(model_dir: Path) -> None:
+    batch = with_teacher(sampled_batch(model_dir, temperature=1.0, mode="raw", n=2, new=1), [2.0, -2.0])
+    learner = TorchLearner(model_dir, TorchLearnConfig(lr=1e-2))
+    before = [sampled_logprob(learner.model, batch, i) for i in range(2)]
+    stats = learner.update(batch)
+    assert stats.teacher_kl == pytest.approx(0.0, abs=1e-5)  # mean of -2 and +2: on-policy, shipped = recomputed
+    assert "KL to the teacher" in str(stats)
+    assert sampled_logprob(learner.model, batch, 0) > before[0]  # the teacher likes it more: up
+    assert sampled_logprob(learner.model, batch, 1) < before[1]
+    batch.scalars["opd_weight"] = [0.0, 0.0]  # not distilled: no advantage, no teacher's term, no report
+    stats = TorchLearner(model_dir, TorchLearnConfig(lr=1e-2)).update(batch)
+    assert (stats.teacher_kl, stats.grad_norm) == (None, 0.0)
+
+
+def test_a_batch_without_the_teachers_column_reports_no_kl(model_dir: Path) -> None:
+    stats = TorchLearner(model_dir).update(sampled_batch(model_dir, temperature=1.0, mode="raw"))
+    assert stats.teacher_kl is None
+    assert "teacher" not in str(stats)
