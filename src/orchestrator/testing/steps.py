@@ -45,7 +45,7 @@ def synthetic_record(rng: np.random.Generator, rid: str, gid: str, env: str, tas
     token_ids = rng.integers(0, 150_000, tokens, dtype=np.int32)
     logprobs = np.where(mask, rng.normal(-1.0, 0.5, tokens), 0.0).astype(np.float32)
     versions = np.where(mask, 0, NOT_SAMPLED).astype(np.int32)
-    columns = [token_ids, mask, logprobs, versions]
+    columns: list[np.ndarray] = [token_ids, mask, logprobs, versions]
     if teacher:
         columns.append(np.concatenate([[0.0], rng.normal(-2.0, 1.0, tokens - 1)]).astype(np.float32)[:tokens])
     routed = (np.frombuffer(rng.bytes(tokens * layers * top_k), np.uint8) if layers and top_k
