@@ -47,12 +47,25 @@ def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
         cfg = load_config(demo, sets)
         parsed = parser.parse_args(cfg.sim.arguments(cfg.model.name, cfg.inference.backend))
         for f in dataclasses.fields(SimConfig):
-            if f.name in ("servers", "seed"):  # the demo's own: how many to start, and seed + i per server
-                continue
+            if f.name in ("servers", "seed", "teacher_seed"):  # the demo's own: how many to start, seed + i per
+                continue  # server, and the teacher's policy (teacher_arguments, below)
             expected = getattr(cfg.sim, f.name)
             if f.name == "profile" and expected is None:  # unset: the one inference.backend names
                 expected = {"prime-rl": "prime-rl", "vllm": "vllm-0.31"}[cfg.inference.backend]
             assert getattr(parsed, f.name) == expected, f.name
+
+
+def test_the_demos_teacher_servers_play_another_policy_with_a_longer_context() -> None:
+    from orchestrator.commands.demo import teacher_arguments
+    from orchestrator.commands.sim_inference import add_arguments
+    from orchestrator.config import load_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "distill.toml", ["sim.teacher_seed=7"])
+    parsed = parser.parse_args(teacher_arguments(cfg, 0))
+    assert (parsed.policy_seed, parsed.model, parsed.profile) == (7, "teacher", "prime-rl")
+    assert parsed.max_model_len > parser.parse_args([]).max_model_len  # the policy servers'
 
 
 def test_the_demo_table_shows_a_dash_for_an_environment_without_rollouts_in_a_step() -> None:

@@ -3,7 +3,9 @@
 Starts simulated inference servers (subprocesses), env workers with the built-in environments, and the
 reference trainer in its learning mode: it trains the tiny policy the simulated servers sample from
 (``orchestrator.policy``) on every batch and announces each new checkpoint, so weights sync every step and the
-reward climbs (``--no-learn``: it trains nothing and the reward stays where it started). Runs ``--steps`` steps
+reward climbs (``--no-learn``: it trains nothing and the reward stays where it started). ``--distill`` runs
+``configs/distill.toml`` instead: on-policy distillation from a simulated teacher (another tiny policy), whose mean
+KL to the student falls step by step in the summary. Runs ``--steps`` steps
 with the progress bar of ``orchestrator run`` (orchestrator.progress), prints a summary table and renders the
 plots of ``orchestrator report`` (when matplotlib, the ``plots`` extra, is installed).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,11 @@ HELP = "run the embedded demo: simulated inference, built-in environments, refer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/demo.toml", help="demo config (default: configs/demo.toml)")
+    p.add_argument("--config", default=None, help="demo config (default: configs/demo.toml, with --distill "
+                   "configs/distill.toml)")
+    p.add_argument("--distill", action="store_true",
+                   help="on-policy distillation: a simulated teacher (another tiny policy) scores every sample and the "
+                        "trainer learns to imitate it; the summary shows the mean KL to it per step")
     p.add_argument("--steps", type=int, default=None, help="steps to run (default: run.max_steps of the config)")
     p.add_argument("--output-dir", default=None, help="where outputs go (default: run.output_dir of the config)")
     p.add_argument("--no-learn", action="store_true",
@@ -44,8 +51,12 @@ def main(args: argparse.Namespace) -> int:
         overrides.append(f"run.max_steps={args.steps}")
     if args.output_dir is not None:
         overrides.append(f'run.output_dir="{args.output_dir}"')
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config or ("configs/distill.toml" if args.distill else "configs/demo.toml"), overrides)
     real_stack = args.real_stack.resolve() if args.real_stack is not None else None
+    if real_stack is not None and cfg.teacher is not None:
+        print("demo: a teacher ([teacher], --distill) runs on the simulated servers only; run it without --real-stack",
+              file=sys.stderr)
+        return 2
     return run_async(interruptible(demo(cfg, learn=not args.no_learn, real_stack=real_stack)))
 
 
@@ -100,8 +111,14 @@ async def with_sim_servers(cfg: JobConfig) -> AsyncIterator[JobConfig]:
     async with contextlib.AsyncExitStack() as stack:
         servers = [await stack.enter_async_context(sim_process([*args, "--seed", str(cfg.sim.seed + i)]))
                    for i in range(cfg.sim.servers)]
-        yield dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference,
+        cfg = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference,
                                                                      servers=tuple(s.url for s in servers)))
+        if cfg.teacher is not None:  # one more simulated server per teacher URL, on another policy, never synced
+            teachers = [await stack.enter_async_context(sim_process(teacher_arguments(cfg, i)))
+                        for i in range(len(cfg.teacher.servers))]
+            cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher,
+                                                                       servers=tuple(t.url for t in teachers)))
+        yield cfg
 
 
 @contextlib.asynccontextmanager
@@ -132,6 +149,15 @@ def torch_learner(model: Path) -> Any:
     return TorchLearner(model, TorchLearnConfig(lr=1e-2))
 
 
+def teacher_arguments(cfg: JobConfig, i: int) -> list[str]:
+    """``sim-inference`` flags of the demo's ``i``-th teacher server: the policy servers' profile, the teacher's
+    model name and tiny policy, a context one token longer than theirs (a sample that fills theirs is scored)."""
+    assert cfg.teacher is not None
+    return ["--profile", cfg.sim.server_profile(cfg.inference.backend), "--model", cfg.teacher.model,
+            "--policy-seed", str(cfg.sim.teacher_seed), "--seed", str(cfg.sim.seed + 1000 + i),
+            "--max-model-len", "4097"]
+
+
 def print_summary(console: Any, metrics: list[dict[str, Any]], received: list[Any], out: Path) -> None:
     from rich.table import Table
 
@@ -151,5 +177,10 @@ def print_summary(console: Any, metrics: list[dict[str, Any]], received: list[An
         ends = [(e, [m["reward_mean"][e] for m in metrics if e in m["reward_mean"]]) for e in envs]
         console.print("reward, first -> last steps: " + ", ".join(
             f"{e} {sum(r[:k]) / len(r[:k]):.3f} -> {sum(r[-k:]) / len(r[-k:]):.3f}" for e, r in ends if r))
+    kl = [(r.step, getattr(r.learned, "teacher_kl", None)) for r in received]
+    kl = [(step, v) for step, v in kl if v is not None]
+    if kl:  # on-policy distillation: what the trainer measured before each update
+        console.print("mean KL to the teacher (trainer, before each update): " + ", ".join(
+            f"step {step} {v:.3f}" for step, v in kl))
     console.print(f"trainer received {len(received)} steps in order: {[r.step for r in received]}")
     console.print(f"outputs: {out}/rollouts.jsonl, {out}/metrics.jsonl")

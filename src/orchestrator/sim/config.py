@@ -33,6 +33,8 @@ class SimConfig:
     layers: int = opt(0, ge=0, doc="MoE layers for routed experts (0: no routed experts)")
     top_k: int = opt(0, ge=0, doc="experts per token for routed experts")
     num_experts: int = opt(64, ge=1, le=65535, doc="experts per layer (above 256 expert ids travel as uint16)")
+    teacher_seed: int = opt(1, ge=0, doc="with a [teacher]: the demo's simulated teacher servers score with the tiny "
+                            "policy drawn from this seed (another model than the one the policy servers start from)")
 
     def problems(self, key: str, source: Source) -> Iterable[str]:
         if (self.layers == 0) != (self.top_k == 0):
