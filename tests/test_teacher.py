@@ -4,12 +4,14 @@ preflight of the teacher's servers."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import orjson
 import pytest
 
 from orchestrator.assets import tokenizer_dir
+from orchestrator.config import JobConfig
 from orchestrator.contracts.protocol import TeacherSpec
 from orchestrator.errors import Failure
 from orchestrator.inference.config import TeacherConfig
@@ -17,6 +19,7 @@ from orchestrator.inference.preflight import PreflightError, encode_probe, prefl
 from orchestrator.policy import Policy
 from orchestrator.sim.server import Faults
 from orchestrator.testing.distill import TEACHER_SEED, exact_logprobs
+from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.sim import sim_cluster
 from orchestrator.workers.teacher import Teacher, TeacherError, parse_prompt_logprobs
@@ -169,3 +172,19 @@ async def test_preflight_names_every_problem_of_the_teachers_servers() -> None:
     assert "must use the policy's tokenizer" in problems[2]  # the probe [1, 2, 3] is not the built-in encoding
     assert all("tokenizer" in p or "--enable-scale-out" in p for p in problems[3:5])
     assert f"teacher {gone.urls[0]}: not reachable" in problems[5]
+
+
+async def test_check_servers_checks_the_teacher_of_a_job_that_distils(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from orchestrator.commands.check import check_servers
+
+    async with sim_cluster(1) as policy, sim_cluster(1, model="teacher", max_model_len=4097) as teacher:
+        def cfg(model: str) -> JobConfig:
+            return job_config(tmp_path, inference={"servers": policy.urls}, scheduler={"batch_size": 4},
+                              teacher={"servers": teacher.urls, "model": model},
+                              env=[{**ARITHMETIC, "algorithm": "reward+opd"}])
+
+        await check_servers(cfg("teacher"))
+        assert f"# teacher {teacher.urls[0]}: OK ('teacher', max_model_len 4097)" in capsys.readouterr().out
+        with pytest.raises(PreflightError, match=r"not teacher\.model = 'nope': set teacher\.model"):
+            await check_servers(cfg("nope"))

@@ -1,6 +1,7 @@
 """``orchestrator check FILE [--servers]``: validate a job config and print it resolved (defaults filled in);
 each environment's verifiers configuration is validated by verifiers itself (imported here, a few seconds);
-with ``--servers``, also run the preflight checks of every inference server it names (read-only), and check
+with ``--servers``, also run the preflight checks of every inference server it names (read-only) and of the
+``[teacher]``'s servers when an env distils, and check
 what can be checked now of ``inference.weights_path`` (checkpoint_files.weights_path_report: the directory above
 ``{step}`` exists and the newest checkpoint already there loads; steps not written yet are not a problem)."""
 
@@ -18,8 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="job config (TOML)")
     p.add_argument("--servers", action="store_true",
                    help="also check each inference server: reachable, serves model.name, admin routes of the "
-                        "backend, tokenizer, one generate round trip; and inference.weights_path: its directory "
-                        "exists, the newest checkpoint in it loads (exit 1 naming every problem)")
+                        "backend, tokenizer, one generate round trip; each [teacher] server: reachable, serves "
+                        "teacher.model, context, tokenizer, one scoring round trip; and inference.weights_path: its "
+                        "directory exists, the newest checkpoint in it loads (exit 1 naming every problem)")
     add_set_argument(p)
 
 
@@ -68,7 +70,7 @@ async def check_servers(cfg: JobConfig) -> None:
     from orchestrator.assets import tokenizer_dir
     from orchestrator.inference.logprobs import LogprobsCheck
     from orchestrator.inference.pool import InferencePool
-    from orchestrator.inference.preflight import PreflightError, preflight
+    from orchestrator.inference.preflight import PreflightError, encode_probe, preflight, preflight_teacher
 
     tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
     problem, weights = await asyncio.to_thread(check_weights_path, cfg.inference)
@@ -85,6 +87,11 @@ async def check_servers(cfg: JobConfig) -> None:
         raise PreflightError([problem])
     for r in checked.servers:
         print(f"# {r.url}: OK ({cfg.inference.backend}, {cfg.model.name!r}, max_model_len {r.max_model_len})")
+    if cfg.teacher is not None and any(e.distills for e in cfg.env):
+        lengths = [r.max_model_len for r in checked.servers if r.max_model_len]
+        for r in await preflight_teacher(cfg.teacher, encoded=encode_probe(tokenizer),
+                                         policy_max_len=max(lengths) if lengths else None):
+            print(f"# teacher {r.url}: OK ({cfg.teacher.model!r}, max_model_len {r.max_model_len})")
     print(f"# logprobs_mode: {checked.logprobs_mode} ({checked.logprobs.how}); batches say so to the trainer")
     if weights:
         print(f"# inference.weights_path: {weights}")
