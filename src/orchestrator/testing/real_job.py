@@ -67,6 +67,7 @@ class RealJob:
     env_sampling: Mapping[str, Section] = field(default_factory=dict)
     pipeline: Section = field(default_factory=lambda: {"gates": []})  # [pipeline]: every finished group trains
     extra: Mapping[str, Section | Sequence[Section]] = field(default_factory=dict)  # more sections (testing.jobs)
+    env_keys: Mapping[str, Section] = field(default_factory=dict)  # more keys of an env, by name (e.g. algorithm)
 
     @property
     def trainer_address(self) -> str:
@@ -84,7 +85,8 @@ class RealJob:
                        "concurrency": self.concurrency},
             pipeline=self.pipeline,
             env=[{"name": name, "taskset": ENVS[name], "group_size": self.group_size, "workers": self.workers,
-                  "sampling": {**sampling, **self.env_sampling.get(name, {})}} for name in self.envs],
+                  "sampling": {**sampling, **self.env_sampling.get(name, {})}, **self.env_keys.get(name, {})}
+                 for name in self.envs],
             **self.extra)
 
 
