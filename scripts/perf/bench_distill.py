@@ -14,7 +14,8 @@ worst step's p99 and max), rollouts/s; then ``orch_cpu_ratio`` (with / without; 
 and requests live in the env workers, the orchestrator sees the same headers), ``lag_p99_delta_ms`` and
 ``lag_max_delta_ms`` (with - without; target: no growth beyond the run's noise) and ``with_teacher_to_without``
 (rollouts/s; no target on 2 cores, where the teacher's prefills share the CPU with everything else). Also the
-machine's load average at the start and the end: the figures are only as quiet as the machine was.
+machine's load average at the start and the end: the figures are only as quiet as the machine was, and the
+machine and commit (``_machine.py``).
 Last line with --json: JSON.
 """
 
@@ -30,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _machine import with_machine
 
 from orchestrator.cli import run_async
 from orchestrator.procs import terminate
@@ -126,7 +129,7 @@ def main() -> None:
     args = p.parse_args()
     result = run_async(main_async(args))
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(with_machine(result)))
     else:
         for k, v in result.items():
             print(f"{k}: {v}")
