@@ -13,7 +13,15 @@ excluded: env workers and servers are other processes), its loop lag (sampled ev
 worst step's p99 and max), rollouts/s; then ``orch_cpu_ratio`` (with / without; target <= 1.1: the teacher's bytes
 and requests live in the env workers, the orchestrator sees the same headers), ``lag_p99_delta_ms`` and
 ``lag_max_delta_ms`` (with - without; target: no growth beyond the run's noise) and ``with_teacher_to_without``
-(rollouts/s; no target on 2 cores, where the teacher's prefills share the CPU with everything else). Also the
+(rollouts/s; no target on 2 cores, where the teacher's prefills share the CPU with everything else).
+``--data-plane direct`` keeps every column, the teacher's too, out of the orchestrator (default: through).
+
+Read ``orch_cpu_ratio`` with ``cpu_ms_per_s`` (the orchestrator's CPU per second of wall time): part of its CPU is
+paid per second, not per rollout (the loop-lag sampler at ``--lag-interval-s``, timers, polls), and with the
+teacher's prefills on the same 2 cores a pass takes longer, so that part lands on fewer rollouts per second.
+Smoke runs (``--rollouts 200 --repeats 1``, load 6-14 from other work, 2026-11-28): 1.16, 1.19 and 1.24 through,
+1.62 direct, where the pass with the teacher ran at 0.29 x the rollouts/s: not a figure; the lead's run on a
+quiet machine, at the default sizes, is. Also the
 machine's load average at the start and the end: the figures are only as quiet as the machine was, and the
 machine and commit (``_machine.py``).
 Last line with --json: JSON.
@@ -41,8 +49,8 @@ from orchestrator.sim.process import sim_process
 STEPS = 10
 
 
-async def one_pass(policy: str, teacher: str | None, rollouts: int, out: Path, lag_interval_s: float
-                   ) -> dict[str, Any]:
+async def one_pass(policy: str, teacher: str | None, rollouts: int, out: Path, lag_interval_s: float,
+                   data_plane: str) -> dict[str, Any]:
     from orchestrator.app import Orchestrator
     from orchestrator.config import load_config
     from orchestrator.testing.jobs import toml_text
@@ -54,6 +62,7 @@ async def one_pass(policy: str, teacher: str | None, rollouts: int, out: Path, l
         "scheduler": {"batch_size": rollouts // STEPS, "max_inflight": 64, "max_async_level": STEPS,
                       "max_off_policy_steps": STEPS},
         "pipeline": {"gates": []},  # every group trains: the same work in both passes
+        "transport": {"data_plane": data_plane},
         "monitor": {"lag_interval_s": lag_interval_s, "lag_window": 200000, "lag_warn_ms": 1000.0,
                     "lag_error_ms": 10000.0},
         "env": [{"taskset": "orchestrator-arithmetic", "group_size": 8, "workers": 2, "sampling": {"max_tokens": 8},
@@ -80,6 +89,7 @@ async def one_pass(policy: str, teacher: str | None, rollouts: int, out: Path, l
     done = sum(m["rollouts"] for m in summary.metrics)
     failed = sum(m["failed"] for m in summary.metrics)
     return {"rollouts": done, "failed": failed, "rollouts_per_s": done / wall, "cpu_ms_per_rollout": cpu * 1e3 / done,
+            "cpu_ms_per_s": cpu * 1e3 / wall,
             "lag_p99_ms": max(m["lag"]["p99"] for m in summary.metrics),
             "lag_max_ms": max(m["lag"]["max"] for m in summary.metrics)}
 
@@ -101,14 +111,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(args.repeats):
                 for name in ("without", "with"):
                     result = await one_pass(policy.url, teacher.url if name == "with" else None, args.rollouts,
-                                            Path(tmp) / f"{name}-{i}", args.lag_interval_s)
+                                            Path(tmp) / f"{name}-{i}", args.lag_interval_s, args.data_plane)
                     runs[name].append(result)
                     print(f"pass {i} {name} teacher: {json.dumps({k: round(v, 3) for k, v in result.items()})}",
                           file=sys.stderr, flush=True)
-    out: dict[str, Any] = {"rollouts_per_pass": args.rollouts, "repeats": args.repeats,
+    out: dict[str, Any] = {"rollouts_per_pass": args.rollouts, "repeats": args.repeats, "data_plane": args.data_plane,
                            "lag_interval_s": args.lag_interval_s}
     for name, passes in runs.items():
-        for key in ("cpu_ms_per_rollout", "rollouts_per_s", "lag_p99_ms", "lag_max_ms"):
+        for key in ("cpu_ms_per_rollout", "cpu_ms_per_s", "rollouts_per_s", "lag_p99_ms", "lag_max_ms"):
             out[f"{key}_{name}"] = median(passes, key)
         out[f"failed_{name}"] = sum(p["failed"] for p in passes)
     out["orch_cpu_ratio"] = round(out["cpu_ms_per_rollout_with"] / out["cpu_ms_per_rollout_without"], 3)
@@ -124,6 +134,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rollouts", type=int, default=800, help="rollouts per pass (10 steps)")
     p.add_argument("--repeats", type=int, default=3, help="passes of each kind, interleaved")
+    p.add_argument("--data-plane", choices=("through", "direct"), default="through",
+                   help="through (default): column bytes, the teacher's too, pass the orchestrator; direct: not")
     p.add_argument("--lag-interval-s", type=float, default=0.01, help="loop-lag sampling interval")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args()
