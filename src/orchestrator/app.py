@@ -37,6 +37,7 @@ from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.contracts.rows import RolloutRow
 from orchestrator.contracts.wire import LogprobsMode
 from orchestrator.delivery.sender import Sender
+from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.engines import job_scheduler, open_engines, open_plane, open_sender, start_workers
 from orchestrator.errors import UnloadableCheckpoint
 from orchestrator.hub.hub import WorkerHub
@@ -94,6 +95,7 @@ class Orchestrator:
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
         self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
         self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
+        self.syncs: WeightSyncLoop | None = None  # weight syncs: their reports go into the step's metrics
         self.plane = open_plane(cfg.transport, cfg.security, cfg.pipeline.dump_steps, self.builder, hub, sender, sinks,
                                 self.off_loop, self.outputs.write_rows)
 
@@ -153,7 +155,8 @@ class Orchestrator:
             except (KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign state file
                 raise StateError(f"{self.out / STATE_FILE}: the scheduler's saved state is unusable ({e!r}); fix the "
                                  "file or start fresh (without --resume)") from None
-            syncs = WeightSyncLoop(self.pool, sched, self.state, cfg.inference)
+            channel = self.sender if isinstance(self.sender, BatchSender) else None  # the trainer link, if ZMQ
+            syncs = self.syncs = WeightSyncLoop(self.pool, sched, self.state, cfg.inference, channel=channel)
             if refused is not None:
                 syncs.refuse(*refused)
             t = cfg.transport
@@ -256,6 +259,8 @@ class OrchestratorSteps:
                  "filters": result.filter_counts, "scheduler": counts, "pool": dict(orch.pool.metrics),
                  "hub": dict(orch.hub.metrics)}
         extra.update(orch.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
+        if orch.syncs is not None and (syncs := orch.syncs.take_reports()):
+            extra["weight_syncs"] = syncs  # each sync finished since the last step: its phases' wall times
         return extra
 
     def lag(self) -> LagStats:

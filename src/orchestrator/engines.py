@@ -70,8 +70,10 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     stated = cfg.inference.logprobs_mode
     logprobs_mode: LogprobsMode | None = None if stated == "auto" else stated
     if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
-        checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
+        inf = cfg.inference
+        checked = await preflight([s.api for s in pool.servers], backend=inf.backend,
                                   model=cfg.model.name, tokenizer=tokenizer, resume=True,
+                                  transfer=inf.transfer_backend,
                                   logprobs=LogprobsCheck.of(cfg.inference, [e.sampling.temperature for e in train],
                                                             prime_rl_trainer=cfg.transport.kind == "prime-rl"))
         log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(checked.servers),

@@ -13,6 +13,7 @@ from orchestrator.cli import run_async
 from orchestrator.commands.client_keys import add_key_arguments, client_keys, file_path, zmq_address
 
 if TYPE_CHECKING:
+    from orchestrator.trainer.broadcast import WeightBroadcaster
     from orchestrator.trainer.reference import Learner
 
 HELP = "run the reference trainer: receive batches, print a line per step, announce checkpoints"
@@ -44,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gradient steps per batch (default: --learn 2, --torch-model 1)")
     p.add_argument("--temperature", type=float, default=None,
                    help="the sampling temperature of batches that carry none (default: 1.0)")
+    p.add_argument("--broadcast", action="store_true",
+                   help="send the weights to the inference servers over gloo when the orchestrator asks "
+                        "([inference] weight_transfer = 'broadcast'; needs torch): the learner's, else the "
+                        "unchanged initial policy")
+    p.add_argument("--save-every", type=int, default=1, metavar="K",
+                   help="write a checkpoint directory only every K steps (with --broadcast: what servers that join "
+                        "late load, and what a restarted trainer resumes from; default: every step)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -65,9 +73,18 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ImportError) as e:
         print(f"receive: {e}", file=sys.stderr)
         return 2
+    if args.save_every < 1:
+        print("receive: --save-every must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        broadcaster = _broadcaster(learner) if args.broadcast else None
+    except ImportError as e:
+        print(f"receive: {e}", file=sys.stderr)
+        return 2
     keys = client_keys(args, args.address, "trainer")
     trainer = ReferenceTrainer(args.address, args.train_s, not args.no_announce, args.steps, journal=args.journal,
-                               keys=keys, checkpoint_dir=args.checkpoint_dir, learner=learner)
+                               keys=keys, checkpoint_dir=args.checkpoint_dir, learner=learner,
+                               broadcaster=broadcaster, save_every=args.save_every)
     try:
         run_async(trainer.run())
     finally:
@@ -76,6 +93,20 @@ def main(args: argparse.Namespace) -> int:
         # terminated, and pyzmq does not terminate the shared one at exit: do it, so they go out first.
         zmq.asyncio.Context.instance().term()
     return 0
+
+
+def _broadcaster(learner: Learner | None) -> WeightBroadcaster:
+    """The gloo broadcaster of ``learner``'s weights (none: the unchanged initial policy's)."""
+    try:
+        from orchestrator.trainer.gloo_broadcast import GlooBroadcaster
+    except ImportError as e:
+        raise ImportError(f"--broadcast needs torch: pip install -e '.[torch]' ({e})") from None
+    if learner is not None:
+        return GlooBroadcaster(learner.weights)
+    from orchestrator.policy import Policy
+
+    initial = Policy.initial().weights
+    return GlooBroadcaster(lambda: initial)
 
 
 def _learner(args: argparse.Namespace, given: dict[str, Any]) -> Learner:

@@ -35,6 +35,11 @@ Use (the orchestrator)::
   that, then leaves rotation, named in the log; servers out of rotation are synced by the probe before they
   rejoin, so no server serves old weights unnoticed and none is waited for while it is out. No real server
   reports which weights it serves, so ``server.version`` is what the last successful sync loaded.
+- **Weights over the wire** (``weight_transfer = "broadcast"``, weights/broadcast.py runs them): a server out of
+  rotation whose probe finds it healthy but without the current weights loads them from disk when the trainer
+  wrote them there (every K steps); otherwise it waits (``awaiting``), out of rotation, for the next broadcast,
+  whose group takes it in. ``syncing(servers)`` holds their sync locks during a broadcast; ``evict`` takes out a
+  server whose transfer failed.
 - **No unloadable checkpoint reaches a server.** With ``check_checkpoints`` (default), ``update_weights``
   first checks the checkpoint's directory (checkpoint_files.py) and refuses one that is missing, holds no
   weight files or a corrupt one (UnloadableCheckpoint) before any call: every server keeps its weights and
@@ -50,7 +55,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -61,7 +66,7 @@ from orchestrator.inference.checkpoint_files import why_unloadable
 from orchestrator.inference.config import InferenceConfig
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
-from orchestrator.inference.weights import weight_sync, weights_dir
+from orchestrator.inference.weights import PAUSE_QUERY, weight_sync, weights_dir
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +86,15 @@ class Server:
     inflight: int = 0  # rollouts acquired on it
     cap: int | None = None  # rollouts it may have at once (rollouts/concurrency.py); None: no cap of its own
     failures: int = 0  # consecutive
-    version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with)
+    version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with; -1: unknown,
+    # a weight transfer to it failed part way)
     last_error: str = ""
     probe_failures: int = 0  # since it last left rotation
     waiting_since: float | None = None  # given work, and no answer (success or failure) from it since
     answers: int = 0  # successes and failures reported
     checking: bool = False  # a probe or liveness check of it is under way
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    awaiting: bool = False  # healthy, out of rotation, waiting for a broadcast of the current weights
     out_why: str = ""  # why it last left rotation
     out_since: float = 0.0  # when (monotonic)
     probe_verdict: str = ""  # what its last probe found (the reason it stays out), and when
@@ -107,6 +114,7 @@ class WeightSyncResult:
     step: int
     updated: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # url -> reason
+    phases: dict[str, float] = field(default_factory=dict)  # pause, load, resume: the slowest server's (s)
 
 
 class InferencePool:
@@ -205,6 +213,18 @@ class InferencePool:
         if server.in_rotation and (evict or server.failures >= self.cfg.failures_to_evict):
             self._set_rotation(server, False, f"{server.failures} failure(s) in a row, last: {server.last_error}")
 
+    def evict(self, server: Server, why: str) -> None:
+        """A weight sync to ``server`` failed (``why``): out of rotation now, counted."""
+        self.metrics["weight_sync_failed"] += 1
+        server.last_error = why
+        if not server.in_rotation:
+            server.out_why = why
+        self._set_rotation(server, False, why)
+
+    def awaiting(self) -> list[Server]:
+        """Servers out of rotation that wait for a broadcast of the current weights."""
+        return [s for s in self.servers if s.awaiting and not s.in_rotation]
+
     def _set_rotation(self, server: Server, on: bool, why: str) -> None:
         if server.in_rotation == on:
             return
@@ -273,7 +293,7 @@ class InferencePool:
         """A 2-token generate request that must answer and parse within ``timeout_s`` (InferenceError else)."""
         body = {"model": self.model, "token_ids": CANARY_PROMPT, "cache_salt": PROBE_CACHE_SALT,
                 "sampling_params": {"max_tokens": 2, "logprobs": 1, "temperature": 1.0}}
-        raw = await self._timed(server.api.request("POST", "/inference/v1/generate", body=body),
+        raw = await self.timed(server.api.request("POST", "/inference/v1/generate", body=body),
                                 f"a 2-token generate request to {server.url}", timeout_s)
         parse_generate_reply(raw, len(CANARY_PROMPT))
 
@@ -282,13 +302,14 @@ class InferencePool:
         eviction (then at debug level: a server may stay out for hours)."""
         timeout_s = min(self.cfg.request_timeout_s, PROBE_TIMEOUT_S)
         try:
-            await self._timed(server.api.request("GET", "/health"), f"/health of {server.url}", timeout_s)
+            await self.timed(server.api.request("GET", "/health"), f"/health of {server.url}", timeout_s)
             if server.version == self.target.step:
                 # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped)
                 async with server.sync_lock:
-                    await self._timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
+                    await self.timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
             while server.version != self.target.step:  # newer weights may be announced while it loads
-                await self.loadable(self.target)  # checked when announced; it may have been deleted since
+                if not await self._on_disk(server):
+                    return  # it waits for the next broadcast, out of rotation
                 await self._sync_one(server, self.target)  # ends with a resume
             if self.model is not None:
                 await self._canary(server, timeout_s)
@@ -301,6 +322,24 @@ class InferencePool:
             server.probe_failures += 1
             server.probe_verdict, server.probed_at = str(e), time.monotonic()
             log.log(level, "inference server %s stays out of rotation: %s", server.url, e)
+
+    async def _on_disk(self, server: Server) -> bool:
+        """Whether the target's weights load from disk (checked when announced; they may have been deleted
+        since). With weights over the wire they often are not (the trainer writes a checkpoint every K steps):
+        then ``server`` waits for the next broadcast (``awaiting``) and False; otherwise the CheckpointError."""
+        try:
+            await self.loadable(self.target)
+        except CheckpointError as e:
+            if self.cfg.weight_transfer != "broadcast":
+                raise
+            if not server.awaiting:
+                log.info("inference server %s is healthy and waits, out of rotation, for the next broadcast to bring "
+                         "it the weights of step %d (not on disk: %s)", server.url, self.target.step, e)
+            server.awaiting = True
+            server.probe_verdict = f"healthy, waiting for a broadcast of the weights of step {self.target.step}"
+            server.probed_at = time.monotonic()
+            return False
+        return True
 
     def out_of_rotation(self) -> str:
         """The servers out of rotation, in a clause for a stall line: why each left, and its last probe's
@@ -317,8 +356,8 @@ class InferencePool:
             parts.append(f"{s.url} out for {now - s.out_since:.0f} s ({s.out_why}); {probe}")
         return "; ".join(parts)
 
-    async def _timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None, *,
-                     after_failure: bool = False) -> bytes:
+    async def timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None, *,
+                    after_failure: bool = False) -> bytes:
         """``call`` under ``timeout_s`` (default ``weight_sync_timeout_s``; ``after_failure``: at most
         RESUME_AFTER_FAILURE_S), logging every SLOW_CALL_WARN_S while it has no answer: a hung server holds a
         weight sync, and the job, for at most the timeout."""
@@ -362,7 +401,10 @@ class InferencePool:
         self.target = ckpt
         result = WeightSyncResult(ckpt.step)
         live = [s for s in self.servers if s.in_rotation]
-        outcomes = await asyncio.gather(*(self._sync_one(s, ckpt) for s in live), return_exceptions=True)
+        phases: list[dict[str, float]] = [{} for _ in live]
+        outcomes = await asyncio.gather(*(self._sync_one(s, ckpt, p) for s, p in zip(live, phases, strict=True)),
+                                        return_exceptions=True)
+        result.phases = {k: max(p.get(k, 0.0) for p in phases) for k in ("pause", "load", "resume")}
         for server, outcome in zip(live, outcomes, strict=True):
             if isinstance(outcome, InferenceError):
                 result.failed[server.url] = str(outcome)
@@ -378,6 +420,29 @@ class InferencePool:
                         len(self.servers), result.failed)
         return result
 
+    async def pause(self, server: Server) -> None:
+        """Pause ``server`` in keep mode (its in-flight requests freeze), within ``weight_sync_timeout_s``."""
+        await self.timed(server.api.request("POST", "/pause", query=PAUSE_QUERY), f"pause on {server.url}")
+
+    async def resume(self, server: Server, *, after_failure: bool = False) -> None:
+        await self.timed(server.api.request("POST", "/resume"), f"resume on {server.url}", after_failure=after_failure)
+
+    @contextlib.asynccontextmanager
+    async def syncing(self, servers: Iterable[Server]) -> AsyncIterator[None]:
+        """Hold the sync locks of ``servers`` (in a fixed order) while they take new weights together; the time
+        their requests were frozen does not count as waiting for an answer."""
+        ordered = sorted(servers, key=lambda s: s.url)
+        async with contextlib.AsyncExitStack() as stack:
+            for server in ordered:
+                await stack.enter_async_context(server.sync_lock)
+            t0 = time.monotonic()
+            try:
+                yield
+            finally:
+                for server in ordered:
+                    if server.waiting_since is not None:
+                        server.waiting_since = min(time.monotonic(), server.waiting_since + time.monotonic() - t0)
+
     async def loadable(self, ckpt: Checkpoint) -> str:
         """The directory of ``ckpt``'s weights; CheckpointError without one, UnloadableCheckpoint when
         ``check_checkpoints`` finds it cannot be loaded (checkpoint_files.py, in a worker thread)."""
@@ -389,15 +454,16 @@ class InferencePool:
                 raise UnloadableCheckpoint(ckpt.step, path, why)
         return path
 
-    async def _sync_one(self, server: Server, ckpt: Checkpoint) -> None:
+    async def _sync_one(self, server: Server, ckpt: Checkpoint, phases: dict[str, float] | None = None) -> None:
         """The backend's pause / load / resume; one sync per server at a time; logged when slow."""
         path = weights_dir(ckpt, self.cfg.weights_path)
         async with server.sync_lock:
             t0 = time.monotonic()
             try:
-                await self.weights.sync(server.api, ckpt, path, self._timed)
+                await self.weights.sync(server.api, ckpt, path, self.timed, phases)
             finally:
                 if server.waiting_since is not None:  # the pause froze its requests: that time is not waiting
                     server.waiting_since = min(time.monotonic(), server.waiting_since + time.monotonic() - t0)
             server.version = ckpt.step
+            server.awaiting = False
             log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, time.monotonic() - t0)

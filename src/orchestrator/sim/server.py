@@ -55,6 +55,7 @@ from orchestrator.sim.responses import (
     read_json_body,
     validation_error,
 )
+from orchestrator.sim.transfer import SimTransfer
 from orchestrator.sim.vocab import SimVocab
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class SimServer:
     - ``kv``: a KV-cache model (kv.py): generate replies then take as long as the engine needs to decode them
       under that capacity, preempting when it is full; ``kv_time_scale`` scales its clock. None: replies are
       answered after their injected latency alone.
+    - ``weight_transfer``: ``"gloo"`` plays a server started with ``--weight-transfer-config '{"backend":
+      "gloo"}'``: it receives weights over the wire (transfer.py; needs torch); None: without one.
 
     ``weights_path``/``loads`` say what was loaded, ``log``/``counters`` what the server saw, ``gate`` its
     pause state (tests wait on ``gate.wait_until``).
@@ -104,8 +107,8 @@ class SimServer:
     def __init__(self, *, profile: str = DEFAULT_PROFILE, dev_mode: bool = True, model: str = "sim-model",
                  seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
                  faults: Faults = Faults(), record_replies: bool = False, scale_out: bool = True,
-                 logprobs_mode: str = "raw_logprobs", kv: KVModel | None = None, kv_time_scale: float = 1.0
-                 ) -> None:
+                 logprobs_mode: str = "raw_logprobs", kv: KVModel | None = None, kv_time_scale: float = 1.0,
+                 weight_transfer: str | None = None) -> None:
         if (layers == 0) != (top_k == 0):
             raise ValueError("set layers and top_k both (routed experts) or neither")
         if not 1 <= num_experts <= MAX_EXPERTS or top_k > num_experts:
@@ -129,6 +132,9 @@ class SimServer:
         self.counters = Counters()
         self.engine = Engine()  # broken by a failed weight load, dead at the next request that reaches it
         self.kv = None if kv is None else KVDriver(kv, lambda: self.gate.mode == "keep", kv_time_scale)
+        if weight_transfer not in (None, "gloo"):
+            raise ValueError(f"weight_transfer must be 'gloo' or None, not {weight_transfer!r}")
+        self.transfer = SimTransfer(weight_transfer, self, sanitized=self.profile.sanitized_errors)
         self.log = SimLog()
         self._fault_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
         self._created = int(time.time())
@@ -199,6 +205,7 @@ class SimServer:
             finally:
                 if server.kv is not None:
                     server.kv.stop()
+                server.transfer.close()
                 server.release_hung()
                 await runner.cleanup()
 
