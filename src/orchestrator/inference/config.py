@@ -90,3 +90,6 @@ class InferenceConfig:
             if not url.startswith(("http://", "https://")):
                 yield (f"{source(f'{key}.servers[{i}]')}: {key}.servers[{i}]: expected an http:// or "
                        f"https:// URL, got {url!r}")
+        if self.weight_transfer == "broadcast" and self.backend != "vllm":
+            yield (f"{source(f'{key}.weight_transfer')}: {key}.weight_transfer: 'broadcast' needs vLLM's weight "
+                   f"transfer routes ({key}.backend = 'vllm'); {self.backend!r} servers load checkpoints from disk")

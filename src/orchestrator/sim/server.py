@@ -77,6 +77,7 @@ class Faults:
     drop_rate: float = 0.0  # connection closed without a reply
     down: bool = False  # every route but /sim/* answers 503 (/health with an empty body)
     hold: bool = False  # admitted generate/chat requests stay in flight (generating) until it is turned off
+    transfer_stall: bool = False  # its weight transfer engine joins groups but receives nothing: a rank gone silent
 
 
 class SimServer:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -104,6 +105,9 @@ class SimTransfer:
             raise self._error("gloo weight transfer not initialized: call /init_weight_transfer_engine first")
 
         def receive() -> None:
+            if self.server.faults.transfer_stall:  # a worker that never enters the broadcast: gloo fails it later
+                time.sleep(group.timeout_s)
+                raise TransferFailed(f"rank {group.rank}: stalled (sim fault transfer_stall) for {group.timeout_s:g} s")
             for pairs in group.receive(plan(info, self.buffer_bytes)):
                 self.received.update((name, t.numpy().copy()) for name, t in pairs)
 

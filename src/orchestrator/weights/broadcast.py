@@ -85,7 +85,12 @@ class Stale(Exception):
 
 
 class Failed(Exception):
-    """The broadcast did not reach any server (the group did not form, or every member failed); retried."""
+    """The broadcast did not reach any server (the group did not form, or every member failed); retried.
+    ``report``: how far it got (its phases, who failed), for metrics."""
+
+    def __init__(self, why: str, report: SyncReport | None = None) -> None:
+        super().__init__(why)
+        self.report = report
 
 
 @dataclass
@@ -146,6 +151,16 @@ class BroadcastSync:
         t0 = time.monotonic()
         peer = self.offered()
         report = SyncReport(ckpt.step, "broadcast")
+        try:
+            return await self._update(peer, ckpt, servers, report)
+        except Failed as e:
+            e.report = report
+            raise
+        finally:
+            report.total_s = time.monotonic() - t0
+
+    async def _update(self, peer: Peer, ckpt: Checkpoint, servers: Sequence[Server], report: SyncReport
+                      ) -> SyncReport:
         if self._reform(peer, servers):
             t = time.monotonic()
             await self._form(peer, servers, report)
@@ -172,7 +187,6 @@ class BroadcastSync:
             with contextlib.suppress(Exception):
                 await running
             raise
-        report.total_s = time.monotonic() - t0
         return report
 
     async def _locked(self, peer: Peer, step: int, members: list[Server], report: SyncReport) -> None:
@@ -250,7 +264,7 @@ class BroadcastSync:
         try:
             live = await self._phase("transfer", live, lambda s: transfer.update(s.api, group.params, self.pool.timed),
                                      report, timed=False)
-            trainer = await self._trainer_outcome(sent, peer, step, bool(live))
+            trainer = await self._trainer_outcome(sent)
         finally:
             sent.cancel()
         report.phases["transfer"] = time.monotonic() - t
@@ -260,17 +274,18 @@ class BroadcastSync:
             s.awaiting = False
         live = await self._phase("resume", live, self.pool.resume, report)
         report.updated = [s.url for s in live]
+        said = "its link went: it died" if trainer is None else trainer or "it sent them"
         if report.failed:
             self.group = None  # a member is gone or its engine failed: the next update forms a new group
-            log.warning("weight transfer of step %d failed on %d of %d server(s): %s%s", step, len(report.failed),
-                        len(members), report.failed, f" (the trainer: {trainer})" if trainer else "")
+            log.warning("weight transfer of step %d failed on %d server(s), reached %d (the trainer: %s): %s", step,
+                        len(report.failed), len(live), said, report.failed)
         if not live:
-            if not self.channel.trainer_connected():
+            if trainer is None:
                 raise TransferError(f"the trainer {peer.name} died during the broadcast of step {step}: every "
-                                    f"server's transfer failed ({next(iter(report.failed.values()), '')}); the "
-                                    "servers' weights are partly updated: restart the trainer, then the run with "
-                                    "--resume (it loads the newest checkpoint on disk first)")
-            raise Failed(f"the broadcast of step {step} reached no server (the trainer: {trainer or 'sent it'})")
+                                    f"server's transfer failed ({next(iter(report.failed.values()), '')}); their "
+                                    "weights are partly updated: restart the trainer, then this run with --resume "
+                                    "(it loads the newest checkpoint on disk first)")
+            raise Failed(f"the broadcast of step {step} reached no server (the trainer: {said})")
 
     async def _start(self, s: Server) -> None:
         await transfer.start(s.api, self.pool.timed)
@@ -292,19 +307,16 @@ class BroadcastSync:
                 ok.append(s)
         return ok
 
-    async def _trainer_outcome(self, sent: asyncio.Future[TransferEvent], peer: Peer, step: int, any_ok: bool
-                               ) -> str:
-        """The trainer's side, after the servers' transfers ended: "" (it sent), else what went wrong. When
-        every server failed it may still be waiting for a rank, or be gone: not waited for then."""
-        if not any_ok and not sent.done():
-            return "its side has not ended" if self.channel.trainer_connected() else "its link is gone"
+    async def _trainer_outcome(self, sent: asyncio.Future[TransferEvent]) -> str | None:
+        """The trainer's side, once the servers' transfers ended: "" (it sent), what went wrong, or None when its
+        link went: it died. It answers within gloo's bound on its side (a rank that never came fails it too)."""
         try:
             async with asyncio.timeout(self.cfg.timeout_s + MARGIN_S):
                 event = await sent
         except TimeoutError:
             return f"no answer within {self.cfg.timeout_s + MARGIN_S:g} s"
-        except NotNow as e:
-            return str(e)
+        except NotNow:
+            return None
         return "" if event.event == "sent" else f"it failed: {event.why}"
 
     def _drop(self, server: Server, why: str, report: SyncReport) -> None:

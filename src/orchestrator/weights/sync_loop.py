@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from orchestrator.contracts.checkpoints import Checkpoint, CheckpointFeed
 from orchestrator.errors import CheckpointError, UnloadableCheckpoint
 from orchestrator.inference.config import InferenceConfig
-from orchestrator.inference.pool import InferencePool
+from orchestrator.inference.pool import InferencePool, Server
 from orchestrator.rollouts.scheduler import Scheduler
 from orchestrator.state import OrchestratorState
 from orchestrator.weights.broadcast import BroadcastSync, Failed, NotNow, Stale, SyncReport, TrainerChannel
@@ -105,8 +105,7 @@ class WeightSyncLoop:
             wait = None if deadline is None else min(self.recheck_s, deadline - self.clock())
             if wait is not None and wait <= 0:
                 raise self._expired()
-            retry = self._retry()
-            if retry is not None:
+            if self.broadcast is not None:  # a failed broadcast, or servers that start to wait: seen within retry_s
                 wait = self.retry_s if wait is None else min(wait, self.retry_s)
             try:
                 async with asyncio.timeout(wait):  # not wait_for: on 3.11 it can swallow a cancel
@@ -171,8 +170,11 @@ class WeightSyncLoop:
         if not servers:  # those that waited got the weights from disk meanwhile
             await sched.set_policy(sched.policy)
             return True
+        previous = self.pool.target
+        if ckpt.step > previous.step:  # a server the probe brings back meanwhile gets these weights, not the old
+            self.pool.target = ckpt
         try:
-            report = await self.broadcast.update(ckpt, servers)
+            report = await self._broadcast_to(ckpt, servers, previous)
         except NotNow as e:
             if e.fallback and ckpt.path is not None:
                 self._once("fallback", "%s: loading checkpoints from disk instead", e)
@@ -186,6 +188,8 @@ class WeightSyncLoop:
             sched.sync_refused(f"weights of step {ckpt.step}: {e}")
             return True
         except Failed as e:
+            if e.report is not None:
+                self._report(e.report)
             log.error("weights of step %d: %s; tried again in %g s (inference.broadcast.retry_s)", ckpt.step, e,
                       self.retry_s)
             self.retry = ckpt
@@ -193,8 +197,11 @@ class WeightSyncLoop:
             return True
         self._report(report)
         self._told.clear()
+        for s in self.pool.servers:  # one that rejoined during the broadcast on the old weights, in a race
+            if s.in_rotation and s.version != ckpt.step:
+                self.pool.evict(s, f"it rejoined with the weights of step {s.version} during the broadcast of step "
+                                   f"{ckpt.step}; it waits for these")
         if ckpt.step > sched.policy:
-            self.pool.target = ckpt
             log.info("weights of step %d on %d/%d servers by broadcast in %.2f s (%s)", ckpt.step, len(report.updated),
                      len(self.pool.servers), report.total_s,
                      ", ".join(f"{k} {v:.2f}" for k, v in report.phases.items()))
@@ -205,6 +212,15 @@ class WeightSyncLoop:
                      len(report.updated))
             await sched.set_policy(sched.policy)
         return True
+
+    async def _broadcast_to(self, ckpt: Checkpoint, servers: list[Server], previous: Checkpoint) -> SyncReport:
+        """``broadcast.update``; the pool's target goes back to ``previous`` when no server got ``ckpt``."""
+        assert self.broadcast is not None
+        try:
+            return await self.broadcast.update(ckpt, servers)
+        except (NotNow, Stale, Failed):
+            self.pool.target = previous
+            raise
 
     def _report(self, report: SyncReport) -> None:
         self.reports = [*self.reports[-(MAX_REPORTS - 1):], report]
