@@ -134,8 +134,11 @@ class InferencePool:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(cls, cfg: InferenceConfig, model: str | None = None) -> AsyncIterator[InferencePool]:
-        """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit)."""
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit). A connection per call:
+        vLLM's server ends a connection after an error its handlers do not catch (a failed ``collective_rpc``), and
+        a pooled one would fail the next call ("Connection reset by peer", "Server disconnected": observed on vLLM
+        0.31 and 0.32, even with the connection marked to close, whose small reply had already given it back)."""
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True)
         key = api_key(cfg.api_key_env)
         async with aiohttp.ClientSession(connector=connector) as session:
             yield cls(cfg, [HttpInferenceServer(url, session, key) for url in cfg.servers], model)

@@ -5,11 +5,6 @@ backends (weights.py) know which calls a server kind takes, preflight (preflight
 a run. ``request`` raises ``InferenceError`` for a refused or dropped connection or an HTTP status other
 than 200 (``kind`` PROVIDER; ``status`` holds the HTTP status, None for no answer). Fakes for tests
 implement the same Protocol (``orchestrator.testing.fake_server.FakeInferenceServer``).
-
-A connection that brought a 5xx is closed, not reused: vLLM's server ends the connection after an error its
-handlers did not catch (a failed ``collective_rpc``: observed on vLLM 0.31 and 0.32, the next request on it fails
-with "Server disconnected" or "Can not write request body"), so reusing it would fail a call that did nothing
-wrong.
 """
 
 from __future__ import annotations
@@ -63,8 +58,6 @@ class HttpInferenceServer:
         try:
             async with self._session.request(method, url, params=query, data=data, headers=self._headers) as resp:
                 raw = await resp.read()
-                if resp.status >= 500:
-                    resp.close()  # the server may have ended it (the module docstring)
                 if resp.status != 200:
                     raise HttpStatusError(f"{method} {url}: HTTP {resp.status}: {raw[:300]!r}", resp.status, raw)
                 return raw
