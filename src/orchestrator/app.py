@@ -193,7 +193,16 @@ class Orchestrator:
 
     async def _reload_policy(self) -> tuple[Checkpoint, UnloadableCheckpoint] | None:
         """Resumed: the servers may have restarted since; load the saved policy again. A refused one (its
-        directory gone or corrupt) is the weight sync loop's to retry, on the clock of any refusal."""
+        directory gone or corrupt) is the weight sync loop's to retry, on the clock of any refusal. With weights
+        over the wire the policy's weights are often on no disk: the run goes back to the newest synced
+        checkpoint that is (a trainer resumes from its newest checkpoint too)."""
+        st = self.state
+        if (self.cfg.inference.weight_transfer == "broadcast" and st.policy_path is None
+                and self.cfg.inference.weights_path is None and st.policy_step != st.disk_step):
+            log.warning("resumed with weights over the wire: the weights of step %d went to the servers by broadcast "
+                        "and are on no disk; the run goes back to those of step %d, the newest checkpoint on disk%s",
+                        st.policy_step, st.disk_step, "" if st.disk_path else " (none: the servers' own weights)")
+            st.policy_step, st.policy_path = st.disk_step, st.disk_path
         if not self.state.policy_step:
             return None
         ckpt = Checkpoint(self.state.policy_step, self.state.policy_path)

@@ -76,7 +76,8 @@ async def demo(cfg: JobConfig, *, learn: bool = True, real_stack: Path | None = 
                    else await asyncio.to_thread(torch_learner, Path(cfg.model.tokenizer or "")))
         orch = await stack.enter_async_context(Orchestrator.open(cfg))
         trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
-                                   checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints", learner=learner)
+                                   checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints", learner=learner,
+                                   broadcaster=broadcaster(cfg, learner))
         orch.on_step = progress.on_step
         with progress:
             async with asyncio.TaskGroup() as tg:
@@ -115,7 +116,8 @@ async def with_real_servers(cfg: JobConfig, root: Path) -> AsyncIterator[JobConf
 
     paths = StackPaths(root)
     model = paths.model("dense")
-    servers = [VLLMServer(paths, ServeOptions(model)) for _ in range(cfg.sim.servers)]
+    servers = [VLLMServer(paths, ServeOptions(model, weight_transfer=cfg.inference.transfer_backend))
+               for _ in range(cfg.sim.servers)]
     try:
         await start_all(servers)
         yield dataclasses.replace(
@@ -123,6 +125,16 @@ async def with_real_servers(cfg: JobConfig, root: Path) -> AsyncIterator[JobConf
             model=dataclasses.replace(cfg.model, name=servers[0].options.name, tokenizer=str(model)))
     finally:
         await asyncio.gather(*(s.kill() for s in servers))
+
+
+def broadcaster(cfg: JobConfig, learner: Any) -> Any:
+    """With ``inference.weight_transfer = "broadcast"``: the trainer sends its weights over gloo (the learner's,
+    else the unchanged initial policy's); None otherwise."""
+    if cfg.inference.weight_transfer != "broadcast":
+        return None
+    from orchestrator.commands.receive import broadcaster_of
+
+    return broadcaster_of(learner)
 
 
 def torch_learner(model: Path) -> Any:
@@ -156,6 +168,8 @@ def sim_arguments(cfg: JobConfig) -> list[str]:
         args.append("--no-dev-mode")
     if not sim.scale_out:
         args.append("--no-scale-out")
+    if cfg.inference.transfer_backend == "gloo":  # weights over the wire: the servers take them
+        args += ["--weight-transfer", "gloo"]
     return args
 
 

@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         print("receive: --save-every must be at least 1", file=sys.stderr)
         return 2
     try:
-        broadcaster = _broadcaster(learner) if args.broadcast else None
+        broadcaster = broadcaster_of(learner) if args.broadcast else None
     except ImportError as e:
         print(f"receive: {e}", file=sys.stderr)
         return 2
@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _broadcaster(learner: Learner | None) -> WeightBroadcaster:
+def broadcaster_of(learner: Learner | None) -> WeightBroadcaster:
     """The gloo broadcaster of ``learner``'s weights (none: the unchanged initial policy's)."""
     try:
         from orchestrator.trainer.gloo_broadcast import GlooBroadcaster

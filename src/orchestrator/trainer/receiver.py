@@ -378,15 +378,18 @@ class BatchReceiver(_ReceiverCore):
             if work is not None:  # the rendezvous or the broadcast: blocking, off the loop
                 await self.push.send(self._status(transfer=await asyncio.to_thread(work)))
 
-    async def serve_transfers(self, step: int, timeout_s: float = 600.0) -> bool:
+    async def serve_transfers(self, step: int | None, timeout_s: float = 600.0) -> bool:
         """Weights ``step`` were just announced: serve the orchestrator's transfer requests until it has taken them
         (sent, or answered stale or failed), at most ``timeout_s``; batches that arrive meanwhile are kept for
         ``recv``. Returns at once when this trainer is in no group (the orchestrator loads checkpoints from disk).
-        Whether they were taken."""
+        Whether they were taken. ``step`` None: serve them for ``timeout_s`` (a trainer busy elsewhere, between
+        steps)."""
         deadline = time.monotonic() + timeout_s
-        while self.transfers is not None and self.transfers.waiting_for(step):
+        while self.transfers is not None and (step is None or self.transfers.waiting_for(step)):
             left = deadline - time.monotonic()
             if left <= 0:
+                if step is None:
+                    return True
                 log.warning("the orchestrator has not asked for the weights of step %d within %.0f s; training on",
                             step, timeout_s)
                 return False
@@ -497,12 +500,14 @@ class SyncBatchReceiver(_ReceiverCore):
             if work is not None:
                 self.push.send(self._status(transfer=work()))
 
-    def serve_transfers(self, step: int, timeout_s: float = 600.0) -> bool:
+    def serve_transfers(self, step: int | None, timeout_s: float = 600.0) -> bool:
         """As ``BatchReceiver.serve_transfers``."""
         deadline = time.monotonic() + timeout_s
-        while self.transfers is not None and self.transfers.waiting_for(step):
+        while self.transfers is not None and (step is None or self.transfers.waiting_for(step)):
             left = deadline - time.monotonic()
             if left <= 0:
+                if step is None:
+                    return True
                 log.warning("the orchestrator has not asked for the weights of step %d within %.0f s; training on",
                             step, timeout_s)
                 return False

@@ -97,6 +97,7 @@ class ReferenceTrainer:
     transfer_wait_s: float = 600.0  # after announcing, wait at most this for the orchestrator to take the weights
 
     def __post_init__(self) -> None:
+        self.receiver: BatchReceiver | None = None  # while it runs (a subclass holding a step may serve transfers)
         if self.learner is not None and (self.checkpoint_dir is None or not self.announce):
             raise ValueError("a learning trainer needs a checkpoint_dir to save into and must announce checkpoints")
         if self.save_every < 1:
@@ -117,8 +118,8 @@ class ReferenceTrainer:
             self._resume_policy(last + 1)
             if self.announce:  # the weights it would have resumed from: trained on step ``last``
                 resumed = Checkpoint(last + 1, await asyncio.to_thread(self._save, last + 1))
-        receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys, checkpoint=resumed,
-                                 broadcaster=self.broadcaster)
+        receiver = self.receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys,
+                                                 checkpoint=resumed, broadcaster=self.broadcaster)
         # a line per step, on the loop: the reference trainer does nothing else meanwhile
         journal = open(self.journal, "ab") if self.journal else None  # noqa: SIM115, ASYNC230 - closed below
         try:

@@ -283,8 +283,9 @@ class BroadcastSync:
             if trainer is None:
                 raise TransferError(f"the trainer {peer.name} died during the broadcast of step {step}: every "
                                     f"server's transfer failed ({next(iter(report.failed.values()), '')}); their "
-                                    "weights are partly updated: restart the trainer, then this run with --resume "
-                                    "(it loads the newest checkpoint on disk first)")
+                                    "weights are partly updated: restart the trainer from its newest checkpoint, "
+                                    "then this run with --resume, which goes back to the newest checkpoint on "
+                                    "disk (restart the servers if none was written)")
             raise Failed(f"the broadcast of step {step} reached no server (the trainer: {said})")
 
     async def _start(self, s: Server) -> None:

@@ -157,7 +157,7 @@ class WeightSyncLoop:
         self.refused = self.since = None
         log.info("weights of step %d on %d/%d servers in %.1f s", ckpt.step, len(result.updated),
                  len(self.pool.servers), time.monotonic() - t0)
-        self.state.policy_path = ckpt.path
+        self._synced(ckpt)
         await sched.set_policy(ckpt.step)
 
     async def _broadcast(self, ckpt: Checkpoint) -> bool:
@@ -205,7 +205,7 @@ class WeightSyncLoop:
             log.info("weights of step %d on %d/%d servers by broadcast in %.2f s (%s)", ckpt.step, len(report.updated),
                      len(self.pool.servers), report.total_s,
                      ", ".join(f"{k} {v:.2f}" for k, v in report.phases.items()))
-            self.state.policy_path = ckpt.path
+            self._synced(ckpt)
             await sched.set_policy(ckpt.step)
         else:  # the current weights again, for servers that waited for them
             log.info("weights of step %d brought to %d server(s) that waited for them", ckpt.step,
@@ -221,6 +221,13 @@ class WeightSyncLoop:
         except (NotNow, Stale, Failed):
             self.pool.target = previous
             raise
+
+    def _synced(self, ckpt: Checkpoint) -> None:
+        """The servers hold ``ckpt`` now: the state says where its weights are (a resumed run reloads them), and
+        which synced checkpoint was on disk last (weights over the wire: what a resumed run goes back to)."""
+        self.state.policy_path = ckpt.path
+        if ckpt.path is not None or self.pool.cfg.weights_path is not None:
+            self.state.disk_step, self.state.disk_path = ckpt.step, ckpt.path
 
     def _report(self, report: SyncReport) -> None:
         self.reports = [*self.reports[-(MAX_REPORTS - 1):], report]
