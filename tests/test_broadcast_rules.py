@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -46,7 +47,7 @@ from orchestrator.testing.sim import SimCluster, sim_cluster
 from orchestrator.testing.workers import FakeWorkerHub
 from orchestrator.trainer.gloo_broadcast import GlooBroadcaster
 from orchestrator.trainer.receiver import BatchReceiver
-from orchestrator.weights.sync_loop import WeightSyncLoop
+from orchestrator.weights.sync_loop import WeightSyncLoop, back_to_disk
 
 WAIT_S = 60.0  # hang guards for waits on events (a busy host is slow; nothing here takes that long when quiet)
 TIMEOUT_S = 2.0  # the gloo bound (inference.broadcast.timeout_s): the failure tests wait for it once
@@ -356,3 +357,16 @@ def test_a_broadcast_the_job_cannot_do_is_a_config_error_naming_the_key(
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert any(f"{key}: " in p and why in p for p in e.value.problems), e.value.problems
+
+
+def test_a_resumed_run_goes_back_to_the_newest_checkpoint_on_disk_when_its_policy_went_over_the_wire(
+        tmp_path: Path) -> None:
+    cfg = config(tmp_path, ["http://127.0.0.1:1/v1"]).inference
+    state = OrchestratorState("t", policy_step=7, policy_path=None, disk_step=5, disk_path="/ckpt/step_5")
+    assert back_to_disk(state, cfg)
+    assert (state.policy_step, state.policy_path) == (5, "/ckpt/step_5")
+    on_disk = OrchestratorState("t", policy_step=7, policy_path="/ckpt/step_7", disk_step=7, disk_path="/ckpt/step_7")
+    assert not back_to_disk(on_disk, cfg)  # its policy is on disk: reloaded as it is
+    assert on_disk.policy_step == 7
+    filesystem = dataclasses.replace(cfg, weight_transfer="filesystem")
+    assert not back_to_disk(OrchestratorState("t", policy_step=7), filesystem)

@@ -164,7 +164,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, list[float]] = {"bare": [], "broadcast": [], "filesystem": []}
     phases: dict[str, list[dict[str, float]]] = {"broadcast": [], "filesystem": []}
     buffer_bytes = args.buffer_mb << 20
-    options = ServeOptions(model_dir, weight_transfer="gloo", max_model_len=512, kv_cache_gib=0.5)
+    options = ServeOptions(model_dir, weight_transfer="gloo", max_model_len=512, kv_cache_gib=1)
     with tempfile.TemporaryDirectory(prefix="bench-wt-") as tmp:
         root = Path(tmp)
         async with vllm_server(stack, options) as server:

@@ -53,7 +53,7 @@ from orchestrator.steps.boundary import StepBuilder, StepResult
 from orchestrator.steps.dump import dump_due, dump_path
 from orchestrator.steps.outputs import StepOutputs, eval_rollout_rows, format_eval_line, format_step_line
 from orchestrator.steps.phases import Built, StepPipeline
-from orchestrator.weights.sync_loop import WeightSyncLoop
+from orchestrator.weights.sync_loop import WeightSyncLoop, back_to_disk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -196,13 +196,7 @@ class Orchestrator:
         directory gone or corrupt) is the weight sync loop's to retry, on the clock of any refusal. With weights
         over the wire the policy's weights are often on no disk: the run goes back to the newest synced
         checkpoint that is (a trainer resumes from its newest checkpoint too)."""
-        st = self.state
-        if (self.cfg.inference.weight_transfer == "broadcast" and st.policy_path is None
-                and self.cfg.inference.weights_path is None and st.policy_step != st.disk_step):
-            log.warning("resumed with weights over the wire: the weights of step %d went to the servers by broadcast "
-                        "and are on no disk; the run goes back to those of step %d, the newest checkpoint on disk%s",
-                        st.policy_step, st.disk_step, "" if st.disk_path else " (none: the servers' own weights)")
-            st.policy_step, st.policy_path = st.disk_step, st.disk_path
+        back_to_disk(self.state, self.cfg.inference)
         if not self.state.policy_step:
             return None
         ckpt = Checkpoint(self.state.policy_step, self.state.policy_path)

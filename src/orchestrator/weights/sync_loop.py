@@ -263,3 +263,17 @@ class WeightSyncLoop:
             "(inference.unloadable_checkpoint_s), so the run stops: make the trainer's checkpoints loadable (or "
             "fix inference.weights_path), or set inference.check_checkpoints = false if this host does not see "
             "the servers' files at the same paths")
+
+
+def back_to_disk(state: OrchestratorState, cfg: InferenceConfig) -> bool:
+    """A resumed run with weights over the wire whose policy's weights went to the servers by broadcast and are on
+    no disk goes back to the newest synced checkpoint that is (``state.disk_step``: a restarted trainer resumes
+    from its newest checkpoint too); whether it did (a WARNING says so)."""
+    if cfg.weight_transfer != "broadcast" or state.policy_path is not None or cfg.weights_path is not None \
+            or state.policy_step == state.disk_step:
+        return False
+    log.warning("resumed with weights over the wire: the weights of step %d went to the servers by broadcast and are "
+                "on no disk; the run goes back to those of step %d, the newest checkpoint on disk%s", state.policy_step,
+                state.disk_step, "" if state.disk_path else " (none: the servers' own weights)")
+    state.policy_step, state.policy_path = state.disk_step, state.disk_path
+    return True
