@@ -288,6 +288,20 @@ class _ReceiverCore:
         event, work = self.transfers.begin(self.transfers.pending.popleft(), holds)
         return self._status(transfer=event), work
 
+    def _serving(self, step: int | None, deadline: float, timeout_s: float) -> float:
+        """``serve_transfers``' loop: how long to wait for the next message (> 0), 0 when done (taken, or no
+        group; ``step`` None: the time is up), -1 when the time is up before the weights were taken."""
+        if self.transfers is None or (step is not None and not self.transfers.waiting_for(step)):
+            return 0.0
+        left = deadline - time.monotonic()
+        if left > 0:
+            return left
+        if step is None:
+            return 0.0
+        log.warning("the orchestrator has not asked for the weights of step %d within %.0f s; training on", step,
+                    timeout_s)
+        return -1.0
+
     def close_transfers(self) -> None:
         if self.transfers is not None:
             self.transfers.broadcaster.close()
@@ -385,21 +399,12 @@ class BatchReceiver(_ReceiverCore):
         Whether they were taken. ``step`` None: serve them for ``timeout_s`` (a trainer busy elsewhere, between
         steps)."""
         deadline = time.monotonic() + timeout_s
-        while self.transfers is not None and (step is None or self.transfers.waiting_for(step)):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if step is None:
-                    return True
-                log.warning("the orchestrator has not asked for the weights of step %d within %.0f s; training on",
-                            step, timeout_s)
-                return False
-            frames = await self._read(min(left, STATUS_S))
-            if frames is None:
-                continue
-            if self._control(frames) is None:
+        while (wait := self._serving(step, deadline, timeout_s)) > 0:
+            frames = await self._read(min(wait, STATUS_S))
+            if frames is not None and self._control(frames) is None:
                 self._held.append(frames)  # a batch: recv takes it
             await self._serve_pending()
-        return True
+        return wait == 0
 
     async def ack(self, step: int) -> None:
         """Tell the orchestrator that every step up to ``step`` is in hand (sent by ``recv`` with auto_ack;
@@ -503,21 +508,12 @@ class SyncBatchReceiver(_ReceiverCore):
     def serve_transfers(self, step: int | None, timeout_s: float = 600.0) -> bool:
         """As ``BatchReceiver.serve_transfers``."""
         deadline = time.monotonic() + timeout_s
-        while self.transfers is not None and (step is None or self.transfers.waiting_for(step)):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if step is None:
-                    return True
-                log.warning("the orchestrator has not asked for the weights of step %d within %.0f s; training on",
-                            step, timeout_s)
-                return False
-            frames = self._read(min(left, STATUS_S))
-            if frames is None:
-                continue
-            if self._control(frames) is None:
+        while (wait := self._serving(step, deadline, timeout_s)) > 0:
+            frames = self._read(min(wait, STATUS_S))
+            if frames is not None and self._control(frames) is None:
                 self._held.append(frames)
             self._serve_pending()
-        return True
+        return wait == 0
 
     def ack(self, step: int) -> None:
         self._set_acked(step)
