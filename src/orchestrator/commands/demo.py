@@ -134,7 +134,7 @@ def broadcaster(cfg: JobConfig, learner: Any) -> Any:
         return None
     from orchestrator.commands.receive import broadcaster_of
 
-    return broadcaster_of(learner)
+    return broadcaster_of(learner, cfg.inference.broadcast.backend)
 
 
 def torch_learner(model: Path) -> Any:

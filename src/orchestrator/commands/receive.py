@@ -45,10 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gradient steps per batch (default: --learn 2, --torch-model 1)")
     p.add_argument("--temperature", type=float, default=None,
                    help="the sampling temperature of batches that carry none (default: 1.0)")
-    p.add_argument("--broadcast", action="store_true",
-                   help="send the weights to the inference servers over gloo when the orchestrator asks "
-                        "([inference] weight_transfer = 'broadcast'; needs torch): the learner's, else the "
-                        "unchanged initial policy")
+    p.add_argument("--broadcast", nargs="?", const="gloo", default=None, choices=["gloo", "nccl"],
+                   help="send the weights to the inference servers when the orchestrator asks ([inference] "
+                        "weight_transfer = 'broadcast'): over gloo (default; CPUs; needs torch) or vLLM's nccl "
+                        "(GPUs; needs vLLM; not tested here): the learner's, else the unchanged initial policy")
     p.add_argument("--save-every", type=int, default=1, metavar="K",
                    help="write a checkpoint directory only every K steps (with --broadcast: what servers that join "
                         "late load, and what a restarted trainer resumes from; default: every step)")
@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         print("receive: --save-every must be at least 1", file=sys.stderr)
         return 2
     try:
-        broadcaster = broadcaster_of(learner) if args.broadcast else None
+        broadcaster = broadcaster_of(learner, args.broadcast) if args.broadcast else None
     except ImportError as e:
         print(f"receive: {e}", file=sys.stderr)
         return 2
@@ -95,18 +95,21 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def broadcaster_of(learner: Learner | None) -> WeightBroadcaster:
-    """The gloo broadcaster of ``learner``'s weights (none: the unchanged initial policy's)."""
+def broadcaster_of(learner: Learner | None, backend: str = "gloo") -> WeightBroadcaster:
+    """The ``backend`` broadcaster of ``learner``'s weights (none: the unchanged initial policy's)."""
     try:
-        from orchestrator.trainer.gloo_broadcast import GlooBroadcaster
+        from orchestrator.trainer.gloo_broadcast import GlooBroadcaster, as_tensor
+        from orchestrator.trainer.nccl_broadcast import NcclBroadcaster
     except ImportError as e:
         raise ImportError(f"--broadcast needs torch: pip install -e '.[torch]' ({e})") from None
     if learner is not None:
-        return GlooBroadcaster(learner.weights)
-    from orchestrator.policy import Policy
+        weights = learner.weights
+    else:
+        from orchestrator.policy import Policy
 
-    initial = Policy.initial().weights
-    return GlooBroadcaster(lambda: initial)
+        initial = {k: as_tensor(v) for k, v in Policy.initial().weights.items()}
+        weights = lambda: initial  # noqa: E731
+    return NcclBroadcaster(weights) if backend == "nccl" else GlooBroadcaster(weights)
 
 
 def _learner(args: argparse.Namespace, given: dict[str, Any]) -> Learner:
