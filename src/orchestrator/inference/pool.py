@@ -319,6 +319,7 @@ class InferencePool:
             self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
         except (InferenceError, CheckpointError) as e:
             server.last_error = str(e)
+            server.awaiting = False  # not healthy: no broadcast waits for it
             # INFO when the reason is new (the first failure, or another cause than the last one's), else DEBUG:
             # a server may stay out for hours; the stall lines repeat the last verdict (out_of_rotation)
             level = logging.INFO if str(e) != server.probe_verdict else logging.DEBUG
