@@ -370,3 +370,17 @@ def test_a_resumed_run_goes_back_to_the_newest_checkpoint_on_disk_when_its_polic
     assert on_disk.policy_step == 7
     filesystem = dataclasses.replace(cfg, weight_transfer="filesystem")
     assert not back_to_disk(OrchestratorState("t", policy_step=7), filesystem)
+
+
+async def test_weights_announced_while_no_server_is_up_reach_the_first_one_that_comes_back(tmp_path: Path) -> None:
+    async with sim_cluster(1, weight_transfer="gloo") as cluster, rig(tmp_path, cluster) as r:
+        run = started(r)
+        await cluster.kill(0)
+        await r.announce(1)  # its server is down: nothing can take them
+        await wait_until(lambda: not r.pool.servers[0].in_rotation, WAIT_S, "the server out", poll_s=0.01)
+        assert r.sched.policy == 0
+        back = await cluster.restart(0)
+        await r.policy(1)  # retried every retry_s until a server could take them
+        await stop(run)
+        assert back.weight_version == "1"
+        assert all(np.array_equal(back.policy.model.weights[k], v) for k, v in r.weights().items())

@@ -100,10 +100,6 @@ class Group:
     sizes: dict[str, int]  # member url -> world size, in rank order
     params: Params
 
-    @property
-    def world_size(self) -> int:
-        return 1 + sum(self.sizes.values())
-
 
 @dataclass
 class SyncReport:

@@ -167,8 +167,14 @@ class WeightSyncLoop:
         sched = self.sched
         self.retry = None
         servers = [s for s in self.pool.servers if (s.in_rotation or s.awaiting) and s.version != ckpt.step]
-        if not servers:  # those that waited got the weights from disk meanwhile
-            await sched.set_policy(sched.policy)
+        if not servers:
+            if ckpt.step > sched.policy:  # no server can take them now: again once one is healthy
+                self.retry = ckpt
+                self._once("no server", "weights of step %d wait: no inference server is healthy to take them",
+                           ckpt.step)
+                sched.sync_refused(f"weights of step {ckpt.step} wait for a healthy inference server")
+            else:  # those that waited for the current weights got them from disk meanwhile
+                await sched.set_policy(sched.policy)
             return True
         previous = self.pool.target
         if ckpt.step > previous.step:  # a server the probe brings back meanwhile gets these weights, not the old
