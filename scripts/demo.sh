@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Quick start, line 1: set up .venv and run the embedded demo (simulated inference, real environments,
-# reference trainer, all on this machine). Extra arguments go to `orchestrator demo`.
+# Quick start, line 1: set up .venv with what the demo uses (the package and matplotlib for its plots) and run the
+# embedded demo (simulated inference, real environments, reference trainer, all on this machine). Extra arguments
+# go to `orchestrator demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

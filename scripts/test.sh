@@ -1,34 +1,70 @@
 #!/usr/bin/env bash
 # Quick start, line 2 (and what CI runs): set up .venv (with the [torch] extra: the PyTorch trainer's tests), then
 # lint, type check and the whole test suite, then the end-to-end, resume, fault, shutdown, supervision and sinks
-# tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md): a real vLLM
-# server for CPUs and tiny real models set up in .real-stack (cached), and the tests against them (tests/real).
+# tests again on the direct data plane (docs/data-plane.md), then the real stack (docs/real-stack.md): real vLLM
+# servers for CPUs (0.32.0, and 0.31.0 for one job) and tiny real models set up in .real-stack (cached), and the tests
+# against them (tests/real).
 # Extra arguments go to every pytest run. REAL_STACK=0 skips the real stack (say so when you report a run).
+# SLURM and munge are installed first (scripts/slurm-setup.sh) for tests/test_launch_slurm.py (marked slurm).
+#
+# Each stage prints its wall time as it ends, and each pytest stage its 20 slowest tests; a table of every
+# stage's wall time closes the run, whether it passed or not. A new stage is one `stage NAME COMMAND...` line
+# (`tests NAME PYTEST-ARGS...` for pytest). The suite runs in PYTEST_WORKERS processes (pytest-xdist; default 2,
+# 0 runs it in this one): its tests mostly wait on the processes they start. The real stack's tests share their
+# servers within one session, so they run in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=dev,torch bash scripts/setup.sh
-echo "== ruff" >&2
-.venv/bin/ruff check src tests scripts
-echo "== mypy" >&2
-.venv/bin/mypy
-echo "== pytest" >&2
-.venv/bin/pytest "$@"
+
+SUMMARY=()  # one line per stage run: name, wall time, exit status
+START=$SECONDS
+
+stage() {  # stage NAME COMMAND...: run COMMAND as stage NAME, timed; its exit status is the stage's
+    local name=$1 start=$SECONDS status=0
+    shift
+    echo "== $name" >&2
+    "$@" || status=$?
+    local took=$((SECONDS - start))
+    echo "== $name: ${took} s (exit $status)" >&2
+    SUMMARY+=("$(printf '%-34s %6d s   exit %d' "$name" "$took" "$status")")
+    return "$status"
+}
+
+tests() {  # tests NAME PYTEST-ARGS...: a pytest stage that lists its 20 slowest tests; none selected (exit 5:
+    # the extra arguments selected none of its tests) passes
+    local name=$1 status=0
+    shift
+    stage "$name" .venv/bin/pytest --durations=20 "$@" || status=$?
+    [ "$status" -eq 0 ] || [ "$status" -eq 5 ] || return "$status"
+}
+
+summary() {
+    local status=$?
+    {
+        echo "== stages (wall time)"
+        printf '%s\n' "${SUMMARY[@]}"
+        printf '%-34s %6d s\n' "total" $((SECONDS - START))
+    } >&2
+    return "$status"
+}
+trap summary EXIT
+
+stage "setup (.venv)" env EXTRAS=dev,torch bash scripts/setup.sh
+stage "ruff" .venv/bin/ruff check src tests scripts
+stage "mypy" .venv/bin/mypy
+# the SLURM cluster of tests/test_launch_slurm.py (Debian packages; ~15 s the first time, then ~0.1 s)
+stage "SLURM setup" bash scripts/slurm-setup.sh
+# by file: a module's shared fixture (test_learning's runs, test_bad_envs' job) runs once. Not loadgroup: on pytest
+# 9.2 it silently stops grouping (pytest-xdist issue #1386)
+WORKERS=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
+stage "pytest" .venv/bin/pytest --durations=20 "${WORKERS[@]}" "$@"  # strict: a main suite that runs no test fails
 # Their jobs run with data_plane = "direct"; tests there that do not depend on it are deselected (they ran above).
 # The sender conformance suite is not here: it runs its zmq-direct kind above.
-echo "== pytest --data-plane direct" >&2
-status=0
-.venv/bin/pytest --data-plane direct tests/test_orchestrator.py tests/test_resume.py tests/test_faults.py \
-    tests/test_shutdown.py tests/test_supervision.py tests/test_run_command.py tests/test_sinks.py "$@" || status=$?
-[ "$status" -eq 0 ] || [ "$status" -eq 5 ] || exit "$status"  # 5: the extra arguments selected none of them
+tests "pytest --data-plane direct" "${WORKERS[@]}" --data-plane direct tests/test_orchestrator.py tests/test_resume.py \
+    tests/test_faults.py tests/test_shutdown.py tests/test_supervision.py tests/test_run_command.py \
+    tests/test_sinks.py "$@"
 if [ "${REAL_STACK:-1}" = 0 ]; then
     echo "== real stack: skipped (REAL_STACK=0)" >&2
     exit 0
 fi
-echo "== real stack: setup (.real-stack; cached)" >&2
-start=$SECONDS
-.venv/bin/orchestrator real-stack setup --dir .real-stack
-echo "== pytest --real-stack .real-stack tests/real" >&2
-status=0
-.venv/bin/pytest --real-stack .real-stack tests/real "$@" || status=$?
-echo "== real stack: $((SECONDS - start)) s, setup included" >&2
-[ "$status" -eq 0 ] || [ "$status" -eq 5 ] || exit "$status"
+stage "real stack: setup (.real-stack)" .venv/bin/orchestrator real-stack setup --dir .real-stack --vllm 0.32.0 --vllm 0.31.0
+tests "pytest --real-stack tests/real" --real-stack .real-stack tests/real "$@"

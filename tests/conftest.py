@@ -28,8 +28,11 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With ``--data-plane direct``, only tests that take the ``data_plane`` fixture run: every other test runs
-    the same either way, and the default run has run it already."""
+    """Tests marked slow first (in their order): with the suite in several processes (pytest-xdist, by file),
+    the long files start early and the short ones fill the end, so no long file runs alone at the end. With
+    ``--data-plane direct``, only tests that take the ``data_plane`` fixture run: every other test runs the same
+    either way, and the default run has run it already."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files stay in order
     if config.getoption("--data-plane") == "through":
         return
     keep: list[pytest.Item] = []

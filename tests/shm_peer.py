@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,67 @@ def memfd_maps() -> int:
 
 def open_fds() -> int:
     return sum(1 for _ in Path("/proc/self/fd").iterdir())
+
+
+def dev_shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir()}
+
+
+async def left_in_dev_shm(before: set[str], settle_s: float = 2.0) -> set[str]:
+    """The entries of /dev/shm made since ``before`` that stay, and are not another program's: one held open or
+    mapped by a live process that is neither this one nor one of its descendants (a test in another pytest-xdist
+    worker, torch's shared memory on a shared machine) is not this test's, nor one gone within ``settle_s``
+    (multiprocessing links each semaphore's name, sem.mp-*, and unlinks it at once). A leak stays."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settle_s
+    while True:
+        left = not_held_elsewhere(dev_shm() - before)
+        if not left or loop.time() >= deadline:
+            return left
+        await asyncio.sleep(0.1)
+
+
+def not_held_elsewhere(names: set[str]) -> set[str]:
+    inodes: dict[int, str] = {}
+    for n in names:
+        with contextlib.suppress(OSError):
+            inodes[Path("/dev/shm", n).stat().st_ino] = n
+    me, others = os.getpid(), set()
+    for d in Path("/proc").iterdir() if inodes else ():
+        if d.name.isdigit() and not descends_from(int(d.name), me):
+            others |= held(d, inodes)
+    return set(inodes.values()) - others  # one gone meanwhile is not left
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def held(proc: Path, inodes: dict[int, str]) -> set[str]:
+    """Which of these /dev/shm entries (by inode: glibc maps a semaphore under a temporary name it then links to the
+    entry's, so paths do not match) the process ``proc`` (/proc/PID) maps or has open."""
+    found: set[str] = set()
+    try:
+        for line in (proc / "maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and int(fields[4]) in inodes:
+                found.add(inodes[int(fields[4])])
+        fds = list((proc / "fd").iterdir())
+    except (OSError, ValueError):
+        return found
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            ino = fd.stat().st_ino
+            if ino in inodes and str(fd.readlink()).startswith("/dev/shm/"):
+                found.add(inodes[ino])
+    return found
 
 
 def receive(address: str, steps: int, last_step: int | None, hold: bool) -> None:

@@ -35,7 +35,6 @@ def test_unknown_command_is_a_usage_error() -> None:
 def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
     import dataclasses
 
-    from orchestrator.commands.demo import sim_arguments
     from orchestrator.commands.sim_inference import add_arguments
     from orchestrator.config import SimConfig, load_config
 
@@ -46,7 +45,7 @@ def test_demo_passes_every_sim_key_to_the_servers(tmp_path: Path) -> None:
                  ['sim.profile="vllm-0.33"', "sim.dev_mode=false", "sim.num_experts=512", "sim.scale_out=false",
                   'sim.logprobs_mode="processed_logprobs"']):
         cfg = load_config(demo, sets)
-        parsed = parser.parse_args(sim_arguments(cfg))
+        parsed = parser.parse_args(cfg.sim.arguments(cfg.model.name, cfg.inference.backend))
         for f in dataclasses.fields(SimConfig):
             if f.name in ("servers", "seed"):  # the demo's own: how many to start, and seed + i per server
                 continue
@@ -72,3 +71,19 @@ def test_the_demo_table_shows_a_dash_for_an_environment_without_rollouts_in_a_st
     assert "nan" not in text
     line = next(line for line in text.splitlines() if line.strip().startswith("│ 1 ") or " 1 │" in line)
     assert [cell.strip() for cell in line.split("│")[1:4]] == ["1", "0.750", "-"], line
+
+
+def test_a_reader_that_leaves_the_pipe_early_gets_no_traceback(repo: Path) -> None:
+    """``orchestrator check CONFIG | head -1``: the command stops quietly, as a shell's pipe writer does (141)."""
+    import subprocess
+    import sys
+
+    with subprocess.Popen([sys.executable, "-m", "orchestrator", "check", str(repo / "configs" / "demo.toml")],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=repo) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        proc.stdout.close()  # the reader leaves before the command writes: its output meets a closed pipe
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err
+    assert "Exception ignored" not in err

@@ -22,6 +22,7 @@ from orchestrator.rollouts.groups import Buffer, GroupTracker
 from orchestrator.rollouts.stall import StallLine
 from orchestrator.sim.kv import KVLoad
 from orchestrator.sim.metrics import exposition
+from orchestrator.testing.clock import virtual_time
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub
@@ -54,17 +55,18 @@ async def test_each_server_gets_its_own_cap_from_its_own_cache() -> None:
     await ctl.poll()
     ctl.done(pool.servers[0], 8)
     await ctl.poll()
-    assert [s.cap for s in pool.servers] == [10, 6]  # grew once (8 completions); admission closed at its 6
+    assert [s.cap for s in pool.servers] == [9, 8]  # grew (8 completions: a group a poll); the other held
     snap = ctl.snapshot()
     assert snap[fakes[0].url]["rule"] == "grow"
-    assert snap[fakes[1].url] == {"cap": 6, "rule": "trim", "cancel_asked": 0, "kv_usage": 0.85, "waiting": 0,
-                                  "preemptions": 0}
+    assert snap[fakes[1].url] == {"cap": 8, "rule": "trim", "cancel_asked": 0, "kv_usage": 0.85, "waiting": 0,
+                                  "preemptions": 0, "rollout_tokens": None}
     assert cancels == []
 
 
 async def test_a_hard_trim_asks_for_the_excess_to_be_cancelled() -> None:
     fakes, pool, cancels = setup(1)
-    ctl = control(pool, cancels)
+    ctl = ConcurrencyControl(ConcurrencyConfig(adaptive=True, start_per_server=8, cancel_polls=1), pool, 32, 1,
+                             lambda server, n: cancels.append((server.url, n)))
     pool.servers[0].inflight = 8
     fakes[0].metrics_text = metrics(0.5, preemptions=2)
     await ctl.poll()  # learns the counter
@@ -72,6 +74,31 @@ async def test_a_hard_trim_asks_for_the_excess_to_be_cancelled() -> None:
     await ctl.poll()
     assert cancels == [(fakes[0].url, 3)]  # floor(8 x 0.7 / 0.95) = 5 kept
     assert pool.servers[0].cap == 5
+
+
+async def test_the_first_cap_comes_from_the_kv_capacity_and_the_first_rollouts_length(
+        caplog: pytest.LogCaptureFixture) -> None:
+    fakes, pool, cancels = setup(1)
+    ctl = ConcurrencyControl(ConcurrencyConfig(adaptive=True), pool, 64, 4, lambda server, n: cancels.append(
+        (server.url, n)))
+    server = pool.servers[0]
+    assert server.cap == 4  # one group until the first poll
+    fakes[0].metrics_text = exposition("m", KVLoad(0.1, 4, 0, 0, blocks=512, block_tokens=16), 0.0)  # 8192
+    await ctl.poll()
+    assert server.cap == 4  # no rollout has finished: its length is not known
+    ctl.done(server, 4, longest=300)
+    ctl.done(server, 4, longest=480)
+    assert ctl.rollout_tokens(server) == 480
+    with caplog.at_level(logging.INFO):
+        await ctl.poll()
+    assert (server.cap, ctl.snapshot()[server.url]["rule"]) == (17, "start")  # 8192 // 480
+    assert ctl.snapshot()[server.url]["rollout_tokens"] == 480
+    assert any("first cap 17 rollouts: its KV cache of 8192 tokens over 480 tokens" in r.getMessage()
+               for r in caplog.records)
+    assert cancels == []
+    fixed = ConcurrencyControl(ConcurrencyConfig(adaptive=True, rollout_tokens=1024), pool, 64, 4, lambda s, n: None)
+    await fixed.poll()
+    assert server.cap == 8  # the set length, before anything finished
 
 
 async def test_an_unreadable_server_keeps_the_static_cap_said_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -161,8 +188,8 @@ async def test_a_busy_server_answering_503_keeps_its_cap() -> None:
     assert pool.servers[0].cap == 8  # not the static ceiling: a busy server is no reason to open up
 
 
-def test_the_stall_line_names_the_caps_that_hold_a_step_back() -> None:
-    _, pool, _ = setup(1)
+async def test_the_stall_line_names_the_caps_that_hold_a_step_back() -> None:
+    _, pool, _ = setup(1)  # the pool's timing rules read the running loop's clock
     tracker = GroupTracker(max_off_policy_steps=2, group_timeout_s=600)
     limits = SchedulerConfig(batch_size=8)
     admission = Admission(limits, Capacity(limits.max_inflight, pool, tracker), tracker, Buffer(), {}, None, None, 0, 0)
@@ -172,3 +199,40 @@ def test_the_stall_line_names_the_caps_that_hold_a_step_back() -> None:
     assert pool.take(4) is not None  # 4 in flight: another group of 4 does not fit under 6
     assert stall.cause(0) == f"room under the servers' caps ([scheduler.concurrency]: {pool.servers[0].url} at its " \
                              "cap of 6)"
+
+
+@virtual_time
+async def test_the_poller_reads_every_poll_s_and_a_read_without_an_answer_ends_at_poll_s() -> None:
+    """On a virtual clock, with the default poll_s: a server whose /metrics never answers holds a poll for poll_s at
+    most (its cap unchanged), and the other server's cap still follows its cache at every poll."""
+    fakes, pool, cancels = setup(2)
+    cfg = ConcurrencyConfig(adaptive=True, start_per_server=8)
+    ctl = ConcurrencyControl(cfg, pool, 32, 1, lambda server, n: cancels.append((server.url, n)))
+    fakes[0].metrics_text = fakes[1].metrics_text = metrics(0.3)
+    fakes[0].hang_paths.add("/metrics")
+    pool.servers[0].inflight = pool.servers[1].inflight = 8
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    def reads() -> int:
+        return sum(c[1] == "/metrics" for c in fakes[1].calls)
+
+    async def read(n: int) -> None:
+        await wait_until(lambda: reads() >= n, 60, f"poll {n}", poll_s=0.001)  # virtual seconds: a hang guard
+
+    async with asyncio.TaskGroup() as tg:
+        polling = tg.create_task(ctl.run())
+        for turnover in range(1, 4):  # a turnover on each server before each poll: a binding cap may grow each time
+            ctl.done(pool.servers[0], 16)
+            ctl.done(pool.servers[1], 16)
+            await read(turnover)
+            pool.servers[1].inflight = pool.servers[1].cap or 0
+        polling.cancel()
+    assert reads() == 3
+    # each poll waited poll_s before it, and the hung read held it poll_s more: 2 x poll_s apart
+    assert loop.time() - t0 == pytest.approx(5 * cfg.poll_s, abs=0.01)
+    assert pool.servers[0].cap == 8  # no answer: nothing to decide on
+    assert pool.servers[1].cap is not None
+    assert pool.servers[1].cap > 8  # it grew
+    assert cancels == []
+    fakes[0].release()

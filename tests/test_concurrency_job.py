@@ -51,4 +51,4 @@ async def test_a_cache_too_small_for_max_inflight_brings_the_cap_down_and_every_
     usages = [s["kv_usage"] for s in seen if s["kv_usage"] is not None]  # none before the first poll's answer
     assert usages  # /metrics was read
     assert all(0.0 <= u <= 1.0 for u in usages)
-    assert {s["rule"] for s in seen} <= {"hold", "grow", "trim", "cancel", "preempted", "queued"}
+    assert {s["rule"] for s in seen} <= {"start", "hold", "grow", "trim", "cancel", "preempted", "queued"}

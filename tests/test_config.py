@@ -146,7 +146,7 @@ BAD = [
      "inference.servers: expected an array of a string"),
     ("wrong type table", GOOD + "sampling = 3\n", "env[0].sampling: expected a table"),
     ("missing servers", GOOD.replace('servers = ["http://127.0.0.1:8000/v1"]', "request_timeout_s = 3.0"),
-     "inference.servers: missing required key"),
+     "inference.servers: at least one server URL is required"),
     ("missing inference", GOOD.replace('[inference]\nservers = ["http://127.0.0.1:8000/v1"]', ""),
      "inference: missing required key"),
     ("missing taskset", GOOD.replace('taskset = "orchestrator-arithmetic"', ""),

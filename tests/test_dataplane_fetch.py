@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import zmq
 
-from orchestrator.columns.layout import span_layout
 from orchestrator.columns.store import ColumnStore
 from orchestrator.contracts.manifest import StepManifest, build_manifest
 from orchestrator.contracts.protocol import PoolInfo
@@ -137,7 +136,7 @@ async def test_the_reader_fetches_from_a_curve_span_server_with_its_own_key_pair
 async def test_a_client_keeps_one_connection_per_server_and_replaces_it_after_a_failure() -> None:
     async with served() as (store, server):
         m = remote_manifest(store, server.address, range(2))
-        spans = [(s.offset, span_layout(s.tokens, s.layers, s.top_k, s.routed_dtype).nbytes) for s in m.spans]
+        spans = [(s.offset, s.layout().nbytes) for s in m.spans]
         client = SpanClient()
         for _ in range(3):
             got = await asyncio.to_thread(client.fetch, server.address, store.id, spans, 5.0)

@@ -53,7 +53,8 @@ def test_a_manifest_is_built_from_headers_and_round_trips() -> None:
     assert [(c.name, c.dtype, c.tail) for c in m.columns] == [
         ("token_ids", "<i4", []), ("loss_mask", "|u1", []), ("logprobs", "<f4", []), ("routed_experts", "|u1", [4, 2])]
     assert m.scalars == {"advantage": [0.5, 0.5, -0.5, 0.0], "reward": [1.0] * 4, "env": ["e"] * 4,
-                         "rollout": ["r0", "r0", "r1", "r2"], "policy": [12, 12, 11, 12]}
+                         "rollout": ["r0", "r0", "r1", "r2"], "policy": [12, 12, 11, 12],
+                         "policy_max": [12, 12, 11, 12], "min_version": [None] * 4}
     data = encode_manifest(m)
     assert decode_manifest(data) == m
     assert decode_manifest(memoryview(data)) == m
@@ -97,7 +98,7 @@ def set_(path: str, value: Any) -> Mutation:
 
 HOSTILE: list[tuple[str, Mutation, str]] = [
     ("wrong-kind", set_("kind", "batch"), "not a step manifest of version 1"),
-    ("future-version", set_("v", 2), "version 2"),
+    ("future-version", set_("v", 3), "version 3"),
     ("unknown-field", set_("extra", 1), "unknown field"),
     ("negative-step", set_("step", -1), ">= 0"),
     ("empty-run", set_("run", ""), "length >= 1"),
@@ -157,3 +158,42 @@ def test_random_corruption_is_refused_or_yields_a_valid_manifest() -> None:
             continue
         assert decode_manifest(encode_manifest(m)) == m  # what passes is a consistent manifest
     assert refused > 1000  # most flips break something; the rest changed a value within its bounds
+
+
+def test_a_version_1_manifest_is_read_as_spans_without_optional_columns() -> None:
+    m = step_manifest()
+    old = msgspec.msgpack.decode(encode_manifest(m))
+    old["v"] = 1
+    old["spans"] = [span[:7] for span in old["spans"]]  # a version 1 span: no optional columns
+    read = decode_manifest(msgspec.msgpack.encode(old))
+    assert read.v == 1
+    assert [s.optional for s in read.spans] == [[], [], []]
+    assert read.columns == m.columns
+    with_versions = msgspec.msgpack.decode(encode_manifest(m))
+    with_versions["v"] = 1
+    with_versions["spans"][0][7] = ["versions"]
+    with pytest.raises(WireError, match="optional columns in a version 1 manifest"):
+        decode_manifest(msgspec.msgpack.encode(with_versions))
+
+
+def test_a_step_carries_an_optional_column_only_when_every_span_has_it() -> None:
+    def with_versions(rid: str, worker: str, offset: int, has: bool) -> RolloutRecord:
+        r = record(rid, worker, offset, [(10, 0, 0)])
+        if has:
+            r.header.optional = ["versions"]
+            assert r.header.span is not None
+            r.header.span = SpanLoc(r.header.span.pool, offset, span_layout(10, 0, 0, "uint8", ["versions"]).nbytes)
+        r.check()
+        return r
+
+    both = build_manifest("run", 1, [(with_versions("a", "w0", 0, True), 0.1),
+                                     (with_versions("b", "w1", 0, True), 0.2)], POOLS)
+    assert [c.name for c in decode_manifest(encode_manifest(both)).columns] == [
+        "token_ids", "loss_mask", "logprobs", "versions"]
+    one = build_manifest("run", 1, [(with_versions("a", "w0", 0, True), 0.1),
+                                    (with_versions("b", "w1", 0, False), 0.2)], POOLS)
+    assert [c.name for c in decode_manifest(encode_manifest(one)).columns] == ["token_ids", "loss_mask", "logprobs"]
+    unknown = msgspec.msgpack.decode(encode_manifest(both))
+    unknown["spans"][0][7] = ["teacher_secrets"]
+    with pytest.raises(WireError, match="unknown optional columns"):
+        decode_manifest(msgspec.msgpack.encode(unknown))

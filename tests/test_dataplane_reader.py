@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from orchestrator.columns.layout import span_layout
 from orchestrator.columns.store import ColumnStore
 from orchestrator.contracts.manifest import StepManifest, build_manifest, decode_manifest
 from orchestrator.contracts.protocol import PoolInfo
@@ -30,6 +29,7 @@ from orchestrator.trainer.reader import PoolMaps, PoolsLost, StepView
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dataplane_peer import WORKER, peer_samples, record
+from shm_peer import dev_shm, left_in_dev_shm
 
 PEER = Path(__file__).parent / "dataplane_peer.py"
 HANG_GUARD_S = 120.0  # a peer starts in well under a second on a quiet machine, many times that on a busy one
@@ -39,10 +39,6 @@ pytestmark = pytest.mark.timeout(300)
 
 def memfd_maps() -> int:
     return sum(MEMFD in line for line in Path("/proc/self/maps").read_text().splitlines())
-
-
-def dev_shm() -> set[str]:
-    return {p.name for p in Path("/dev/shm").iterdir()}
 
 
 def assert_matches_peer(view: StepView, rollouts: int) -> None:
@@ -115,7 +111,7 @@ async def test_a_trainer_views_a_workers_columns_without_a_copy_and_they_outlive
         assert await peer.line() == {"released": 2, "live": span_bytes(manifest, {"r2", "r3", "r4"})}
         await peer.kill()
     assert_matches_peer(view, 5)  # the worker is gone; the mapping, and so every view, stays valid
-    assert dev_shm() == before
+    assert await left_in_dev_shm(before) == set()
     maps.close()
     del view, again
     gc.collect()
@@ -124,7 +120,7 @@ async def test_a_trainer_views_a_workers_columns_without_a_copy_and_they_outlive
 
 def span_bytes(manifest: StepManifest, rollouts: set[str]) -> int:
     """The bytes the spans of ``rollouts`` take in their pool."""
-    return sum(span_layout(s.tokens, s.layers, s.top_k, s.routed_dtype).nbytes
+    return sum(s.layout().nbytes
                for s in manifest.spans if s.rollout in rollouts)
 
 

@@ -31,7 +31,7 @@ def direct_groups() -> list[ReplayGroup]:
         worker, pool = ("w1", "p1") if i % 2 == 0 else ("w2", "p0")
         for r in g.records:
             h = r.header
-            nbytes = shapes_layout(h.samples, h.routed_dtype).nbytes
+            nbytes = shapes_layout(h.samples, h.routed_dtype, h.optional).nbytes
             h.worker, h.span, h.frames = worker, SpanLoc(pool, offset, nbytes), 0
             r.frames = []
             offset += nbytes

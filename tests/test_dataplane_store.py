@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from orchestrator.columns.alloc import SpanAllocator
-from orchestrator.columns.layout import ALIGN, COLUMNS, SpanLoc, shapes_layout, span_layout
+from orchestrator.columns.layout import ALIGN, SpanLoc, shapes_layout, span_layout
 from orchestrator.columns.samples import PlainNode, Sample, SampleError, build_sample
 from orchestrator.columns.store import ColumnStore, PoolTooSmall, rollout_layout
+from orchestrator.columns.versions import TokenVersions
 from orchestrator.contracts.protocol import sample_frames
 
 
@@ -21,7 +22,7 @@ def make_sample(rng: np.random.Generator, tokens: int, layers: int = 0, top_k: i
     mask = [bool(i % 3) for i in range(tokens)]
     return build_sample([PlainNode(token_ids=rng.integers(0, 150_000, tokens).tolist(), mask=mask,
                                    logprobs=[-float(i % 7) / 3 for i in range(tokens) if mask[i]],
-                                   routed_experts=routed)])
+                                   routed_experts=routed)], TokenVersions(3))
 
 
 def tiles(alloc: SpanAllocator) -> bool:
@@ -130,7 +131,8 @@ def test_a_rollout_is_written_once_with_the_same_bytes_as_its_column_frames(laye
         frame_shapes, frames = sample_frames(samples)  # what the through path sends for the same rollout
         assert frame_shapes == shapes
         raw = pool_bytes(store, loc)
-        for name, frame in zip(COLUMNS, frames, strict=True):
+        assert list(layout.columns) == ["token_ids", "loss_mask", "logprobs", "versions", "routed_experts"]
+        for name, frame in zip(layout.columns, frames, strict=True):
             offset, nbytes = layout.columns[name]
             assert raw[offset:offset + nbytes] == (frame if isinstance(frame, bytes) else frame.tobytes()), name
     finally:
@@ -139,7 +141,7 @@ def test_a_rollout_is_written_once_with_the_same_bytes_as_its_column_frames(laye
 
 async def test_the_pool_is_bounded_and_a_writer_waits_for_a_release() -> None:
     rng = np.random.default_rng(2)
-    big = [make_sample(rng, 3000)]  # 27 kB of columns: two fit a 64 kB pool
+    big = [make_sample(rng, 2400)]  # 31 kB of columns: two fit a 64 kB pool
     store = ColumnStore(64 * 1024, warn_s=60)
     try:
         held = ["r0", "r1"]

@@ -18,6 +18,7 @@ import zmq.asyncio
 from orchestrator.columns.layout import ALIGN
 from orchestrator.columns.memfd import map_served_pool
 from orchestrator.columns.samples import PlainNode, build_sample
+from orchestrator.columns.versions import TokenVersions
 from orchestrator.contracts.manifest import build_manifest
 from orchestrator.contracts.protocol import (
     Assign,
@@ -165,7 +166,7 @@ async def test_records_carry_spans_and_the_served_pool_holds_exactly_the_column_
                 assert span is not None
                 assert span.pool == worker.store.id
                 assert span.offset % ALIGN == 0
-                shapes, expect = sample_frames([build_sample(nodes_for(slot))])
+                shapes, expect = sample_frames([build_sample(nodes_for(slot), TokenVersions(0))])
                 assert rec.header.samples == shapes
                 at = span.offset
                 for frame in expect:  # the same bytes the through path sends, in the layout's order
@@ -294,7 +295,7 @@ async def test_the_worker_runs_the_token_filters_on_the_tokens_the_orchestrator_
         msg, _ = await next_message(ours)
         assert isinstance(msg, Records)
     for slot, h in enumerate(msg.records):
-        sample = build_sample(nodes_for(slot))  # what the orchestrator would have read in through mode
+        sample = build_sample(nodes_for(slot), TokenVersions(0))  # what the orchestrator would read in through mode
         mask = sample.loss_mask.astype(bool)
         ids, logprobs = sample.token_ids[mask], sample.logprobs[mask]
         expect = [i for i, hit in ((1, is_gibberish(ids, logprobs, vocab_size=2, token_id_threshold=500)),
@@ -327,9 +328,10 @@ async def test_a_worker_given_a_span_address_serves_its_spans_to_other_hosts(
         batch = (await asyncio.to_thread(maps.view, manifest)).gather()
         assert maps.remote_fetches == 1
         maps.close()
-        want = [build_sample(nodes_for(slot)) for slot in range(2)]
+        want = [build_sample(nodes_for(slot), TokenVersions(0)) for slot in range(2)]
         np.testing.assert_array_equal(batch.columns["token_ids"], np.concatenate([w.token_ids for w in want]))
         np.testing.assert_array_equal(batch.columns["logprobs"], np.concatenate([w.logprobs for w in want]))
+        np.testing.assert_array_equal(batch.columns["versions"], np.concatenate([w.versions for w in want]))
 
 
 async def test_a_worker_with_keys_serves_its_spans_with_curve_to_the_trainers_the_setup_names(
@@ -355,7 +357,8 @@ async def test_a_worker_with_keys_serves_its_spans_with_curve_to_the_trainers_th
             manifest = build_manifest("run", 0, [(r, 1.0) for r in split_records(msg, frames)], {"w0": ready.pool})
             maps = PoolMaps(host="trainer-node", keys=trainer.keys)
             view = await asyncio.to_thread(maps.view, manifest)
-            np.testing.assert_array_equal(view.gather().columns["token_ids"], build_sample(nodes_for(0)).token_ids)
+            want = build_sample(nodes_for(0), TokenVersions(0))
+            np.testing.assert_array_equal(view.gather().columns["token_ids"], want.token_ids)
             maps.close()
             intruder = PoolMaps(host="trainer-node", fetch_timeout_s=1.0, keys=keys.client("intruder").keys)
             with pytest.raises(PoolsLost, match="no answer"):  # a key pair the setup does not name

@@ -149,3 +149,32 @@ def test_bad_dump_steps_name_the_key(tmp_path: Path, value: str, message: str,
     assert e.value.problems == [f"{path}: {message}"]
     assert main(["check", str(path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_dump_of_format_2_loads_and_its_step_builds_without_versions(tmp_path: Path) -> None:
+    """Before optional columns, records had four frames (token ids, loss mask, logprobs, routed experts) and no
+    ``optional``: such a dump still loads, and its step builds a batch without a versions column."""
+    import msgspec
+    import orjson
+
+    cfg = synthetic_config(12, 4)
+    groups = step_groups()
+    for g in groups:  # as an older worker sent them: no versions frame, no optional columns named
+        for r in g.records:
+            if r.frames:
+                r.frames = [r.frames[0], r.frames[1], r.frames[2], r.frames[4]]
+                r.header = msgspec.structs.replace(r.header, optional=[], frames=4)
+    result = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, VOCAB).build(5, groups)
+    assert "versions" not in result.batch.columns
+    info = write_dump(dump_path(tmp_path, 5), 5, groups, result.batch, result.rows, run="r", vocab_size=VOCAB)
+    meta = orjson.loads((info.path / "meta.json").read_bytes())
+    (info.path / "meta.json").write_bytes(orjson.dumps({**meta, "format": 2}))
+    dump = load_dump(info.path)
+    rebuilt = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, VOCAB).build(5, dump.groups)
+    assert sorted(rebuilt.batch.columns) == ["logprobs", "loss_mask", "routed_experts", "token_ids"]
+    np.testing.assert_array_equal(rebuilt.batch.columns["token_ids"], result.batch.columns["token_ids"])
+
+    fresh = StepBuilder(cfg.pipeline, cfg.env, cfg.run.name, VOCAB).build(5, step_groups())
+    versions = fresh.batch.columns["versions"]  # this version's records carry it, and so does their batch
+    assert versions.dtype == np.dtype("<i4")
+    np.testing.assert_array_equal(versions >= 0, fresh.batch.columns["loss_mask"] != 0)

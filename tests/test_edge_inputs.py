@@ -1,4 +1,4 @@
-"""Bad input at the edges: each is one message naming the cause, with the exit status the README promises
+"""Bad input at the edges: each is one message naming the cause, with the exit status docs/operations.md promises
 (2: a config or usage error, before anything starts; 1: an error a component names), never a traceback."""
 
 from __future__ import annotations

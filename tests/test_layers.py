@@ -23,7 +23,7 @@ SRC = Path(orchestrator.__file__).parent
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry points", ("__main__", "cli", "commands", "testing", "transport")),
     ("the job", ("app", "engines", "outdir", "progress")),
-    ("config", ("config",)),
+    ("config, and its rendering for a cluster", ("config", "launch")),
     ("data plane", ("dataplane",)),
     ("step boundary", ("steps", "sinks")),
     ("weight sync", ("weights",)),

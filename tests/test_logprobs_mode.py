@@ -90,15 +90,31 @@ async def test_raw_logprobs_at_another_temperature_are_refused_unless_stated(cap
         assert await settle(servers, hot()) == "processed"
 
 
-async def test_without_server_info_auto_assumes_vllm_s_default_raw(caplog: pytest.LogCaptureFixture) -> None:
-    """prime-rl's server has no /server_info (never in dev mode) and sets no --logprobs-mode: raw."""
+def test_without_server_info_auto_assumes_vllm_s_default_raw() -> None:
+    """A server that cannot say its mode (no /server_info) and no other that can: raw, vLLM's default, with a
+    warning saying it is assumed (preflight refuses vLLM without dev mode for its missing admin routes anyway)."""
+    settled = resolve(LogprobsCheck(), {"http://a/v1": None})
+    assert (settled.mode, settled.problems) == ("raw", ())
+    [warning] = settled.warnings
+    assert "http://a/v1 (no /server_info" in warning
+    assert "assuming raw, vLLM's default" in warning
+    assert "(assumed" in resolve(hot(), {"http://a/v1": None}).problems[0]
+    assert resolve(hot("processed"), {"http://a/v1": None}).mode == "processed"  # stated: nothing to compare
+
+
+async def test_prime_rl_s_servers_are_known_to_run_raw(caplog: pytest.LogCaptureFixture) -> None:
+    """prime-rl's server has no /server_info (never in dev mode) and never sets --logprobs-mode (prl 559b447):
+    raw by construction, so no warning (the demo's servers play it)."""
     async with sim_servers(1, profile="prime-rl") as servers:
         with caplog.at_level(logging.WARNING, logger="orchestrator"):
-            assert await settle(servers, LogprobsCheck(), "prime-rl") == "raw"
-        assert "assuming raw, vLLM's default" in caplog.text
-        with pytest.raises(PreflightError, match="the servers report raw logprobs \\(assumed"):
-            await settle(servers, hot(), "prime-rl")
-        assert await settle(servers, hot("processed"), "prime-rl") == "processed"  # stated: nothing to compare
+            assert await settle(servers, LogprobsCheck(prime_rl_servers=True), "prime-rl") == "raw"
+        assert "server_info" not in caplog.text
+        with pytest.raises(PreflightError, match="the servers report raw logprobs \\(prime-rl's servers run"):
+            await settle(servers, hot_prime_rl(), "prime-rl")
+
+
+def hot_prime_rl() -> LogprobsCheck:
+    return LogprobsCheck("auto", (("env[0].sampling.temperature", 0.7),), prime_rl_servers=True)
 
 
 async def test_prime_rl_s_trainer_is_refused_raw_logprobs_at_another_temperature_even_when_stated() -> None:

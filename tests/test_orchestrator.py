@@ -109,7 +109,9 @@ async def test_a_dumped_step_holds_the_batch_the_trainer_got(tmp_path: Path, dat
     assert dump.batch.num_tokens == trainer.received[1].tokens
     assert dump.batch.columns["routed_experts"].shape[1:] == (3, 2)
     assert dump.rows == [r for r in rows if r["step"] == 1]
-    assert all(len(r.frames) == 4 for g in dump.groups for r in g.records if r.ok)  # replayable: every column
+    assert all(len(r.frames) == 5 and r.columns[3] == "versions"  # replayable: every column
+               for g in dump.groups for r in g.records if r.ok)
+    assert "versions" in dump.batch.columns
     assert "dump" in metrics[1]["phase_s"]
     assert "dump" not in metrics[0]["phase_s"]
 

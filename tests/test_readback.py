@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.columns.memfd import serve_pool
 from orchestrator.columns.store import ColumnStore
-from orchestrator.contracts.protocol import COLUMNS, PoolInfo, RolloutRecord
+from orchestrator.contracts.protocol import PoolInfo, RolloutRecord
 from orchestrator.dataplane.readback import Readback
 from orchestrator.rollouts.groups import Group
 
@@ -30,7 +30,7 @@ def group(gid: str, records: list[RolloutRecord]) -> Group:
 def assert_columns_of(rec: RolloutRecord, i: int) -> None:
     """``rec`` carries rollout ``i``'s columns as frames (the through path's record), and no span."""
     assert rec.header.span is None
-    for name in COLUMNS:
+    for name in rec.columns:
         want = np.concatenate([getattr(s, name) for s in peer_samples(i)])
         np.testing.assert_array_equal(rec.column(name).reshape(want.shape), want)
 

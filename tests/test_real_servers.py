@@ -123,16 +123,15 @@ def other_tokenizer(directory: Path) -> Path:
 # (profile, server options, backend, check kwargs, words the one message must contain)
 BREAKS: list[tuple[ProfileName, dict[str, Any], str, dict[str, Any], str]] = [
     ("vllm-0.26", {"dev_mode": False}, "vllm", {}, "start vLLM with VLLM_SERVER_DEV_MODE=1"),
-    ("vllm-0.33", {}, "vllm", {}, "use vLLM 0.31 (or 0.26) or prime-rl's server"),
-    ("vllm-0.26", {"layers": 2, "top_k": 2}, "vllm", {}, "for router replay use prime-rl's inference server"),
     ("prime-rl", {}, "vllm", {}, "set inference.backend = 'prime-rl'"),
     ("vllm-0.26", {}, "prime-rl", {}, "this is upstream vLLM, not prime-rl's inference server"),
     ("vllm-0.26", {"dev_mode": False}, "prime-rl", {}, "start prime-rl's inference server"),
     ("prime-rl", {}, "prime-rl", {"model": "Qwen/Qwen3-4B"}, "set model.name to the served name"),
     ("prime-rl", {}, "prime-rl", {"tokenizer": "other"}, "set model.tokenizer to the served model's tokenizer"),
-    # started without --enable-scale-out: 0.31 has no generate route (404), 0.32 refuses it (403)
+    # started without --enable-scale-out: 0.31 has no generate route (404), 0.32 and 0.33 refuse it (403)
     ("vllm-0.31", {"scale_out": False}, "vllm", {}, "restart vllm serve with --enable-scale-out"),
     ("vllm-0.32", {"scale_out": False}, "vllm", {}, "restart vllm serve with --enable-scale-out"),
+    ("vllm-0.33", {"scale_out": False}, "vllm", {}, "restart vllm serve with --enable-scale-out"),
 ]
 
 
@@ -153,8 +152,12 @@ async def test_preflight_names_each_break_and_its_fix(tmp_path: Path, profile: P
 async def test_preflight_passes_the_supported_servers_and_says_what_is_down() -> None:
     async with sim_servers(1, profile="prime-rl", layers=2, top_k=2) as prime, \
             sim_servers(1, profile="vllm-0.26") as vllm:
-        async with checked(prime, "prime-rl"), checked(vllm, "vllm"):
+        async with checked(prime, "prime-rl"), checked(vllm, "vllm") as report:
             pass
+        assert [s.weight_versions for s in report.servers] == [False]  # 0.26: bounded token versions
+        for profile in ("vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33"):  # .npy routed experts, 0.32+ logprobs
+            async with sim_servers(1, profile=profile, layers=2, top_k=2) as newer, checked(newer, "vllm") as report:
+                assert [s.weight_versions for s in report.servers] == [profile >= "vllm-0.32"], profile
         vllm[0].faults = Faults(down=True)
         with pytest.raises(PreflightError, match="503: its engine is dead"):
             async with checked(vllm, "vllm"):

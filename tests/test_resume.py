@@ -17,6 +17,7 @@ import pytest
 from orchestrator.contracts.link import ckpt_address
 from orchestrator.state import load_state
 from orchestrator.testing.procs import (
+    logged,
     orchestrator_process,
     processes_mentioning,
     unix_connections,
@@ -75,11 +76,13 @@ async def test_trainer_absent_at_start_then_killed_and_restarted(tmp_path: Path,
     address = f"ipc://{tmp_path / 'out'}/trainer.sock"
     async with sim_process() as server:
         cfg, out = write_job(tmp_path, server.url, steps, "resume", data_plane)
-        async with orchestrator_process("run", str(cfg)) as run:
-            # no trainer: the first step waits in the send (with a warning), the run does not fail
-            await wait_until(lambda: bool(processes_mentioning(f"{out}/workers.sock")), HANG_GUARD_S, "env workers",
-                             alive=run)
-            await asyncio.sleep(8)  # a check of absence (nothing fails, nothing is written): no event to wait for
+        run_log = tmp_path / "run.log"
+        async with orchestrator_process("run", str(cfg), "--set", "monitor.stall_warn_s=2", log=run_log) as run:
+            # no trainer: the first step waits in the send (with a warning every stall_warn_s), the run does not
+            # fail and writes nothing
+            await wait_until(lambda: bool(logged(run_log, "step 0 waits: the trainer at ")), HANG_GUARD_S,
+                             "step 0 waiting in the send", alive=run)
+            assert processes_mentioning(f"{out}/workers.sock")
             assert run.returncode is None
             assert not (out / "metrics.jsonl").exists() or file_steps(out / "metrics.jsonl") == []
             async with orchestrator_process("receive", address, "--journal", str(journal), "--checkpoint-dir",

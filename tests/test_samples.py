@@ -5,6 +5,7 @@ import pytest
 
 from orchestrator.columns.samples import PlainNode as Node
 from orchestrator.columns.samples import SampleError, build_sample
+from orchestrator.columns.versions import CallKey, CallSpans
 
 
 def routed(n: int, layers: int = 2, k: int = 3, fill: int = 0) -> np.ndarray:
@@ -68,3 +69,59 @@ def test_any_sequence_type_gives_the_same_sample() -> None:
         assert a.dtype == b.dtype
         assert a.tolist() == b.tolist()
     assert as_lists.loss_mask.tolist() == [0, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------- versions
+
+
+def test_versions_are_bounded_by_the_floor_without_calls_and_exact_from_them() -> None:
+    from orchestrator.columns.versions import NOT_SAMPLED, TokenVersions, bounded, call_key, exact, lower_bound
+
+    nodes = [Node([1, 2, 3]), Node([4, 5], [False, True], [-0.5]), Node([6]),
+             Node([7, 8, 9], [False, True, True], [-1.0, -2.0])]
+    plain = build_sample(nodes, TokenVersions(floor=7))
+    assert plain.versions is not None
+    assert plain.versions.tolist() == [NOT_SAMPLED] * 4 + [bounded(7), NOT_SAMPLED, NOT_SAMPLED, bounded(7),
+                                                            bounded(7)]
+    assert plain.optional == ("versions",)
+    assert build_sample(nodes).optional == ()  # no TokenVersions: no column
+
+    # the first call's completion (token 5) starts at position 4; the second's (8, 9) at 7, half of it unknown
+    calls: dict[CallKey, list[CallSpans]] = {call_key(4, [5]): [((8, 0, 1),)], call_key(7, [8, 9]): [((8, 0, 1),)]}
+    versions = TokenVersions(floor=7, calls=calls)
+    s = build_sample(nodes, versions)
+    assert s.versions is not None
+    assert s.versions.tolist() == [-1, -1, -1, -1, 8, -1, -1, 8, bounded(7)]
+    assert lower_bound(s.versions).tolist() == [-1, -1, -1, -1, 8, -1, -1, 8, 7]
+    assert exact(s.versions).tolist() == [False] * 4 + [True, False, False, True, False]
+    assert (versions.exact, versions.bounded) == (2, 1)
+
+
+def test_a_completion_two_calls_reported_differently_is_bounded_by_the_older() -> None:
+    from orchestrator.columns.versions import TokenVersions, bounded, call_key
+
+    nodes = [Node([1, 2]), Node([3, 4], [True, True], [-1.0, -1.0])]
+    calls: dict[CallKey, list[CallSpans]] = {call_key(2, [3, 4]): [((5, 0, 1), (6, 1, 2)), ((6, 0, 2),)]}
+    s = build_sample(nodes, TokenVersions(floor=4, calls=calls))
+    assert s.versions is not None
+    assert s.versions.tolist() == [-1, -1, bounded(5), bounded(6)]
+    other_place: dict[CallKey, list[CallSpans]] = {call_key(1, [3, 4]): [((5, 0, 2),)]}  # after another prompt
+    s = build_sample(nodes, TokenVersions(floor=4, calls=other_place))
+    assert s.versions is not None
+    assert s.versions.tolist() == [-1, -1, bounded(4), bounded(4)]
+
+
+def test_call_spans_read_only_step_numbers() -> None:
+    from orchestrator.columns.versions import call_spans, expand
+
+    def per_token(raw: object, n: int) -> list[int]:
+        out: list[int] = expand(call_spans(raw, n), n).tolist()
+        return out
+
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert call_spans(spans, 5) == ((3, 0, 2), (4, 2, 5))
+    assert per_token(spans, 5) == [3, 3, 4, 4, 4]
+    assert per_token([{"version": "default", "start": 0, "end": 3}], 3) == [-1, -1, -1]
+    assert per_token(None, 2) == [-1, -1]  # vLLM: no label reported for these tokens
+    assert per_token([{"version": "3", "start": 1, "end": 9}], 3) == [-1, -1, -1]  # past the end
+    assert per_token([{"version": "-3", "start": 0, "end": 1}, "junk"], 1) == [-1]

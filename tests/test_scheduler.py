@@ -13,6 +13,7 @@ from orchestrator.config import JobConfig, load_config
 from orchestrator.engines import job_scheduler
 from orchestrator.inference.pool import InferencePool
 from orchestrator.rollouts.scheduler import EVAL_PREFIX, CheckpointSource, Scheduler, SchedulingError
+from orchestrator.testing.clock import virtual_time
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub, Outcome
 
@@ -186,12 +187,15 @@ class AskedCheckpoints:
         return "the trainer was asked"
 
 
+@virtual_time
 async def test_a_step_waiting_for_weights_opens_no_group_asks_for_them_and_says_so(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Step 3 takes policy >= 2 (max_async_level 1) and the servers have 0: every group opened now would be
-    discarded as stale, and the step would wait in silence while the workers spin (issue #21, item 1)."""
-    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 1", stall_warn_s=0.2)
+    discarded as stale, and the step would wait in silence while the workers spin (issue #21, item 1). On a
+    virtual clock, with the default bound: a line every 30 s."""
+    cfg = config(tmp_path, "batch_size = 8\nmax_inflight = 8\nmax_async_level = 1")
     source = AskedCheckpoints()
+    loop = asyncio.get_running_loop()
 
     def stalls() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 3 has 0 of 8")]
@@ -199,9 +203,12 @@ async def test_a_step_waiting_for_weights_opens_no_group_asks_for_them_and_says_
     async with running(cfg, delay_s=0.01, checkpoints=source) as (sched, hub):
         await asyncio.wait_for(sched.next_step(0), 10)
         step3 = asyncio.ensure_future(sched.next_step(3))
-        await wait_until(lambda: len(stalls()) >= 1, 10, "a first stall line", poll_s=0.01)
+        asked_at = loop.time()
+        await wait_until(lambda: len(stalls()) >= 1, 100, "a first stall line", poll_s=0.01)
+        assert loop.time() - asked_at == pytest.approx(cfg.monitor.stall_warn_s, abs=0.05)
         opened = len(hub.assigned)
-        await wait_until(lambda: len(stalls()) >= 2, 10, "a second stall line", poll_s=0.01)
+        await wait_until(lambda: len(stalls()) >= 2, 100, "a second stall line", poll_s=0.01)
+        assert loop.time() - asked_at == pytest.approx(2 * cfg.monitor.stall_warn_s, abs=0.05)
         assert len(hub.assigned) == opened  # nothing opened between the two lines: training groups wait
         assert not step3.done()
         await sched.set_policy(2)  # the checkpoint arrives
@@ -213,14 +220,18 @@ async def test_a_step_waiting_for_weights_opens_no_group_asks_for_them_and_says_
            "group opens until then): the trainer was asked" in stalls()[0]
 
 
+@virtual_time
 async def test_group_timeout_fails_missing_rollouts(tmp_path: Path) -> None:
-    cfg = config(tmp_path, "batch_size = 4\nmax_inflight = 4\ngroup_timeout_s = 0.2")
+    cfg = config(tmp_path, "batch_size = 4\nmax_inflight = 4")  # group_timeout_s: 600 s by default
 
     def outcome(env: str, rid: str) -> Outcome:
         return None if rid == "g1-3" else 1.0  # one rollout hangs
 
+    loop = asyncio.get_running_loop()
     async with running(cfg, outcome) as (sched, _):
-        groups = await asyncio.wait_for(sched.next_step(0), 5)
+        t0 = loop.time()
+        groups = await asyncio.wait_for(sched.next_step(0), 3600)
+        assert cfg.scheduler.group_timeout_s <= loop.time() - t0 < cfg.scheduler.group_timeout_s + 5
         counts = sched.take_counts()
     assert groups[0].gid == "g1"
     assert len(groups[0].survivors) == 3
@@ -288,14 +299,15 @@ async def test_provider_failures_reach_the_pool(tmp_path: Path) -> None:
     assert pool.metrics["failed:provider_error"] == 4
 
 
+@virtual_time
 async def test_a_step_that_cannot_fill_says_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    async with running(config(tmp_path, stall_warn_s=0.2), lambda e, r: "provider_error: down",
-                       delay_s=0.01) as (sched, _):
+    cfg = config(tmp_path)
+    async with running(cfg, lambda e, r: "provider_error: down", delay_s=0.01) as (sched, _):
         with pytest.raises(TimeoutError):
-            async with asyncio.timeout(1.0):
+            async with asyncio.timeout(3.5 * cfg.monitor.stall_warn_s):
                 await sched.next_step(0)
     stalls = [r.getMessage() for r in caplog.records if "step 0 has 0 of 8" in r.getMessage()]
-    assert stalls, [r.getMessage() for r in caplog.records]
+    assert len(stalls) == 3, [r.getMessage() for r in caplog.records]  # one per stall_warn_s, on a virtual clock
     assert "provider_error" in stalls[-1]
     assert "groups dropped" in stalls[-1]
 

@@ -29,7 +29,7 @@ from orchestrator.testing.procs import wait_until
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shm_peer import memfd_maps, open_fds, peer_batch
+from shm_peer import dev_shm, left_in_dev_shm, memfd_maps, open_fds, peer_batch
 
 PEER = Path(__file__).parent / "shm_peer.py"
 SPAN = shm_layout(peer_batch(0).columns)[1]  # bytes one peer batch takes in a pool
@@ -38,10 +38,6 @@ SPAN = shm_layout(peer_batch(0).columns)[1]  # bytes one peer batch takes in a p
 # starts in about a second on a quiet machine and many times that with every core busy.
 HANG_GUARD_S = 120.0
 pytestmark = pytest.mark.timeout(300)
-
-
-def dev_shm() -> set[str]:
-    return {p.name for p in Path("/dev/shm").iterdir()}
 
 
 class Peer:
@@ -273,7 +269,7 @@ async def test_1000_steps_through_the_pool_leak_nothing(tmp_path: Path) -> None:
     assert (seen[99]["fds"], seen[99]["maps"]) == (seen[steps - 1]["fds"], seen[steps - 1]["maps"])
     assert (seen[steps - 1]["maps"], seen[steps - 1]["fetches"]) == (1, 1)  # one mapping, fetched once
     assert memfd_maps() == 0
-    assert dev_shm() == before
+    assert await left_in_dev_shm(before) == set()
 
 
 async def test_a_sigkilled_trainer_restarts_refetches_the_pool_and_continues(tmp_path: Path) -> None:
@@ -309,7 +305,7 @@ async def test_a_sigkilled_sender_leaves_nothing_and_the_mapping_stays_valid(tmp
         async with peer("send", address, "--steps", "100", "--pool", str(4 * SPAN)) as orchestrator:
             held = [await asyncio.wait_for(receiver.recv(), HANG_GUARD_S) for _ in range(2)]
             await orchestrator.kill()
-        assert dev_shm() == before
+        assert await left_in_dev_shm(before) == set()
         assert memfd_maps() == 1  # only our mapping keeps the memory now, and it still reads right
         for batch in held:
             assert_equal(batch, peer_batch(batch.step))
@@ -328,7 +324,7 @@ async def test_a_sigkilled_sender_leaves_nothing_and_the_mapping_stays_valid(tmp
     del held, later, batch
     gc.collect()
     assert memfd_maps() == 0  # the last views went: unmapped, and with no process left the kernel frees it
-    assert dev_shm() == before
+    assert await left_in_dev_shm(before) == set()
 
 
 async def test_a_clean_exit_leaves_nothing(tmp_path: Path) -> None:
@@ -347,4 +343,4 @@ async def test_a_clean_exit_leaves_nothing(tmp_path: Path) -> None:
     del got
     gc.collect()
     assert memfd_maps() == 0
-    assert dev_shm() == before
+    assert await left_in_dev_shm(before) == set()

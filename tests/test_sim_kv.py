@@ -40,7 +40,8 @@ def test_requests_that_fit_run_together_one_token_per_iteration() -> None:
     order, total = run(engine)
     assert order == ["c", "a", "b"]
     assert total == 5 * 4.0  # the longest request's tokens, each an iteration, all three in the same batch
-    assert engine.load() == KVLoad(0.0, 0, 0, 0)
+    load = engine.load()
+    assert (load.usage, load.running, load.waiting, load.preemptions, load.finished) == (0.0, 0, 0, 0, 3)
 
 
 def test_usage_counts_blocks_of_the_context_so_far() -> None:
@@ -116,7 +117,24 @@ vllm:num_preemptions_total{engine="0",model_name="tiny"} 0.0
 # HELP vllm:num_preemptions_created Cumulative number of preemption from the engine.
 # TYPE vllm:num_preemptions_created gauge
 vllm:num_preemptions_created{engine="0",model_name="tiny"} 1.7956620056737733e+09
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 0.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 0.0
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 0.0
+vllm:request_success_total{engine="0",finished_reason="error",model_name="tiny"} 0.0
+vllm:request_success_total{engine="0",finished_reason="repetition",model_name="tiny"} 0.0
 """
+# the last family of a real vLLM 0.31.0 started with --num-gpu-blocks-override 16 (and --max-model-len 1920), its
+# line as written but for 29 of its 37 labels, 2026-11-28
+REAL_CACHE_CONFIG = (
+    '# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+    '# TYPE vllm:cache_config_info gauge\n'
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="128",cache_dtype="auto",'
+    'effective_attention_block_size="128",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.92",'
+    'kv_cache_max_concurrency="1.0666666666666667",kv_cache_memory_bytes="1073741824",'
+    'kv_cache_size_tokens="2048",num_cpu_blocks="None",num_gpu_blocks="16",num_gpu_blocks_override="16",'
+    'sliding_window="None"} 1.0\n')
 
 
 def test_the_simulator_writes_its_families_as_a_real_vllm_does() -> None:
@@ -124,6 +142,31 @@ def test_the_simulator_writes_its_families_as_a_real_vllm_does() -> None:
     real = REAL_031.splitlines()
     assert [line for line in real if line in sim] == [line for line in real if "sleep_state" not in line]
     assert parse_load(REAL_031) == parse_load("\n".join(sim))
+
+
+def test_the_kv_capacity_and_finished_requests_read_as_a_real_vllm_writes_them() -> None:
+    real = parse_load(REAL_031 + REAL_CACHE_CONFIG)
+    assert (real.capacity_tokens, real.finished) == (2048, 0)
+    assert parse_load(REAL_031).capacity_tokens is None  # a server that does not say: the family is optional
+    engine = KVEngine(KVModel(capacity_tokens=2048, block_tokens=128))
+    for key in "abc":
+        engine.submit(key, 10, 2)
+    engine.cancel("c")  # vLLM counts an abort as finished too
+    run(engine)
+    sim = parse_load(exposition("tiny", engine.load(), 1.7e9))
+    assert (sim.capacity_tokens, sim.finished) == (2048, 3)
+
+
+def test_data_parallel_engines_sum_their_own_kv_capacities() -> None:
+    """kv_cache_size_tokens is each engine's own; num_gpu_blocks is already the server's sum (vLLM 0.26-0.33,
+    ``v1/engine/core_client.py``), so without the former it is not summed again."""
+    base = ('vllm:kv_cache_usage_perc{engine="0"} 0.1\nvllm:num_requests_running{engine="0"} 0\n'
+            'vllm:num_requests_waiting{engine="0"} 0\nvllm:num_preemptions_total{engine="0"} 0\n')
+    info = 'vllm:cache_config_info{{block_size="16",engine="{e}",{size}num_gpu_blocks="200"}} 1.0\n'
+    sized = base + "".join(info.format(e=e, size='kv_cache_size_tokens="1600",') for e in (0, 1))
+    assert parse_load(sized).capacity_tokens == 3200
+    unsized = base + "".join(info.format(e=e, size="") for e in (0, 1))
+    assert parse_load(unsized).capacity_tokens == 3200  # 200 blocks x 16: the sum over both engines already
 
 
 def test_several_engines_sum_their_queues_and_report_the_fullest_cache() -> None:
@@ -193,6 +236,7 @@ async def test_a_served_simulator_shows_the_pressure_on_its_metrics() -> None:
             final = parse_load(await r.text())
     assert final.preemptions > 0  # 12 requests growing to 7 blocks each in 32: admitted at 3, preempted later
     assert (final.running, final.waiting, final.usage) == (0, 0, 0.0)
+    assert (final.capacity_tokens, final.finished) == (512, 12)
 
 
 def test_the_command_refuses_a_cache_that_cannot_hold_one_request() -> None:

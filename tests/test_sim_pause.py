@@ -1,6 +1,7 @@
 """Pauses while generating, as each real server does them (sources in ``orchestrator.sim.profiles``).
 
-- keep: in-flight and new requests wait until ``/resume``, then sample with the weights loaded at that moment;
+- keep: in-flight and new requests wait until ``/resume``, then sample with the weights loaded at that moment (what
+  an in-flight request had sampled before the pause stays the old weights': two version spans on 0.32+);
 - abort: requests waiting in the server answer 200 with ``finish_reason: "abort"``; new ones queue (0.26,
   0.32) or get 503 (0.33);
 - wait: in-flight requests finish and ``/pause`` returns then; new ones queue (0.33: 503);
@@ -53,7 +54,7 @@ async def load(s: aiohttp.ClientSession, srv: SimServer, path: Path) -> None:
 async def test_keep_pause_holds_requests_until_resume_then_samples_new_weights(profile: ProfileName,
                                                                                tmp_path: Path) -> None:
     async with sim_servers(1, profile=profile, faults=Faults(hold=True)) as [srv], aiohttp.ClientSession() as s:
-        inflight = started(s, srv)
+        inflight = started(s, srv, ignore_eos=True)  # its 12 tokens: 6 before the pause (held), 6 after
         await until(srv, lambda st: st.running == 1)
         # prime-rl ignores the query and always keeps; vLLM keeps because it is asked to
         assert await call(s, "POST", root(srv) + "/pause", params={"mode": "keep", "clear_cache": "false"}) == (
@@ -70,14 +71,36 @@ async def test_keep_pause_holds_requests_until_resume_then_samples_new_weights(p
         assert await call(s, "POST", root(srv) + "/resume") == (200, {"status": "resumed"})
         async with asyncio.timeout(HANG_GUARD_S):
             replies = [await inflight, await new]
-    for status, reply in replies:
+    expected: list[list[tuple[str, int, int | None]]] = [[("default", 0, 6), ("1", 6, 12)], [("1", 0, None)]]
+    for (status, reply), spans in zip(replies, expected, strict=True):
         choice = reply["choices"][0]
         assert status == 200
         assert choice["finish_reason"] in ("stop", "length")
-        if srv.profile.weight_versions:
-            assert choice["weight_versions"] == [{"version": "1", "start": 0, "end": len(choice["token_ids"])}]
+        if srv.profile.weight_versions:  # the label the engine had when each token was sampled
+            assert choice["weight_versions"] == [{"version": v, "start": a, "end": b or len(choice["token_ids"])}
+                                                 for v, a, b in spans]
     assert [(g.weights_path, g.loads) for g in srv.log.generate] == [(str(tmp_path), 1)] * 2
     assert {g.pause_mode for g in srv.log.generate} == {None, "keep"}  # the one in flight, and the new one
+
+
+async def test_each_keep_pause_a_request_spans_starts_a_span_of_the_new_label() -> None:
+    """As on a real 0.32.0 (a 1,500-token request across two keep pauses: three spans, profiles.py): the tokens
+    sampled before each pause carry the label the engine had then; consecutive spans tile the reply."""
+    async with sim_servers(1, profile="vllm-0.32", faults=Faults(hold=True)) as [srv], aiohttp.ClientSession() as s:
+        inflight = started(s, srv, ignore_eos=True)
+        await until(srv, lambda st: st.running == 1)
+        for label in ("1", "2"):  # held throughout: half of what is left is out at each pause
+            await call(s, "POST", root(srv) + "/pause", params={"mode": "keep", "clear_cache": "false"})
+            await call(s, "POST", root(srv) + "/update_weight_version", json={"new_version": label})
+            await call(s, "POST", root(srv) + "/resume")
+        srv.faults = Faults()
+        async with asyncio.timeout(HANG_GUARD_S):
+            status, reply = await inflight
+    assert status == 200
+    choice = reply["choices"][0]
+    assert len(choice["token_ids"]) == 12
+    assert [(v["version"], v["start"], v["end"]) for v in choice["weight_versions"]] == [
+        ("default", 0, 6), ("1", 6, 9), ("2", 9, 12)]
 
 
 @pytest.mark.parametrize("profile", VLLM)
@@ -125,7 +148,7 @@ async def test_abort_pause_ends_requests_queued_by_a_keep_pause(profile: Profile
 @pytest.mark.parametrize("profile", ["vllm-0.26", "vllm-0.33"])
 async def test_wait_pause_returns_once_requests_in_flight_finish(profile: ProfileName) -> None:
     async with sim_servers(1, profile=profile, faults=Faults(hold=True)) as [srv], aiohttp.ClientSession() as s:
-        inflight = started(s, srv)
+        inflight = started(s, srv, ignore_eos=True)  # its 12 tokens: 6 before the pause (held), 6 after
         await until(srv, lambda st: st.running == 1)
         # 0.26 also takes its deprecated spelling of mode=wait
         params = {"wait_for_inflight_requests": "true"} if profile == "vllm-0.26" else {"mode": "wait"}

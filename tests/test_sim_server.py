@@ -317,6 +317,14 @@ async def test_reply_shape(profile: ProfileName) -> None:
             usage["completion_tokens_details"] = None
             assert list(reply["usage"]) == list(usage)
             assert reply["request_id"].startswith("generate-tokens-")
+        if profile in ("vllm-0.32", "vllm-0.33"):  # in the order a real 0.32.0 sent them (profiles.py, 2026-11-28)
+            assert list(reply) == ["request_id", "model", "created", "usage", "prompt_logprobs",
+                                   "prompt_token_id_logprobs", "prompt_token_ids", "mm_placeholders", "metrics",
+                                   "kv_transfer_params", "ec_transfer_params", "output_mode", "choices"]
+            assert list(choice) == ["index", "finish_reason", "stop_reason", "token_ids", "routed_experts",
+                                    "sampling_mask", "weight_versions", "logprobs"]
+            usage["completion_tokens_details"] = None
+            assert list(reply["usage"]) == list(usage)
         assert reply["usage"] == usage
         assert (reply["model"], reply["created"] is None) == ((None, True) if profile == "prime-rl" else
                                                               ("sim-model", False))

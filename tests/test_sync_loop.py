@@ -1,7 +1,8 @@
 """The weight sync loop (sync_loop.py) over in-memory servers and a real scheduler: a refused checkpoint keeps
 the servers' policy and is checked again, a loadable one cancels the refusal clock, and a job whose checkpoints
-cannot be loaded for ``inference.unloadable_checkpoint_s`` stops naming the checkpoint. The clock is the loop's
-own (a list the test moves), so no bound depends on how fast this machine is."""
+cannot be loaded for ``inference.unloadable_checkpoint_s`` stops naming the checkpoint. The event loop's clock is
+virtual (orchestrator.testing.clock): the real bound and recheck interval, at full speed, and no bound depends on
+how fast this machine is."""
 
 from __future__ import annotations
 
@@ -20,17 +21,18 @@ from orchestrator.errors import CheckpointError, UnloadableCheckpoint
 from orchestrator.inference.pool import InferencePool
 from orchestrator.policy import Policy
 from orchestrator.state import OrchestratorState
+from orchestrator.testing.clock import virtual_time
 from orchestrator.testing.fake_server import FakeInferenceServer
 from orchestrator.testing.procs import wait_until
 from orchestrator.testing.workers import FakeWorkerHub
-from orchestrator.weights.sync_loop import WeightSyncLoop
+from orchestrator.weights.sync_loop import RECHECK_S, WeightSyncLoop
 
 BOUND_S = 30.0
-WAIT_S = 20.0  # a hang guard for waits on the loop's own events
+WAIT_S = 60.0  # a hang guard for waits on the loop's own events (virtual seconds)
 
 
 class Job:
-    """A loop, its scheduler and servers, the announcements it reads and its clock."""
+    """A loop, its scheduler and servers, and the announcements it reads."""
 
     def __init__(self, tmp_path: Path) -> None:
         path = tmp_path / "job.toml"
@@ -43,9 +45,7 @@ class Job:
         self.pool = InferencePool(cfg.inference, [self.fake])
         self.sched = job_scheduler(cfg, self.pool, FakeWorkerHub({"a": 50}), 0)
         self.state = OrchestratorState("t")
-        self.now = 0.0
-        self.loop = WeightSyncLoop(self.pool, self.sched, self.state, cfg.inference, recheck_s=0.01,
-                                   clock=lambda: self.now)
+        self.loop = WeightSyncLoop(self.pool, self.sched, self.state, cfg.inference)
         self.queue: asyncio.Queue[Checkpoint] = asyncio.Queue()
 
     async def announcements(self) -> AsyncIterator[Checkpoint]:
@@ -77,8 +77,10 @@ async def running(job: Job) -> AsyncIterator[asyncio.Future[None]]:
             await run
 
 
+@virtual_time
 async def test_a_refused_checkpoint_is_retried_and_a_run_without_a_loadable_one_stops_naming_it(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    clock = asyncio.get_running_loop()
     job = Job(tmp_path)
     job.good(1)
     with caplog.at_level(logging.DEBUG, logger="orchestrator"):
@@ -87,45 +89,51 @@ async def test_a_refused_checkpoint_is_retried_and_a_run_without_a_loadable_one_
             await job.policy(1)
             job.queue.put_nowait(Checkpoint(2))
             await job.refused(2)
+            refused_at = clock.time()
             assert (job.sched.policy, job.sched.syncing, job.loads()) == (1, False, [f"{tmp_path}/step_1"])
             assert f"{tmp_path}/step_2 does not exist; the servers keep the weights of step 1, in rotation; the " \
                    "run stops at " in (job.sched.loading or "")
-            job.now += BOUND_S - 1
-            job.good(2)  # mended (written late): the next recheck loads it
+            await asyncio.sleep(BOUND_S - RECHECK_S - 1)
+            job.good(2)  # mended (written late): the next recheck, the last before the bound, loads it
             await job.policy(2)
+            assert BOUND_S - RECHECK_S - 1 < clock.time() - refused_at < BOUND_S
             job.queue.put_nowait(Checkpoint(3))
             await job.refused(3)
-            job.now += BOUND_S - 1  # the clock started again at this refusal: not up yet
+            refused_at = clock.time()
+            await asyncio.sleep(BOUND_S - 1)  # the clock started again at this refusal: not up yet
             again = f"checkpoint 3 cannot be loaded: {tmp_path}/step_3 does not exist (checked again)"
-            await wait_until(lambda: again in caplog.text, WAIT_S, "a recheck", poll_s=0.01)
+            assert again in caplog.text
             assert not run.done()
-            job.now += 1
             with pytest.RaisesGroup(pytest.RaisesExc(CheckpointError, match=(
                     f"^checkpoint 3 cannot be loaded: {tmp_path}/step_3 does not exist; no checkpoint has loaded for "
                     "30 s since the first was refused \\(inference.unloadable_checkpoint_s\\), so the run stops"))):
                 await asyncio.wait_for(run, WAIT_S)
+            # at the bound (give or take refused()'s poll and the real time of the rechecks' file checks)
+            assert abs(clock.time() - refused_at - BOUND_S) < 1
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert [e.split(";")[0] for e in errors] == [f"checkpoint 2 cannot be loaded: {tmp_path}/step_2 does not exist",
                                                  f"checkpoint 3 cannot be loaded: {tmp_path}/step_3 does not exist"]
     assert job.loads() == [f"{tmp_path}/step_1", f"{tmp_path}/step_2"]  # nothing unloadable reached the server
 
 
+@virtual_time
 async def test_a_newer_checkpoint_that_loads_cancels_the_clock(tmp_path: Path) -> None:
     job = Job(tmp_path)
     job.good(3)
     async with running(job) as run:
         job.queue.put_nowait(Checkpoint(2))
         await job.refused(2)
-        job.now += BOUND_S - 1
+        await asyncio.sleep(BOUND_S - 1)
         job.queue.put_nowait(Checkpoint(3))
         await job.policy(3)
         assert job.sched.loading is None
-        job.now += BOUND_S  # past the first refusal's bound: it no longer counts
+        await asyncio.sleep(BOUND_S)  # past the first refusal's bound: it no longer counts
         job.queue.put_nowait(Checkpoint(4))
         await job.refused(4)
         assert not run.done()
 
 
+@virtual_time
 async def test_a_policy_refused_at_resume_is_the_loops_to_retry(tmp_path: Path) -> None:
     job = Job(tmp_path)
     job.sched.policy = 5  # the state's policy; its directory is gone

@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _machine import with_machine
 from bench_scheduler import lag_probe
 
 from orchestrator.cli import run_async
@@ -513,7 +514,7 @@ def main() -> None:
         for k, v in result.items():
             if k != "passes":
                 print(f"{k}: {v}")
-    print(json.dumps(result))
+    print(json.dumps(with_machine(result)))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from _machine import with_machine
 
 from orchestrator.testing.learning import CORRUPTIONS, margin, rewards, run_learning
 
@@ -119,7 +120,7 @@ def main() -> int:
           f"(target <= {TARGET_STEPS}: {verdict}), median wall {result['median_wall_s']} s, median margin "
           f"{result['median_margin']:+.3f} over {args.passes} passes")
     if args.json:
-        print(orjson.dumps(result).decode())
+        print(orjson.dumps(with_machine(result)).decode())
     return 0 if result["meets_target"] else 1
 
 

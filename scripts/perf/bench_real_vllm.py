@@ -39,6 +39,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from _machine import with_machine
 
 from orchestrator.config import load_config
 from orchestrator.contracts.checkpoints import Checkpoint
@@ -213,4 +214,4 @@ if __name__ == "__main__":
                 "sync_overhead_ms"):
         print(f"{key}: {result[key]}", file=sys.stderr)
     if args.json:
-        print(orjson.dumps(result).decode())
+        print(orjson.dumps(with_machine(result)).decode())

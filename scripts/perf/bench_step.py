@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import _steplib as lib
+from _machine import with_machine
 
 from orchestrator.cli import run_async
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  dump ({result['dump_mb']} MB): lag max {result['dump_max_lag_ms']} ms, "
           f"p99 {result['dump_p99_lag_ms']} ms, wall {result['dump_wall_s']} s")
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(with_machine(result)))
     return 0
 
 

@@ -32,6 +32,7 @@ import msgpack
 import numpy as np
 import zmq
 import zmq.asyncio
+from _machine import with_machine
 
 from orchestrator.contracts.wire import shm_layout
 from orchestrator.transport import Batch, BatchReceiver, BatchSender, decode, encode
@@ -183,7 +184,7 @@ def main() -> None:
         print(f"ipc {result['ipc_gbps']} GB/s vs raw {result['ipc_raw_gbps']} (ratio {result['ipc_ratio']}); "
               f"tcp {result['tcp_gbps']} vs raw {result['tcp_raw_gbps']} (ratio {result['tcp_ratio']}); "
               f"shm {result['shm_gbps']} GB/s vs memcpy {result['memcpy_gbps']} (ratio {result['shm_ratio']})")
-    print(json.dumps(result))
+    print(json.dumps(with_machine(result)))
 
 
 if __name__ == "__main__":

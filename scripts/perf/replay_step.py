@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import _steplib as lib
+from _machine import with_machine
 
 from orchestrator.cli import run_async
 from orchestrator.errors import OrchestratorError
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replay_step: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(with_machine(result)))
     else:
         print_table(result)
     return 0

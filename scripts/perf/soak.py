@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 import zmq.asyncio
+from _machine import with_machine
 
 from orchestrator.cli import run_async
 from orchestrator.config import load_config
@@ -148,7 +149,7 @@ def main() -> int:
           f"threads {result.get('threads_start')} -> {result.get('threads_end')}; "
           f"left behind: {'nothing' if result['nothing_left_behind'] else 'SOMETHING'}", file=sys.stderr)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(with_machine(result)))
     return 0 if result["meets_target"] else 1
 
 

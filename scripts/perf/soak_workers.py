@@ -1,18 +1,25 @@
-"""Worker-RSS soak: does an env worker's memory grow with the rollouts it runs?
+"""Worker-RSS soak: how much memory an env worker starts with, and whether it grows with the rollouts it runs.
 
-Runs the demo job (``--config``, default configs/demo.toml: simulated servers as subprocesses, one env worker
-process per built-in environment, the reference trainer in this process) for ``--rollouts`` rollouts in all
-(default 2,000), and reads each worker's RSS from its heartbeats as every step's metrics carry it
-(``scheduler.workers.<name>.rss_mb``). Per worker, past ``--warmup`` rollouts (default 200: imports, the
-tokenizer, connection pools): the median RSS of the first and last thirds of the steps and the growth per 100
-rollouts between them, and a least-squares slope per 100 rollouts. Progress goes to stderr every 10 steps.
-Last line with --json: one JSON object.
+At ready: the job opened with its worker hub alone running (nothing scheduled), once every worker has reported
+ready, the RSS of each env worker process (``VmRSS`` of this process's ``env-worker`` children, by ``--id``).
+``--ready-only`` stops there (~15 s: what ``regress.py`` runs; with ``--config`` another job's workers, its
+inference servers replaced by simulated ones as for every config here). Otherwise it then opens the job anew (whose
+workers get rollouts the moment they are ready) and runs it (``--config``, default configs/demo.toml: simulated
+servers as subprocesses, one env worker process per built-in environment, the reference trainer in this process)
+for ``--rollouts`` rollouts in all (default 2,000), and reads each worker's RSS from its heartbeats as every step's
+metrics carry it (``scheduler.workers.<name>.rss_mb``). Per worker, past ``--warmup`` rollouts (default 200:
+imports, connection pools): the median RSS of the first and last thirds of the steps and the growth per 100
+rollouts between them, and a least-squares slope per 100 rollouts. Progress goes to stderr every 10 steps. Last
+line with --json: one JSON object.
 
     .venv/bin/python scripts/perf/soak_workers.py --json
+    .venv/bin/python scripts/perf/soak_workers.py --ready-only --json
     .venv/bin/python scripts/perf/soak_workers.py --rollouts 4000 --set scheduler.batch_size=32 --json
 
-Target: ``worker_rss_growth_mb_per_100`` (the worst worker's) <= 1.0. The leak this measures was ~86 MB per 100
-rollouts (one HTTP client kept per rollout by the built-in harness, ~0.8 MB of SSL context each).
+Targets: ``max_worker_rss_ready_mb`` <= 300 with the built-in environments (what a worker holds at ready:
+src/orchestrator/workers/renderer.py and scripts/perf/README.md); ``worker_rss_growth_mb_per_100`` (the worst
+worker's) <= 1.0. The leak this measures was ~86 MB per 100 rollouts (one HTTP client kept per rollout by the
+built-in harness, ~0.8 MB of SSL context each).
 """
 
 from __future__ import annotations
@@ -22,16 +29,69 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from _machine import with_machine
+
 from orchestrator.cli import run_async
 from orchestrator.config import load_config
 
 TARGET_MB_PER_100 = 1.0
+TARGET_READY_MB = 300.0
+READY_TIMEOUT_S = 300.0
+
+
+def worker_rss_mb() -> dict[str, float]:
+    """RSS (MB) of this process's env worker children now, by their ``--id`` (Linux ``/proc``)."""
+    rss: dict[str, float] = {}
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[1] != me:  # field 4, after the command in parentheses
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().decode().split("\0")
+            status = (stat.parent / "status").read_text()
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not readable
+        if "env-worker" in argv and "--id" in argv:
+            kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+            rss[argv[argv.index("--id") + 1]] = round(kb / 1024, 1)
+    return dict(sorted(rss.items()))
+
+
+async def at_ready(args: argparse.Namespace) -> dict[str, Any]:
+    """Open the job, run its worker hub alone (nothing is scheduled) until every worker is ready, read their RSS.
+    Only long-standing names (``hub.run``, ``hub.workers``): ``regress.py`` runs this against older commits too."""
+    from orchestrator.app import Orchestrator
+    from orchestrator.commands.demo import with_sim_servers
+
+    with tempfile.TemporaryDirectory(prefix="soak-workers-") as tmp:
+        cfg = load_config(args.config, [*args.set, "run.max_steps=1", f'run.output_dir="{tmp}"'])
+        expected = sum(e.workers for e in cfg.env)
+        async with with_sim_servers(cfg) as cfg, Orchestrator.open(cfg) as orch:
+            hub = orch.hub
+            run = asyncio.ensure_future(hub.run())
+            try:
+                async with asyncio.timeout(READY_TIMEOUT_S):
+                    while sum(w.ready for w in hub.workers.values()) < expected:
+                        await asyncio.wait([run], timeout=0.05)  # a hub that fails raises here
+                        if run.done():
+                            run.result()
+                return ready_fields(worker_rss_mb())
+            finally:
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+
+
+def ready_fields(ready: dict[str, float]) -> dict[str, Any]:
+    worst = max(ready.values(), default=float("nan"))
+    return {"worker_rss_ready_mb": ready, "max_worker_rss_ready_mb": worst,
+            "meets_ready_target": bool(ready) and worst <= TARGET_READY_MB}
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +134,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                                "slope_mb_per_100": round(g.slope_mb_per_100, 3)} for g in growth},
         "worker_rss_growth_mb_per_100": round(worst, 3),
         "orchestrator_rss_first_mb": metrics[0]["rss_mb"], "orchestrator_rss_last_mb": metrics[-1]["rss_mb"],
-        "meets_target": bool(growth) and worst <= TARGET_MB_PER_100,
+        "meets_growth_target": bool(growth) and worst <= TARGET_MB_PER_100,
     }
 
 
@@ -84,12 +144,23 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=200, help="rollouts per worker left out of the measure")
     p.add_argument("--config", default="configs/demo.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--ready-only", action="store_true", help="only the workers' RSS at ready (no rollouts)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args()
     if Path(args.config).exists():
         args.config = str(Path(args.config).resolve())
     with contextlib.chdir(Path(__file__).resolve().parents[2]):  # configs/ paths resolve from the repo root
-        result = run_async(soak(args))
+        result = run_async(at_ready(args))
+        if not args.ready_only:  # the soak's own workers get rollouts the moment they are ready: other processes
+            result.update(run_async(soak(args)))
+            result["meets_target"] = result["meets_growth_target"] and result["meets_ready_target"]
+    ready = ", ".join(f"{name} {mb:.0f} MB" for name, mb in result["worker_rss_ready_mb"].items())
+    print(f"soak-workers: RSS at ready: {ready or 'no worker found'} (target <= {TARGET_READY_MB:.0f})",
+          file=sys.stderr)
+    if args.ready_only:
+        if args.json:
+            print(json.dumps(with_machine(result)))
+        return 0 if result["meets_ready_target"] else 1
     for name, w in result["workers"].items():
         print(f"soak-workers: {name}: {w['start_mb']:.0f} -> {w['end_mb']:.0f} MB over {w['rollouts']:.0f} rollouts "
               f"({w['mb_per_100']:+.2f} MB per 100, slope {w['slope_mb_per_100']:+.2f})", file=sys.stderr)
@@ -97,7 +168,7 @@ def main() -> int:
           f"{result['worker_rss_growth_mb_per_100']:+.2f} MB per 100 rollouts (target <= {TARGET_MB_PER_100})",
           file=sys.stderr)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(with_machine(result)))
     return 0 if result["meets_target"] else 1
 
 

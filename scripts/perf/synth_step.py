@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import _steplib as lib
+from _machine import with_machine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(f"wrote {path}: {inp.rollouts} rollouts, {inp.tokens} tokens, {batch.num_samples} samples "
               f"in the batch, {result['mb']} MB")
-    print(json.dumps(result))
+    print(json.dumps(with_machine(result)))
     return 0
 
 

@@ -41,6 +41,7 @@ from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.engines import job_scheduler, open_engines, open_plane, open_sender, start_workers
 from orchestrator.errors import UnloadableCheckpoint
 from orchestrator.hub.hub import WorkerHub
+from orchestrator.inference.discovery import Resolver
 from orchestrator.inference.pool import InferencePool
 from orchestrator.lagmon import LagMonitor, LagStats
 from orchestrator.outdir import OutputDir
@@ -101,8 +102,10 @@ class Orchestrator:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: JobConfig, *, resume: bool = False, force: bool = False) -> AsyncIterator[Orchestrator]:
-        """``force``: resume even with a config that changes what is sampled (outdir.py)."""
+    async def open(cls, cfg: JobConfig, *, resume: bool = False, force: bool = False,
+                   resolver: Resolver | None = None) -> AsyncIterator[Orchestrator]:
+        """``force``: resume even with a config that changes what is sampled (outdir.py); ``resolver``: the DNS
+        ``inference.discover`` asks (default: the system's)."""
         outdir = await asyncio.to_thread(OutputDir.open, cfg, resume=resume, force=force)
         out, state = outdir.path, outdir.state
         batch_address = cfg.transport.address or f"ipc://{out}/trainer.sock"
@@ -111,7 +114,7 @@ class Orchestrator:
             sinks = await asyncio.to_thread(open_sinks, cfg.monitor, out, run_name=cfg.run.name,  # W&B starts here
                                             job=asdict(cfg), resume=resume)
             stack.push_async_callback(asyncio.to_thread, sinks.close)
-            pool, hub, logprobs_mode = await open_engines(cfg, stack, out)
+            pool, hub, logprobs_mode = await open_engines(cfg, stack, out, resolver=resolver)
             sender = await stack.enter_async_context(open_sender(cfg, batch_address, resume, state.acked_step))
             log.info("env workers connect to %s; trainer reads batches from %s", hub.address, sender.address)
             orch = cls(cfg, pool, hub, sender, state, sinks, logprobs_mode)
@@ -195,9 +198,11 @@ class Orchestrator:
         """Resumed: the servers may have restarted since; load the saved policy again. A refused one (its
         directory gone or corrupt) is the weight sync loop's to retry, on the clock of any refusal. With weights
         over the wire the policy's weights are often on no disk: the run goes back to the newest synced
-        checkpoint that is (a trainer resumes from its newest checkpoint too)."""
+        checkpoint that is (a trainer resumes from its newest checkpoint too). A fresh run labels the servers'
+        weights as policy 0, the step every token they sample until the first sync is."""
         back_to_disk(self.state, self.cfg.inference)
         if not self.state.policy_step:
+            await self.pool.label()
             return None
         ckpt = Checkpoint(self.state.policy_step, self.state.policy_path)
         try:
@@ -259,7 +264,8 @@ class OrchestratorSteps:
         extra = {"samples": result.num_samples, "policy": sched.policy, "sent": sent,
                  "orch_cpu_ms_per_rollout": round((time.process_time() - self._cpu0) * 1e3 / max(len(result.rows), 1),
                                                   3),
-                 "filters": result.filter_counts, "scheduler": counts, "pool": dict(orch.pool.metrics),
+                 "filters": result.filter_counts, "versions": result.versions, "scheduler": counts,
+                 "pool": dict(orch.pool.metrics),
                  "hub": dict(orch.hub.metrics)}
         extra.update(orch.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
         if orch.syncs is not None and (syncs := orch.syncs.take_reports()):

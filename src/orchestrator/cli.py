@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ COMMANDS = {
     "report": "report",
     "keys": "keys",
     "prepare-worker-host": "prepare_worker_host",
+    "launch": "launch",
 }
 
 EXIT_CONFIG = 2
@@ -80,7 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
-        return int(args._module.main(args))
+        code = int(args._module.main(args))
+        sys.stdout.flush()  # here, not at exit: a reader that left (`| head`) is the BrokenPipeError below
+        return code
     except ConfigError as e:
         print(f"config error ({len(e.problems)} problem{'s' if len(e.problems) != 1 else ''}):",
               file=sys.stderr)
@@ -100,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `orchestrator check CONFIG | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
+        return 141  # 128 + SIGPIPE, as a shell reports a pipe's writer
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -28,6 +28,7 @@ from orchestrator.configbase import Source, opt
 from orchestrator.delivery.config import TransportConfig
 from orchestrator.errors import ConfigError
 from orchestrator.inference.config import InferenceConfig, ModelConfig
+from orchestrator.launch.config import LaunchConfig, launch_problems
 from orchestrator.rollouts.config import (
     OWNED_SAMPLING_KEYS,
     EnvConfig,
@@ -77,6 +78,8 @@ class JobConfig:
     pipeline: PipelineConfig = opt(PipelineConfig(), doc="advantages, filters and gates")
     eval: EvalConfig | None = opt(None, doc="[eval]: online evaluation; unset: none")
     sim: SimConfig = opt(SimConfig(), doc="simulated inference servers (demo and tests)")
+    launch: LaunchConfig | None = opt(None, doc="[launch]: where each role runs on a cluster (orchestrator launch "
+                                      "slurm|k8s, docs/launch.md); unset: not launched on a cluster")
     env: tuple[EnvConfig, ...] = opt(doc="one [[env]] table per environment")
 
 
@@ -363,6 +366,10 @@ def _cross_checks(cfg: JobConfig, source: Source) -> Iterable[str]:
     """Combinations of sections that cannot work, each named by the key to change (a section's own checks
     are its ``problems``)."""
     yield from rollout_problems(cfg.scheduler, cfg.env, cfg.eval, source)
+    launched = cfg.launch is not None and cfg.launch.servers.own_nodes() + (cfg.launch.servers.share is not None)
+    if not cfg.inference.servers and cfg.inference.discover is None and not launched:
+        yield (f"{source('inference.servers')}: inference.servers: at least one server URL is required (or "
+               "inference.discover, a DNS name with one address per server, or [launch.servers] nodes that start them)")
     for i, env in enumerate(cfg.env):
         if env.group_size == 1 and cfg.pipeline.advantage == "default":
             yield (f"{source(f'env[{i}].group_size')}: env[{i}].group_size: 1 with the default advantage (reward "
@@ -376,6 +383,8 @@ def _cross_checks(cfg: JobConfig, source: Source) -> Iterable[str]:
                f"when to send over the ZMQ trainer link (transport.kind = 'zmq' or 'shm'); kind = "
                f"{cfg.transport.kind!r} has none: use weight_transfer = 'filesystem'")
     yield from _exposure_checks(cfg, source)
+    if cfg.launch is not None:
+        yield from launch_problems(cfg.launch, cfg.transport.kind, source)
 
 
 def _exposure_checks(cfg: JobConfig, source: Source) -> Iterable[str]:
@@ -390,8 +399,8 @@ def _exposure_checks(cfg: JobConfig, source: Source) -> Iterable[str]:
             yield (f"{source(key)}: {key}: {address} can be reached from other hosts, and without CURVE keys "
                    f"anyone who reaches it can {risk}. Make keys (`orchestrator keys keys --name orchestrator`, "
                    "and a pair per client), then set security.server_key = \"keys/orchestrator.key_secret\" and "
-                   "security.authorized_keys = the directory of the clients' public .key files (README: "
-                   "Security); or bind 127.0.0.1")
+                   "security.authorized_keys = the directory of the clients' public .key files (docs/security.md); "
+                   "or bind 127.0.0.1")
     trainer, opted_in = t.address or "", sec.allow_unauthenticated_trainer
     binds_trainer = t.kind == "prime-rl" and t.prime_rl_layout == "zmq" and trainer.startswith("tcp://")
     if binds_trainer and not is_loopback(trainer) and not opted_in:
@@ -446,5 +455,11 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, list | tuple):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
     raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _toml_key(k: str) -> str:
+    """A table key as TOML reads it back: bare when it can be (letters, digits, '_', '-'), else quoted
+    (``"nvidia.com/gpu"``: a bare dotted key would be a nested table)."""
+    return k if k and all(c.isascii() and (c.isalnum() or c in "_-") for c in k) else _toml_value(k)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import os
 import uuid
@@ -31,10 +33,13 @@ from orchestrator.delivery.filesystem import FileBatchSender
 from orchestrator.delivery.primerl import PrimeRLSender
 from orchestrator.delivery.sender import Sender
 from orchestrator.delivery.zmq_link import BatchSender
+from orchestrator.errors import InferenceError
 from orchestrator.hub.hub import WorkerHub
+from orchestrator.inference.discovery import Resolver
 from orchestrator.inference.logprobs import LogprobsCheck
 from orchestrator.inference.pool import InferencePool
-from orchestrator.inference.preflight import preflight
+from orchestrator.inference.preflight import PreflightError, preflight
+from orchestrator.inference.server import InferenceServer
 from orchestrator.rollouts.links import WorkerLink
 from orchestrator.rollouts.scheduler import EVAL_PREFIX, Scheduler
 from orchestrator.security import SecurityConfig
@@ -47,13 +52,14 @@ log = logging.getLogger(__name__)
 WORKER_READY_TIMEOUT_S = 300.0
 
 
-async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *, evaluation_only: bool = False
-                       ) -> tuple[InferencePool, WorkerHub, LogprobsMode | None]:
+async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Path, *, evaluation_only: bool = False,
+                       resolver: Resolver | None = None) -> tuple[InferencePool, WorkerHub, LogprobsMode | None]:
     """The inference pool (checked by preflight unless turned off) and the env-worker hub, entered on
     ``stack``; the hub's workers load the training environments and the ``[[eval.env]]`` ones (under
     EVAL_PREFIX), or only the latter with ``evaluation_only``. Also the logprobs mode batches carry: the one
     preflight settled, or without preflight the one ``inference.logprobs_mode`` states (None for "auto": not
-    known, and batches say nothing)."""
+    known, and batches say nothing). ``resolver``: the DNS of ``inference.discover`` (default: the system's); a
+    server it finds while the job runs is admitted by the same preflight, holding the settled logprobs mode."""
     tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else tokenizer_dir()
     train = () if evaluation_only else cfg.env
     evals = cfg.eval.env if cfg.eval is not None else ()
@@ -66,24 +72,34 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
     setup = worker_setup(setup, cfg.transport, cfg.security, cfg.pipeline.filters, tokenizer, out)
     worker_address = cfg.scheduler.worker_address or f"ipc://{out}/workers.sock"
     env_vars = {"HOME": os.environ.get("HOME", str(out))}
-    pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name))
+    pool = await stack.enter_async_context(InferencePool.open(cfg.inference, cfg.model.name, resolver=resolver))
     stated = cfg.inference.logprobs_mode
     logprobs_mode: LogprobsMode | None = None if stated == "auto" else stated
     if cfg.inference.preflight:  # before any worker starts: a server that cannot serve the job is named now
-        inf = cfg.inference
-        checked = await preflight([s.api for s in pool.servers], backend=inf.backend,
+        check = LogprobsCheck.of(cfg.inference, [e.sampling.temperature for e in train],
+                                 prime_rl_trainer=cfg.transport.kind == "prime-rl")
+        checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
                                   model=cfg.model.name, tokenizer=tokenizer, resume=True,
-                                  transfer=inf.transfer_backend,
-                                  logprobs=LogprobsCheck.of(cfg.inference, [e.sampling.temperature for e in train],
-                                                            prime_rl_trainer=cfg.transport.kind == "prime-rl"))
+                                  transfer=cfg.inference.transfer_backend, logprobs=check)
         log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(checked.servers),
                  sorted({r.max_model_len or 0 for r in checked.servers}))
         logprobs_mode = checked.logprobs_mode
+        pool.admit = functools.partial(admit_server, cfg, tokenizer, dataclasses.replace(check, stated=logprobs_mode))
     workers = sum(e.workers for e in (evals if evaluation_only else cfg.env))
     hub = await stack.enter_async_context(WorkerHub.open(
         worker_address, setup, workers, cfg.scheduler.remote_workers, env_vars, cfg.scheduler.worker_nice,
         cfg.security.server_keys(worker_address), cfg.scheduler.worker_silence_s, cfg.transport.span_address))
     return pool, hub, logprobs_mode
+
+
+async def admit_server(cfg: JobConfig, tokenizer: Path, check: LogprobsCheck, server: InferenceServer) -> None:
+    """The job's preflight of one server that joins while it runs (``inference.discover``), holding it to the
+    logprobs mode the job settled (``check.stated``); InferenceError naming every problem."""
+    try:
+        await preflight([server], backend=cfg.inference.backend, model=cfg.model.name, tokenizer=tokenizer,
+                        resume=True, logprobs=check)
+    except PreflightError as e:
+        raise InferenceError("preflight: " + "; ".join(e.problems)) from None
 
 
 async def start_workers(tg: asyncio.TaskGroup, hub: WorkerHub, background: list[asyncio.Task[Any]],

@@ -35,6 +35,7 @@ import ipaddress
 import logging
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,7 +269,9 @@ class RefusalWatch:
 
     def __init__(self, sock: zmq.Socket[Any], address: str, keys: ClientKeys | None, who: str) -> None:
         self.address, self.keys, self.who = address, keys, who
-        endpoint = f"inproc://refusals.{id(sock)}"
+        # unique: not id(sock), which a socket made after this one closed may get while libzmq still unbinds this
+        # monitor's endpoint (its IO thread does that later): EADDRINUSE, seen on a loaded machine
+        endpoint = f"inproc://refusals.{uuid.uuid4().hex}"
         sock.monitor(endpoint, HANDSHAKE_FAILED)
         self._sock = sock
         self._events: zmq.Socket[bytes] = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
@@ -320,7 +323,7 @@ def is_loopback(address: str) -> bool:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """CURVE keys for the tcp:// sockets the orchestrator binds (README "Security"). Paths, like every path
+    """CURVE keys for the tcp:// sockets the orchestrator binds (docs/security.md). Paths, like every path
     in this file except ``include``, are relative to the working directory unless absolute."""
 
     server_key: str | None = opt(None, doc="the orchestrator's secret key file NAME.key_secret (made by "

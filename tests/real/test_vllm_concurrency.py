@@ -7,8 +7,9 @@ multi-turn rollouts of short turns queue, they do not preempt). The pressure and
 read from its ``/metrics``.
 
 The same job twice: a static cap that is too high (every rollout of two steps in flight) and the adaptive cap
-under that ceiling. At steady state (after STEADY steps; the controller starts at the ceiling and learns) the
-static cap keeps preempting and the adaptive one keeps preemptions near zero.
+under that ceiling. At steady state (after STEADY steps; the controller starts at the cache's capacity over the
+first rollouts' length, read from vLLM's own ``vllm:cache_config_info``, and learns) the static cap keeps
+preempting and the adaptive one keeps preemptions near zero.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.usefixtures("verifiers_home
 BLOCKS = 16  # x 128 tokens
 REPLY_TOKENS = 400
 STEPS = 9
-STEADY = 5  # steps to learn the cache (cuts of 0.75 from 16 to 3, each after a drain); steady state after
+STEADY = 5  # steps to learn the cache (from capacity / length, ~4, to 3); steady state after
 BATCH = 8
 CEILING = 16  # rollouts: two steps' worth, ~7000 tokens at their peak against 1920
 

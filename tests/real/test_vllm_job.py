@@ -1,4 +1,4 @@
-"""A job against two real vLLM servers, both built-in environments (arithmetic: one turn; guess-number: 2-6), the
+"""A job against two real vLLM servers (0.32), both built-in environments (arithmetic: one turn; guess-number: 2-6), the
 PyTorch trainer training the real model and announcing a real checkpoint every step.
 
 What it proves: every step reaches the trainer once and in order; a weight reload every step on both servers; no
@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from orchestrator.contracts.wire import Batch
+from orchestrator.realstack.server import VLLMServer
 from orchestrator.testing.real_job import RealJob, Servers, get_json, reload_base, run_real_job
 from orchestrator.trainer.torch_learner import Sample, TorchLearnConfig, TorchLearner, TorchLearnStats
 
@@ -72,3 +73,34 @@ async def test_a_job_on_real_servers_trains_every_step_in_order_with_exact_logpr
     assert max(r["mismatch_max"] for r in reports) <= PARITY, [r["mismatch_max"] for r in reports]
     assert sum(learner.multi_turn) > 0  # multi-turn samples were among those that matched
     assert min(learner.shifted) > 100 * PARITY, learner.shifted  # a one-token shift is caught every step
+
+
+async def test_a_job_on_vllm_0_31_trains_every_step_with_exact_logprobs_and_bounded_versions(
+        server_031: VLLMServer, tmp_path: Path) -> None:
+    """vLLM 0.31 (the newest whose replies verifiers reads unchanged) stays covered: one server, a sync every step,
+    the same parity. Its replies do not say which weights sampled a token, so every sampled token's version is
+    bounded by its rollout's policy (on-policy here: the bounds meet, and the learner counts them as its own)."""
+    model = server_031.paths.model("dense")
+    await reload_base(server_031.url, model)
+    job = RealJob(tmp_path, model, (server_031.url,), steps=3, temperature=TEMPERATURE)
+    learner = Bounded(model, TorchLearnConfig(lr=1e-2))
+    result = await run_real_job(job, learner)
+    assert [row["step"] for row in result.journal] == [0, 1, 2]
+    metrics = [orjson.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_bytes().splitlines()]
+    assert all(m["failed"] == 0 for m in metrics), [m["failed"] for m in metrics]
+    assert all(m["versions"]["exact"] == 0 and m["versions"]["bounded"] > 0 for m in metrics)
+    assert learner.bounded_only
+    reports = [row["learned"] for row in result.journal]
+    assert all(r["own_tokens"] > 0 for r in reports)
+    assert max(r["mismatch_max"] for r in reports) <= PARITY, [r["mismatch_max"] for r in reports]
+
+
+class Bounded(TorchLearner):
+    """Checks each batch's sampled tokens are all bounded (the server said nothing about versions)."""
+
+    bounded_only = True
+
+    def update(self, batch: Batch) -> TorchLearnStats:
+        versions = batch.columns["versions"]
+        self.bounded_only &= bool((versions[versions != -1] <= -2).all())
+        return super().update(batch)

@@ -1,10 +1,12 @@
 """The trainer's mismatch report catches a real server that does not serve the weights it loaded.
 
 vLLM's CPU backend repacks an MoE model's experts at load and its ``reload_weights`` cannot write into them: it
-answers 200, logs "Following weights were not loaded from checkpoint: {...experts...}", and serves a policy that is
-not the checkpoint (REAL-VLLM.md). Our weight sync cannot see that (every call succeeded); the trainer's first-pass
-recomputation can: before the first reload the MoE model matches to < 1e-4, after it the report is far off and a
-WARNING names the likely causes.
+answers 200 and serves a policy that is not the checkpoint (REAL-VLLM.md). vLLM 0.31 logs "Following weights were
+not loaded from checkpoint: {...experts...}"; 0.32 (the real stack's) logs nothing of it (its only warning on a
+reload, "RotaryEmbedding: Failed to load weights", comes on the dense model's reloads too: observed 2026-11-28).
+Our weight sync cannot see that (every call succeeded); the trainer's first-pass recomputation can, and is the
+only sign: before the first reload the MoE model matches to < 1e-4, after it the report is far off and a WARNING
+names the likely causes.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ async def test_the_mismatch_report_flags_a_server_whose_moe_reload_did_not_load_
     flagged = [r.message for r in caplog.records if "differ from the trainer's recomputation" in r.message]
     assert len(flagged) == STEPS - 1, [r["mismatch_mean"] for r in reports]  # every step after a reload
     log = servers.moe.log_path.read_text(errors="replace")
-    assert "Following weights were not loaded from checkpoint" in log  # the server's own (only) sign
+    assert log.count("POST /collective_rpc HTTP/1.1\" 200 OK") >= STEPS - 1  # it did reload, and said all was well
 
 
 async def test_a_broadcast_leaves_the_moe_experts_wrong_too_and_the_mismatch_report_says_so(

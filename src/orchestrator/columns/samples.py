@@ -2,7 +2,8 @@
 
 One sample per trainable root-to-leaf branch. Each node contributes a chunk per column (token ids,
 loss mask, logprobs scattered to token positions, routed experts); each column is concatenated once,
-so building a sample costs O(total tokens) however many turns it has, never a re-pack per turn.
+so building a sample costs O(total tokens) however many turns it has, never a re-pack per turn. Given the
+rollout's ``TokenVersions`` (versions.py), a sample also has the ``versions`` column.
 Routed experts stay ``[tokens, layers, top_k]`` in the narrowest type that holds every expert id, uint8 or
 uint16 (a model with more than 256 experts), throughout; an id that fits neither is an error, never a wrap.
 
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
+from orchestrator.columns.layout import OPTIONAL
+from orchestrator.columns.versions import TokenVersions
 
 assert array("i").itemsize == 4, "token ids are gathered as C int, which must be 32-bit"
 
@@ -50,18 +54,30 @@ class Sample:
     loss_mask: np.ndarray  # uint8 [T]: 1 where the policy sampled the token
     logprobs: np.ndarray  # float32 [T]: sampling logprob where loss_mask, else 0
     routed_experts: np.ndarray | None  # uint8 or uint16 [T, layers, top_k]
+    versions: np.ndarray | None = None  # int32 [T]: the policy step that sampled each token (versions.py)
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.size)
+
+    def column(self, name: str) -> np.ndarray | None:
+        """Column ``name`` (columns/layout.py); None for an optional one this sample does not have."""
+        value: np.ndarray | None = getattr(self, name)
+        return value
+
+    @property
+    def optional(self) -> tuple[str, ...]:
+        """The optional token columns it has."""
+        return tuple(name for name in OPTIONAL if getattr(self, name) is not None)
 
     @property
     def num_sampled(self) -> int:
         return int(np.count_nonzero(self.loss_mask))
 
 
-def build_sample(nodes: Sequence[NodeLike]) -> Sample:
-    """The sample of one root-to-leaf path of nodes. Raises SampleError on inconsistent node data.
+def build_sample(nodes: Sequence[NodeLike], versions: TokenVersions | None = None) -> Sample:
+    """The sample of one root-to-leaf path of nodes, with its ``versions`` column when ``versions`` is given.
+    Raises SampleError on inconsistent node data.
 
     The Python lists of every node are appended into one C buffer per column (``array`` and ``bytes``
     convert a list without creating a numpy array per node), then each column becomes one numpy array and
@@ -103,11 +119,13 @@ def build_sample(nodes: Sequence[NodeLike]) -> Sample:
         raise SampleError(f"node {bisect_right(lp_ends, int(bad[0]))}: non-finite logprob")
     logprobs = np.zeros(sampled.size, np.float32)
     logprobs[positions] = sampled_lps
+    token_ids = np.frombuffer(ids, np.int32)
     return Sample(
-        token_ids=np.frombuffer(ids, np.int32),
+        token_ids=token_ids,
         loss_mask=sampled.view(np.uint8),
         logprobs=logprobs,
         routed_experts=np.concatenate(routed) if routed else None,
+        versions=None if versions is None else versions.sample(token_ids, sampled, ends, positions),
     )
 
 
@@ -152,6 +170,6 @@ def _check_logprob_counts(positions: np.ndarray, ends: list[int], lp_ends: list[
         raise SampleError(f"node {i}: {per_node_lps[i]} logprobs for {per_node_sampled[i]} sampled tokens")
 
 
-def samples_from_trace(trace: Any) -> list[Sample]:
+def samples_from_trace(trace: Any, versions: TokenVersions | None = None) -> list[Sample]:
     """One sample per trainable branch of a verifiers ``Trace`` (duck-typed: ``branches[].nodes``)."""
-    return [build_sample(b.nodes) for b in trace.branches if b.trainable]
+    return [build_sample(b.nodes, versions) for b in trace.branches if b.trainable]

@@ -26,14 +26,21 @@ import asyncio
 import logging
 import os
 import secrets
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from orchestrator.columns.alloc import SpanAllocator
-from orchestrator.columns.layout import ALIGN, TOKEN_DTYPES, RoutedDtype, SpanLayout, SpanLoc, shapes_layout
+from orchestrator.columns.layout import (
+    ALIGN,
+    ROUTED,
+    RoutedDtype,
+    SpanLayout,
+    SpanLoc,
+    shapes_layout,
+    shared_optional,
+)
 from orchestrator.columns.memfd import SealedMemfd
 from orchestrator.columns.samples import Sample, SampleError
 
@@ -53,12 +60,19 @@ def sample_shapes(samples: Sequence[Sample]) -> tuple[list[tuple[int, int, int]]
     return shapes, "uint16" if wide else "uint8"
 
 
+def sample_optional(samples: Sequence[Sample]) -> tuple[str, ...]:
+    """The optional token columns every one of a rollout's samples has: the rollout's (one sample without a column
+    leaves the rollout without it)."""
+    return shared_optional(s.optional for s in samples)
+
+
 def rollout_layout(samples: Sequence[Sample]) -> tuple[list[tuple[int, int, int]], RoutedDtype, SpanLayout]:
-    """Shapes, routed dtype and span layout of a rollout's samples; SampleError when their routed shapes
-    differ (one sample with routed experts and one without, or different layers / top_k)."""
+    """Shapes, routed dtype and span layout of a rollout's samples (with the optional columns they all have:
+    ``layout.columns``); SampleError when their routed shapes differ (one sample with routed experts and one
+    without, or different layers / top_k)."""
     shapes, dtype = sample_shapes(samples)
     try:
-        return shapes, dtype, shapes_layout(shapes, dtype)
+        return shapes, dtype, shapes_layout(shapes, dtype, sample_optional(samples))
     except ValueError as e:
         raise SampleError(str(e)) from None
 
@@ -126,14 +140,15 @@ class ColumnStore:
     async def write(self, rid: str, samples: Sequence[Sample]) -> SpanLoc:
         """``put``, waiting for releases while the pool has no room (warning every ``warn_s``). Consumes
         releases; produces the span; wakes on each ``release``; cancelled with its group."""
-        t0 = warned = time.monotonic()
+        loop = asyncio.get_running_loop()
+        t0 = warned = loop.time()
         while (loc := self.put(rid, samples)) is None:
             self._released.clear()
             try:
-                async with asyncio.timeout(max(warned + self.warn_s - time.monotonic(), 0.0)):
+                async with asyncio.timeout(max(warned + self.warn_s - loop.time(), 0.0)):
                     await self._released.wait()
             except TimeoutError:
-                warned = time.monotonic()
+                warned = loop.time()
                 log.warning("rollout %s waits for room in the column pool: %d of %d MB held by %d rollouts "
                             "(%.0f s so far; released when their steps are acknowledged)", rid,
                             self.live_bytes >> 20, self.capacity >> 20, len(self._spans), warned - t0)
@@ -145,10 +160,8 @@ class ColumnStore:
             if not nbytes:
                 continue
             at = start + offset
-            routed = name == "routed_experts"
-            dtype = layout.routed_dtype if routed else TOKEN_DTYPES[name]
-            column = self._bytes[at:at + nbytes].view(dtype)
-            if routed:
+            column = self._bytes[at:at + nbytes].view(layout.dtype(name))
+            if name == ROUTED:
                 column = column.reshape(-1, *layout.routed_tail)
             row = 0
             for part in _parts(samples, name):
@@ -191,8 +204,6 @@ class ColumnStore:
 
 
 def _parts(samples: Sequence[Sample], name: str) -> list[np.ndarray]:
-    """Column ``name`` of each sample (routed experts: every sample has them when the layout has bytes for them,
-    as ``rollout_layout`` checked)."""
-    if name != "routed_experts":
-        return [getattr(s, name) for s in samples]
-    return [s.routed_experts for s in samples if s.routed_experts is not None]
+    """Column ``name`` of each sample (every sample has it when the layout has bytes for it, as ``rollout_layout``
+    made sure)."""
+    return [part for s in samples if (part := s.column(name)) is not None]

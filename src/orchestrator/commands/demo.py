@@ -97,7 +97,7 @@ async def with_sim_servers(cfg: JobConfig) -> AsyncIterator[JobConfig]:
     """Start the ``[sim]`` table's servers (subprocesses, stopped on exit); yields ``cfg`` pointing at them."""
     from orchestrator.sim.process import sim_process
 
-    args = sim_arguments(cfg)
+    args = cfg.sim.arguments(cfg.model.name, cfg.inference.backend, cfg.inference.transfer_backend)
     async with contextlib.AsyncExitStack() as stack:
         servers = [await stack.enter_async_context(sim_process([*args, "--seed", str(cfg.sim.seed + i)]))
                    for i in range(cfg.sim.servers)]
@@ -142,35 +142,6 @@ def torch_learner(model: Path) -> Any:
     from orchestrator.trainer.torch_learner import TorchLearnConfig, TorchLearner
 
     return TorchLearner(model, TorchLearnConfig(lr=1e-2))
-
-
-def sim_profile(cfg: JobConfig) -> str:
-    """The server the simulator plays: ``sim.profile``, else the one ``inference.backend`` names."""
-    if cfg.sim.profile is not None:
-        return cfg.sim.profile
-    from orchestrator.sim.profiles import DEFAULT_PROFILE
-
-    return "prime-rl" if cfg.inference.backend == "prime-rl" else DEFAULT_PROFILE
-
-
-def sim_arguments(cfg: JobConfig) -> list[str]:
-    """``orchestrator sim-inference`` flags for every key of the config's ``[sim]`` table."""
-    sim = cfg.sim
-    args = ["--profile", sim_profile(cfg), "--model", cfg.model.name, "--layers", str(sim.layers),
-            "--logprobs-mode", sim.logprobs_mode,
-            "--top-k", str(sim.top_k),
-            "--num-experts", str(sim.num_experts), "--latency-ms", str(sim.latency_ms),
-            "--error-rate", str(sim.error_rate), "--hang-rate", str(sim.hang_rate),
-            "--malformed-rate", str(sim.malformed_rate), "--drop-rate", str(sim.drop_rate)]
-    if sim.latency_max_ms is not None:
-        args += ["--latency-max-ms", str(sim.latency_max_ms)]
-    if not sim.dev_mode:
-        args.append("--no-dev-mode")
-    if not sim.scale_out:
-        args.append("--no-scale-out")
-    if cfg.inference.transfer_backend == "gloo":  # weights over the wire: the servers take them
-        args += ["--weight-transfer", "gloo"]
-    return args
 
 
 def print_summary(console: Any, metrics: list[dict[str, Any]], received: list[Any], out: Path) -> None:

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.cli import run_async
 from orchestrator.commands.client_keys import add_key_arguments, client_keys, file_path, zmq_address
+from orchestrator.commands.run import interruptible
 
 if TYPE_CHECKING:
     from orchestrator.trainer.broadcast import WeightBroadcaster
-    from orchestrator.trainer.reference import Learner
+    from orchestrator.trainer.reference import BroadcastLearner
 
 HELP = "run the reference trainer: receive batches, print a line per step, announce checkpoints"
 
@@ -85,17 +86,16 @@ def main(args: argparse.Namespace) -> int:
     trainer = ReferenceTrainer(args.address, args.train_s, not args.no_announce, args.steps, journal=args.journal,
                                keys=keys, checkpoint_dir=args.checkpoint_dir, learner=learner,
                                broadcaster=broadcaster, save_every=args.save_every)
-    try:
-        run_async(trainer.run())
+    try:  # SIGINT/SIGTERM (scancel): the step in hand is journaled and acknowledged or not at all; exit 130
+        return run_async(interruptible(trainer.run()))
     finally:
         # The last acknowledgements may still be queued (their connection's handshake unfinished, e.g. CURVE
         # waiting on the orchestrator's authenticator). Socket linger only applies when the context is
         # terminated, and pyzmq does not terminate the shared one at exit: do it, so they go out first.
         zmq.asyncio.Context.instance().term()
-    return 0
 
 
-def broadcaster_of(learner: Learner | None, backend: str = "gloo") -> WeightBroadcaster:
+def broadcaster_of(learner: BroadcastLearner | None, backend: str = "gloo") -> WeightBroadcaster:
     """The ``backend`` broadcaster of ``learner``'s weights (none: the unchanged initial policy's)."""
     try:
         from orchestrator.trainer.gloo_broadcast import GlooBroadcaster, as_tensor
@@ -112,7 +112,7 @@ def broadcaster_of(learner: Learner | None, backend: str = "gloo") -> WeightBroa
     return NcclBroadcaster(weights) if backend == "nccl" else GlooBroadcaster(weights)
 
 
-def _learner(args: argparse.Namespace, given: dict[str, Any]) -> Learner:
+def _learner(args: argparse.Namespace, given: dict[str, Any]) -> BroadcastLearner:
     """The learner the flags name: the tiny policy's (--learn) or a real model's (--torch-model)."""
     if args.torch_model is None:
         from orchestrator.trainer.learner import LearnConfig, PolicyLearner

@@ -21,12 +21,13 @@ orchestrator -> worker (``OrchestratorMessage``)
                              (with ``keep``: every span but those is free)
   ``stop``       Stop        exit cleanly
 
-A rollout is a ``RolloutHeader`` (scalars, and per sample ``[tokens, layers, top_k]``), followed by exactly
-four frames when it has samples: token ids (int32), loss mask (uint8), logprobs (float32), routed experts
-(``routed_dtype``: uint8, or uint16 for models with more than 256 experts; possibly empty), each the
-concatenation of all its samples. Frames are sent and received without copies. On the direct data plane
-(docs/data-plane.md) no frames follow: the header's ``span`` says where the worker wrote the same bytes in its
-own column pool (``Ready.pool``), in the layout of columns/layout.py.
+A rollout is a ``RolloutHeader`` (scalars, per sample ``[tokens, layers, top_k]``, and the optional token columns
+it has: ``optional``), followed, when it has samples, by one frame per column of ``column_names(optional)``
+(columns/layout.py: token ids (int32), loss mask (uint8), logprobs (float32), the optional ones it has (``versions``,
+int32), then routed experts (``routed_dtype``: uint8, or uint16 for models with more than 256 experts; possibly
+empty)), each the concatenation of all its samples. Frames are sent and received without copies. On the direct
+data plane (docs/data-plane.md) no frames follow: the header's ``span`` says where the worker wrote the same bytes
+in its own column pool (``Ready.pool``), in the layout of columns/layout.py.
 
 A failed rollout carries a ``Failure`` kind (one small vocabulary, shared by worker, hub, scheduler, pool and
 metrics) and a message; ``RolloutHeader.failed`` is the one way to make one.
@@ -41,14 +42,22 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from orchestrator.columns.layout import ALIGN, MAX_POOL_BYTES, PoolId, SpanLoc, shapes_layout
+from orchestrator.columns.layout import (
+    ALIGN,
+    MAX_POOL_BYTES,
+    ROUTED,
+    TOKEN_DTYPES,
+    PoolId,
+    SpanLoc,
+    column_names,
+    shapes_layout,
+)
 from orchestrator.columns.samples import Sample
+from orchestrator.columns.store import sample_optional, sample_shapes
 from orchestrator.errors import Failure, WireError
 
 HEARTBEAT_S = 1.0
 FLUSH_S = 1.0
-COLUMNS = ("token_ids", "loss_mask", "logprobs", "routed_experts")
-DTYPES = {"token_ids": np.int32, "loss_mask": np.uint8, "logprobs": np.float32, "routed_experts": np.uint8}
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -65,6 +74,7 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     worker: str
     server: str
     ok: bool
+    policy_max: Count | None = None  # the orchestrator's, on arrival: the newest weights its server could have had
     reward: float | None = None  # None: a failed rollout with no usable reward
     metrics: dict[str, float] = {}
     failure: Failure | None = None
@@ -73,10 +83,14 @@ class RolloutHeader(msgspec.Struct, kw_only=True):
     is_timeout: bool = False
     samples: list[tuple[Count, Count, Count]] = []  # per sample: tokens, layers, top_k
     routed_dtype: Literal["uint8", "uint16"] = "uint8"  # of the routed-experts frame
+    optional: Annotated[list[Name], msgspec.Meta(max_length=8)] = []  # the optional token columns it has
+    # per sample, its trained tokens by their versions value ((value, count), columns/versions.py): what the
+    # orchestrator masks stale tokens with (max_token_lag) without reading columns; empty without a versions column
+    versions: list[Annotated[list[tuple[int, Count]], msgspec.Meta(max_length=1 << 16)]] = []
     tokens: Count = 0
     turns: Count = 0  # model turns (verifiers' trace.num_turns)
     wall_s: float = 0.0
-    frames: Count = 0  # column frames that follow this header in its message: 0 or 4
+    frames: Count = 0  # column frames that follow this header in its message: 0 or len(column_names(optional))
     span: SpanLoc | None = None  # direct data plane: where its columns are in the worker's pool (frames 0)
     filters: list[Count] = []  # direct data plane: Setup.token_filters it matched (their indices)
 
@@ -264,14 +278,15 @@ def header_to_dict(header: RolloutHeader) -> dict[str, Any]:
 
 
 def sample_frames(samples: list[Sample]) -> tuple[list[tuple[int, int, int]], list[bytes | np.ndarray]]:
-    """Per-sample shapes ``(tokens, layers, top_k)`` and the four column frames (one concatenation each); the
-    routed-experts frame is uint8 unless some sample's ids need uint16 (``frames[3].dtype`` says)."""
-    shapes: list[tuple[int, int, int]] = [
-        (s.num_tokens, *s.routed_experts.shape[1:]) if s.routed_experts is not None else (s.num_tokens, 0, 0)
-        for s in samples]
+    """Per-sample shapes ``(tokens, layers, top_k)`` and the column frames of ``column_names(optional)`` (one
+    concatenation each; ``optional``: ``sample_optional(samples)``, the header's); the routed-experts frame, last,
+    is uint8 unless some sample's ids need uint16 (``frames[-1].dtype`` says)."""
+    shapes, _ = sample_shapes(samples)
     if not samples:
         return shapes, []
-    frames: list[bytes | np.ndarray] = [np.concatenate([getattr(s, c) for s in samples]) for c in COLUMNS[:3]]
+    frames: list[bytes | np.ndarray] = []
+    for name in column_names(sample_optional(samples))[:-1]:
+        frames.append(np.concatenate([s.column(name) for s in samples]))
     routed = [s.routed_experts for s in samples if s.routed_experts is not None]
     frames.append(np.concatenate([r.reshape(-1) for r in routed]) if routed else b"")
     return shapes, frames
@@ -287,7 +302,7 @@ def records_message(group: str, records: list[tuple[RolloutHeader, list[Any]]]) 
 def split_records(msg: Records, frames: list[memoryview]) -> list[RolloutRecord]:
     """The rollout records of a ``records`` message; WireError when the frames do not add up."""
     counts = [h.frames for h in msg.records]
-    if any(c not in (0, len(COLUMNS)) for c in counts) or sum(counts) != len(frames):
+    if any(h.frames not in (0, len(_names(h))) for h in msg.records) or sum(counts) != len(frames):
         raise WireError(f"records message: frame counts {counts} do not match its {len(frames)} frames")
     out, i = [], 0
     for h, n in zip(msg.records, counts, strict=True):
@@ -296,12 +311,20 @@ def split_records(msg: Records, frames: list[memoryview]) -> list[RolloutRecord]
     return out
 
 
+def _names(h: RolloutHeader) -> tuple[str, ...]:
+    """The columns of ``h``'s rollout (WireError for an optional column this version does not know)."""
+    try:
+        return column_names(h.optional)
+    except ValueError as e:
+        raise WireError(f"rollout {h.rid}: {e}") from None
+
+
 @dataclass
 class RolloutRecord:
     """A finished rollout as the orchestrator holds it: scalars plus column frames it never copies."""
 
     header: RolloutHeader
-    frames: list[memoryview]  # token_ids, loss_mask, logprobs, routed_experts (empty when no samples)
+    frames: list[memoryview]  # one per column of column_names(header.optional) (none when no samples)
 
     @property
     def rid(self) -> str:
@@ -328,18 +351,27 @@ class RolloutRecord:
         """Indices of the token filters its worker found it matched (the direct data plane)."""
         return self.header.filters
 
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The columns it carries, in frame order (columns/layout.py ``column_names``)."""
+        return column_names(self.header.optional)
+
     def dtype(self, name: str) -> np.dtype[Any]:
-        return np.dtype(self.header.routed_dtype if name == "routed_experts" else DTYPES[name])
+        return np.dtype(self.header.routed_dtype) if name == ROUTED else TOKEN_DTYPES[name]
 
     def column(self, name: str) -> np.ndarray:
         """A column of all this rollout's samples, concatenated (a view of the received frame). WireError for a
-        record whose columns stayed in its worker's pool (the direct data plane): the orchestrator never reads them."""
+        record whose columns stayed in its worker's pool (the direct data plane): the orchestrator never reads
+        them; KeyError for an optional column it does not have."""
         if self.header.span is not None:
             raise WireError(f"rollout {self.rid}: its columns are in env worker {self.header.worker}'s pool "
                             "(the direct data plane), not in this process")
+        names = self.columns
+        if name not in names:
+            raise KeyError(f"rollout {self.rid} has no column {name!r} (it has {', '.join(names)})")
         if not self.frames:
             return np.zeros(0, self.dtype(name))
-        return np.frombuffer(self.frames[COLUMNS.index(name)], dtype=self.dtype(name))
+        return np.frombuffer(self.frames[names.index(name)], dtype=self.dtype(name))
 
     def sampled(self) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, logprobs) of the sampled tokens, for filters."""
@@ -359,11 +391,13 @@ class RolloutRecord:
             if self.frames or h.span is not None:
                 raise WireError(f"rollout {h.rid}: columns and no samples")
             return
+        names = _names(h)
         if h.span is not None:
             self._check_span(h, h.span)
             return
-        if len(self.frames) != len(COLUMNS):
-            raise WireError(f"rollout {h.rid}: {len(self.frames)} column frames, expected 4")
+        if len(self.frames) != len(names):
+            raise WireError(f"rollout {h.rid}: {len(self.frames)} column frames, expected {len(names)} "
+                            f"({', '.join(names)})")
         tokens = sum(s[0] for s in h.samples)
         if tokens != h.tokens:
             raise WireError(f"rollout {h.rid}: header says {h.tokens} tokens, its samples {tokens}")
@@ -371,10 +405,10 @@ class RolloutRecord:
         if len(tails) > 1:
             raise WireError(f"rollout {h.rid}: routed-expert shapes differ across its samples: {sorted(tails)}")
         routed = sum(s[0] * s[1] * s[2] for s in h.samples)
-        for name, expect in zip(COLUMNS, (tokens, tokens, tokens, routed), strict=True):
-            nbytes = len(self.frames[COLUMNS.index(name)])
-            if nbytes != expect * self.dtype(name).itemsize:
-                raise WireError(f"rollout {h.rid}: column {name} has {nbytes} bytes for {expect} values")
+        for name, frame in zip(names, self.frames, strict=True):
+            expect = routed if name == ROUTED else tokens
+            if len(frame) != expect * self.dtype(name).itemsize:
+                raise WireError(f"rollout {h.rid}: column {name} has {len(frame)} bytes for {expect} values")
 
     def _check_span(self, h: RolloutHeader, span: SpanLoc) -> None:
         """A direct-mode record: no frames, and a span exactly as large as its samples' layout. (Whether the
@@ -385,7 +419,7 @@ class RolloutRecord:
         if tokens != h.tokens:
             raise WireError(f"rollout {h.rid}: header says {h.tokens} tokens, its samples {tokens}")
         try:
-            layout = shapes_layout(h.samples, h.routed_dtype)
+            layout = shapes_layout(h.samples, h.routed_dtype, h.optional)
         except ValueError as e:
             raise WireError(f"rollout {h.rid}: {e}") from None
         if span.offset % ALIGN or span.nbytes != layout.nbytes:

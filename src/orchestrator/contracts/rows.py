@@ -29,7 +29,7 @@ class RolloutRow(msgspec.Struct, frozen=True, kw_only=True):
     reward: float  # 0.0 for a failed rollout
     advantage: float | None  # None: failed, or its group was dropped
     ok: bool
-    filters: list[str]  # the filters it matched (enforced or not)
+    filters: list[str]  # the filters it matched (enforced or not), and "max_token_lag" when that left it nothing
     filtered: bool  # an enforced filter left it out of the batch
     dropped: bool  # its group was dropped: nothing of it trains
     failure: Failure | None
@@ -40,6 +40,7 @@ class RolloutRow(msgspec.Struct, frozen=True, kw_only=True):
     policy: int  # the policy step it was sampled with
     off_policy: int  # steps between that policy and this step
     metrics: dict[str, float] | UnsetType = UNSET
+    masked_tokens: int | UnsetType = UNSET  # trained tokens older than its env's max_token_lag (only with the limit)
     stop: str | None  # verifiers' stop condition
     wall_s: float
     worker: str
@@ -56,13 +57,14 @@ class RolloutRow(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def survivor(cls, step: int, g: Any, rec: RolloutRecord, advantage: float | None, filters: list[str],
-                 filtered: bool, dropped: bool = False) -> RolloutRow:
+                 filtered: bool, dropped: bool = False, masked_tokens: int | UnsetType = UNSET) -> RolloutRow:
         """The row of a rollout that came back with a reward (``advantage`` None: its group was dropped)."""
         h = rec.header
         return cls(step=step, env=g.env, task=g.task, group=g.gid, rollout=h.rid, reward=rec.reward,
                    advantage=advantage, ok=True, filters=filters, filtered=filtered, dropped=dropped, failure=None,
                    error=None, tokens=h.tokens, samples=len(h.samples), turns=h.turns, policy=g.policy,
-                   off_policy=step - g.policy, metrics=h.metrics, stop=h.stop, wall_s=h.wall_s, worker=h.worker)
+                   off_policy=step - g.policy, metrics=h.metrics, masked_tokens=masked_tokens, stop=h.stop,
+                   wall_s=h.wall_s, worker=h.worker)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object of this row, UNSET fields left out. Shallow: values stay as they are (numpy scalars,

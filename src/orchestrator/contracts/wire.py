@@ -17,11 +17,10 @@ from typing import Any, Literal, get_args
 import msgpack
 import numpy as np
 
+from orchestrator.columns.layout import TOKEN_DTYPES
 from orchestrator.errors import WireError
 
 FORMAT_VERSION = 1
-TOKEN_COLUMNS = {"token_ids": "int32", "loss_mask": "uint8", "logprobs": "float32"}
-ROUTED = "routed_experts"
 SHM_ALIGN = 64  # every column in a shared-memory pool starts at a multiple of this
 # which logprobs the ``logprobs`` column holds: vLLM's raw_logprobs (log-softmax of the unscaled logits) or
 # processed_logprobs (of the distribution the token was sampled from: temperature, top-k, top-p applied)
@@ -38,7 +37,7 @@ class Batch:
 
     run: str
     step: int
-    columns: dict[str, np.ndarray]  # token columns [T] and optionally routed_experts [T, layers, top_k]
+    columns: dict[str, np.ndarray]  # token columns [T] (columns/layout.py) and maybe routed_experts [T, layers, top_k]
     offsets: np.ndarray  # int64 [n + 1]
     scalars: dict[str, list[Any]]  # per-sample: advantage, reward, env, ... (n each)
     shm_pool: str | None = None  # set by a receiver: the columns view this shared-memory pool (see release)
@@ -67,7 +66,7 @@ class Batch:
         """Assemble from per-sample (or per-rollout) column chunks: one concatenation per column."""
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        columns = {name: _concatenate(parts, TOKEN_COLUMNS.get(name, "uint8")) for name, parts in chunks.items()}
+        columns = {name: _concatenate(parts, TOKEN_DTYPES.get(name, np.dtype("u1"))) for name, parts in chunks.items()}
         for name, col in columns.items():
             if col.shape[0] != offsets[-1]:
                 raise WireError(f"column {name} has {col.shape[0]} rows for {offsets[-1]} tokens")
@@ -77,7 +76,7 @@ class Batch:
         return cls(run, step, columns, offsets, scalars, logprobs_mode=logprobs_mode)
 
 
-def _concatenate(parts: Sequence[np.ndarray], empty_dtype: str) -> np.ndarray:
+def _concatenate(parts: Sequence[np.ndarray], empty_dtype: np.dtype[Any]) -> np.ndarray:
     """``np.concatenate`` by slice assignment into one preallocated array: 3-5x faster on large uint8 parts
     (bench_step's routed experts: 256 x 1.5 MB), and each copy is a short call between GIL switch points."""
     if not parts:

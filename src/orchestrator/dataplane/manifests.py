@@ -50,6 +50,6 @@ class ManifestBuilder:
         rows, trained, phase = b.rows(step, groups, dropped, self.filters)
         t = time.perf_counter()
         manifest = build_manifest(b.run, step, [(rec, a) for rec, a in trained if rec.header.samples], pools,
-                                  attempt, b.logprobs_mode, b.temperatures)
+                                  attempt, b.logprobs_mode, b.temperatures, lambda h: b.lag.keep(h, step))
         phase["assemble"] = time.perf_counter() - t
         return b.result(manifest, rows, phase, groups, trained, self.filters)

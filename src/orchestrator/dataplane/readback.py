@@ -5,7 +5,7 @@ Everything else the orchestrator does in direct mode reads headers only. A due d
 and every record's; a samples table needs the token ids and loss mask of a few rollouts. ``Readback`` reads
 them from the env workers' pools as a trainer would (``PoolMaps.read``: a pool on this host mapped read-only,
 one on another host fetched from its span server) and hands back copies of the records that look like the
-through path's (four column frames, no span), so ``write_dump``, replays and ``SampleTable`` work unchanged.
+through path's (column frames, no span), so ``write_dump``, replays and ``SampleTable`` work unchanged.
 
 Blocking: call it off the event loop, in the step thread, before the step is sent and before any of its
 rollouts is released: a released span may be rewritten at once. The copies are the step's to drop. Each call
@@ -28,7 +28,7 @@ import msgspec
 
 from orchestrator.columns.layout import shapes_layout
 from orchestrator.contracts.manifest import StepManifest, pool_ref
-from orchestrator.contracts.protocol import COLUMNS, PoolInfo, RolloutRecord
+from orchestrator.contracts.protocol import PoolInfo, RolloutRecord
 from orchestrator.errors import WireError
 from orchestrator.security import KeyPair
 from orchestrator.trainer.reader import PoolMaps
@@ -101,11 +101,11 @@ class Readback:
 
 
 def as_through_record(record: RolloutRecord, span: memoryview) -> RolloutRecord:
-    """``record`` as the through path carries it: its span's bytes copied into four column frames."""
+    """``record`` as the through path carries it: its span's bytes copied into its column frames."""
     h = record.header
-    layout = shapes_layout(list(h.samples), h.routed_dtype)
+    layout = shapes_layout(list(h.samples), h.routed_dtype, h.optional)
     frames = []
-    for name in COLUMNS:
+    for name in record.columns:
         offset, nbytes = layout.columns[name]
         frames.append(memoryview(bytes(span[offset:offset + nbytes])))
     return RolloutRecord(msgspec.structs.replace(h, span=None, frames=len(frames)), frames)

@@ -213,12 +213,13 @@ class FileBatchSender(Sender[None]):
     async def _wait_room(self, step: int) -> None:
         """Wait (never drop) while ``max_pending`` files are not yet consumed, re-counting them every ``poll_s``
         in a worker thread, warning every ``warn_s``."""
-        started = warned = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = warned = loop.time()
         try:
             while len(await asyncio.to_thread(pending_steps, self.directory)) >= self.max_pending:
                 self.waiting = True
                 await asyncio.sleep(self.poll_s)
-                now = time.monotonic()
+                now = loop.time()
                 if now - warned >= self.warn_s:
                     warned = now
                     log.warning("trainer has not consumed the %d batch files in %s for %.0f s; step %d waits",

@@ -20,6 +20,9 @@ loop. What we send, per packed token (see ``balance.PackedMicroBatch``; pads in 
 - ``routed_experts`` ``[data: bin, shape: [tokens, layers, top_k], dtype]`` in the batch's own dtype (uint8, or
   uint16 above 256 experts) [zero rows], or nil; every other optional field nil.
 
+prime-rl's ``MicroBatch`` (559b447) has no field for which policy sampled each token: the batch's ``versions``
+column is not sent.
+
 Importable without verifiers.
 """
 
@@ -33,7 +36,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from orchestrator.contracts.wire import ROUTED, Batch
+from orchestrator.columns.layout import REQUIRED, ROUTED
+from orchestrator.contracts.wire import Batch
 from orchestrator.delivery.balance import BinCost, PackedMicroBatch, pack_ranks, token_count
 from orchestrator.errors import WireError
 
@@ -67,7 +71,7 @@ def encode_step(batch: Batch, *, seq_len: int, ranks: int, pad_to_multiple_of: i
 
     The temperature of sample i is ``batch.scalars["temperature"][i]`` if the batch has that scalar, else
     ``temperature`` (one value, or one per env name). Blocking and O(tokens): call it in a worker thread."""
-    for name in ("token_ids", "loss_mask", "logprobs"):
+    for name in REQUIRED:
         if name not in batch.columns:
             raise WireError(f"prime-rl's MicroBatch needs column {name!r}; the batch has {sorted(batch.columns)}")
     for name in ("env", "advantage"):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -164,14 +163,15 @@ class Sender(abc.ABC, Generic[P]):
         """Wait until ``ready()``, re-checking on every ``_notify``; warn every ``warn_s`` from the start of the
         wait (however often it is woken meanwhile) that ``step`` waits because the trainer ``why`` (a callable:
         said as it is then)."""
-        t0 = warned = time.monotonic()
+        loop = asyncio.get_running_loop()
+        t0 = warned = loop.time()
         while not ready():
             self._changed.clear()
             try:
-                async with asyncio.timeout(max(warned + self.warn_s - time.monotonic(), 0.0)):
+                async with asyncio.timeout(max(warned + self.warn_s - loop.time(), 0.0)):
                     await self._changed.wait()
             except TimeoutError:
-                warned = time.monotonic()
+                warned = loop.time()
                 log.warning("step %d waits: the trainer at %s %s (%.0f s so far)", step, self.address,
                             why() if callable(why) else why, warned - t0)
 

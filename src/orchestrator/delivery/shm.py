@@ -33,7 +33,6 @@ import logging
 import mmap
 import os
 import secrets
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -184,17 +183,18 @@ class ShmPool:
         self._released.set()
 
     async def _allocate(self, step: int, nbytes: int) -> int:
-        t0 = warned = time.monotonic()
+        loop = asyncio.get_running_loop()
+        t0 = warned = loop.time()
         while (start := self._ring.place(step, nbytes)) is None:
             self._released.clear()
             try:  # a release that frees too little does not restart the warning's count
-                async with asyncio.timeout(max(warned + self.warn_s - time.monotonic(), 0.0)):
+                async with asyncio.timeout(max(warned + self.warn_s - loop.time(), 0.0)):
                     await self._released.wait()
             except TimeoutError:
-                warned = time.monotonic()
+                warned = loop.time()
                 log.warning("step %d waits for %d MB of the shared-memory pool: %d MB held by %d unreleased "
                             "steps (%.0f s so far)", step, nbytes >> 20, self.live_bytes >> 20, self.spans,
-                            time.monotonic() - t0)
+                            warned - t0)
         return start
 
     def _write(self, columns: dict[str, np.ndarray], at: dict[str, tuple[int, int]]) -> None:

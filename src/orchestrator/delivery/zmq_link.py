@@ -54,7 +54,6 @@ import asyncio
 import contextlib
 import errno
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -110,15 +109,16 @@ async def push_polling(sock: zmq.asyncio.Socket, frames: Sequence[Any], what: st
                        ) -> None:
     """Queue one message on a PUSH-like socket without blocking the loop: poll every 10 ms while its queue is
     full or no peer is connected, warning every ``warn_s`` that nobody takes ``what``."""
-    t0 = last = time.monotonic()
+    loop = asyncio.get_running_loop()
+    t0 = last = loop.time()
     while True:
         try:
             await sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             return
         except zmq.Again:
             await asyncio.sleep(0.01)
-            if time.monotonic() - last >= warn_s:
-                last = time.monotonic()
+            if loop.time() - last >= warn_s:
+                last = loop.time()
                 log.warning("no trainer takes %s at %s (%.0f s so far); waiting", what, address, last - t0)
 
 
@@ -413,7 +413,7 @@ class BatchSender(Sender[list[Any]]):
                 log.warning("a trainer that does not send an id reports step %d at %s; it cannot receive batches "
                             "from this orchestrator: update its orchestrator.transport", r.have, self.address)
             return
-        verdict = self.seat.hear(r.peer, r.who, time.monotonic(), lambda: self._holder_connected())
+        verdict = self.seat.hear(r.peer, r.who, asyncio.get_running_loop().time(), lambda: self._holder_connected())
         if verdict in (Verdict.REFUSED, Verdict.IGNORED):
             why = self.seat.refused[r.peer]
             if verdict is Verdict.REFUSED:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -79,7 +78,7 @@ class Dispatch:
         elif worker is None:
             self._unknown(ident, msg)
         else:
-            worker.last_seen = time.monotonic()
+            worker.last_seen = asyncio.get_running_loop().time()
             if isinstance(msg, Records):
                 self._records(worker, msg, [f.buffer for f in frames[1:]])
             elif isinstance(msg, Heartbeat):

@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Collection
 
 from orchestrator.procs import STOPPED, child_env, process_activity, process_state, terminate
@@ -44,11 +43,11 @@ class LocalWorkers:
         self.span_address = span_address  # direct mode: each worker's span server binds here (tcp://HOST:0)
         self.procs: dict[str, asyncio.subprocess.Process] = {}  # by name: the current process of each slot
         self.restarts = 0
-        self._restart_at: dict[str, float] = {}  # slots waiting to be restarted -> when (monotonic)
+        self._restart_at: dict[str, float] = {}  # slots waiting to be restarted -> when (loop time)
         self._became_ready: set[str] = set()  # slots whose current process reached ready
         self._failures_in_a_row = 0  # processes that exited before becoming ready
         self._spawned = 0
-        self._started: dict[str, float] = {}  # slot -> when its current process started (monotonic)
+        self._started: dict[str, float] = {}  # slot -> when its current process started (loop time)
         self._stopped_since: dict[str, float] = {}  # slots whose process was seen stopped -> since when
         self._activity: dict[str, int] = {}  # slot -> its process's activity count at the last ``at_work``
 
@@ -65,7 +64,7 @@ class LocalWorkers:
         self.procs[name] = proc
         self._became_ready.discard(name)
         self._activity.pop(name, None)
-        self._started[name] = time.monotonic()
+        self._started[name] = asyncio.get_running_loop().time()
         self._stopped_since.pop(name, None)
         log.info("started env worker %s (pid %d)", name, proc.pid)
         return name

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ class WorkerState:
     name: str
     pid: int | None = None
     ready: bool = False
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=lambda: asyncio.get_running_loop().time())
     rids: dict[str, str] = field(default_factory=dict)  # rollouts in flight on it -> their group
     late: deque[str] = field(default_factory=lambda: deque(maxlen=LATE_KEPT))  # cancelled rollout ids
     strikes: int = 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING
 
 from orchestrator.contracts.protocol import HEARTBEAT_S
@@ -53,10 +52,11 @@ class Supervisor:
         """Every HEARTBEAT_S: lose silent workers (killing local ones), kill local ones stuck starting (local.py:
         ``starting``), restart local workers that exited. Wakes on its timer only; produces ``WorkerLost``
         (roster.py) and restarts (``metrics["restarts"]``)."""
+        loop = asyncio.get_running_loop()
         while True:
-            due = time.monotonic() + HEARTBEAT_S
+            due = loop.time() + HEARTBEAT_S
             await asyncio.sleep(HEARTBEAT_S)
-            now = time.monotonic()
+            now = loop.time()
             self._excuse_stall(now - due)
             self._lose_silent(now)
             self._kill_stuck(now)
@@ -129,16 +129,17 @@ class Supervisor:
     async def wait_ready(self, n: int, timeout_s: float, warn_s: float) -> None:
         """Wait until ``n`` workers are ready, saying what it waits for (``waiting_for``) every ``warn_s``
         (the liveness rule: monitor.stall_warn_s); WorkerError naming what is missing after ``timeout_s``."""
-        start = warned = time.monotonic()
+        loop = asyncio.get_running_loop()
+        start = warned = loop.time()
         try:
             async with asyncio.timeout(timeout_s):
                 while (ready := self.roster.ready_count()) < n:
                     self.ready.clear()
                     try:  # not wait_for: on 3.11 it can swallow a cancel
-                        async with asyncio.timeout(max(warned + warn_s - time.monotonic(), 0.0)):
+                        async with asyncio.timeout(max(warned + warn_s - loop.time(), 0.0)):
                             await self.ready.wait()
                     except TimeoutError:
-                        warned = time.monotonic()
+                        warned = loop.time()
                         log.warning("env workers: %d of %d ready after %.0f s; waiting for %s", ready, n,
                                     warned - start, self.waiting_for())
         except TimeoutError:
@@ -150,7 +151,8 @@ class Supervisor:
         """The workers that are not ready, in a clause: each local one (local.py: ``not_ready``), then the
         remote ones expected and how many of them are connected."""
         workers = self.roster.workers.values()
-        parts = self.procs.not_ready({w.name: w.ready for w in workers}, time.monotonic())
+        parts = self.procs.not_ready({w.name: w.ready for w in workers},
+                                     asyncio.get_running_loop().time())
         if self.remote:
             remote = [w for w in workers if w.name not in self.procs.procs]
             parts.append(f"{self.remote} remote at {self.address} ({len(remote)} connected, "

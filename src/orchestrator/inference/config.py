@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit
 
 from orchestrator.configbase import Source, opt
 
@@ -40,8 +41,14 @@ class BroadcastConfig:
 
 @dataclass(frozen=True)
 class InferenceConfig:
-    servers: tuple[str, ...] = opt(doc="base URLs of the inference engines, e.g. http://10.0.0.5:8000/v1 (each "
-                                   "engine itself, not a router in front of several: the pool is the router)")
+    servers: tuple[str, ...] = opt((), doc="base URLs of the inference engines, e.g. http://10.0.0.5:8000/v1 (each "
+                                   "engine itself, not a router in front of several: the pool is the router); "
+                                   "required unless discover is set or [launch.servers] starts them")
+    discover: str | None = opt(None, doc="a base URL whose host is a DNS name with one address per engine (a "
+                               "Kubernetes headless service), e.g. http://rl-servers.ns.svc:8000/v1: every address "
+                               "it resolves to is a server, resolved again every discover_interval_s; a new one "
+                               "joins rotation after preflight and a weight sync, one that vanishes leaves it")
+    discover_interval_s: float = opt(5.0, gt=0, doc="how often inference.discover is resolved again")
     backend: Literal["vllm", "prime-rl"] = opt(
         "vllm", doc="server protocol: 'vllm' (VLLM_SERVER_DEV_MODE=1: pause, collective_rpc reload_weights, "
         "resume) or 'prime-rl' (prime-rl's inference server: pause, update_weights {weight_dir}, resume)")
@@ -84,8 +91,7 @@ class InferenceConfig:
         return self.broadcast.backend if self.weight_transfer == "broadcast" else None
 
     def problems(self, key: str, source: Source) -> Iterable[str]:
-        if not self.servers:
-            yield f"{source(f'{key}.servers')}: {key}.servers: at least one server URL is required"
+        # none at all is the loader's check: [launch.servers] may start them (config.py)
         for i, url in enumerate(self.servers):
             if not url.startswith(("http://", "https://")):
                 yield (f"{source(f'{key}.servers[{i}]')}: {key}.servers[{i}]: expected an http:// or "
@@ -93,3 +99,8 @@ class InferenceConfig:
         if self.weight_transfer == "broadcast" and self.backend != "vllm":
             yield (f"{source(f'{key}.weight_transfer')}: {key}.weight_transfer: 'broadcast' needs vLLM's weight "
                    f"transfer routes ({key}.backend = 'vllm'); {self.backend!r} servers load checkpoints from disk")
+        if self.discover is not None:
+            host = urlsplit(self.discover).hostname if self.discover.startswith(("http://", "https://")) else None
+            if not host or urlsplit(self.discover).port is None:
+                yield (f"{source(f'{key}.discover')}: {key}.discover: expected http://NAME:PORT/v1 (a DNS name and "
+                       f"the port every server listens on), got {self.discover!r}")

@@ -16,7 +16,8 @@ route of vLLM, ``v031:entrypoints/serve/dev/server_info/api_router.py``):
 - ``"auto"``: the mode the servers report; servers reporting different modes are a problem, one line per server
   that differs from the first. Servers that cannot say (no such route: prime-rl's server, which never runs in dev
   mode and sets no ``--logprobs-mode``, prime-rl 559b447; vLLM without ``VLLM_SERVER_DEV_MODE=1``) are taken to
-  run as those that can, and when none can: **raw**, vLLM's default, with a warning saying so.
+  run as those that can, and when none can: **raw**, vLLM's default, with a warning saying so (none for
+  ``inference.backend = "prime-rl"``: prime-rl's servers run raw by construction).
 - a server started with ``raw_logits`` or ``processed_logits`` ships logits, not logprobs: a problem.
 
 Then the sampling temperature: raw logprobs at a temperature other than 1 are not those of the distribution
@@ -59,13 +60,15 @@ class LogprobsCheck:
     stated: Stated = "auto"
     temperatures: tuple[tuple[str, float], ...] = ()
     trainer_tempers: bool = False
+    prime_rl_servers: bool = False  # inference.backend = "prime-rl": servers without /server_info that run raw
 
     @classmethod
     def of(cls, inference: InferenceConfig, temperatures: Sequence[float], *, prime_rl_trainer: bool) -> LogprobsCheck:
         """The check of a job whose training environments (``[[env]]``, in order) sample at ``temperatures`` (none:
         an evaluation-only run, nothing trains), for prime-rl's trainer or another."""
         temps = tuple((f"env[{i}].sampling.temperature", t) for i, t in enumerate(temperatures))
-        return cls(inference.logprobs_mode, temps, bool(temperatures) and prime_rl_trainer)
+        return cls(inference.logprobs_mode, temps, bool(temperatures) and prime_rl_trainer,
+                   inference.backend == "prime-rl")
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ def resolve(check: LogprobsCheck, reported: Mapping[str, str | None]) -> Settled
         if silent:
             warnings.append(f"cannot read the logprobs mode of {', '.join(silent)} (no /server_info): taken to be "
                             f"{mode}, as the other servers report; set inference.logprobs_mode to say so")
+    elif check.prime_rl_servers:  # known without asking: prime-rl never passes --logprobs-mode (prl 559b447)
+        mode, how = "raw", "prime-rl's servers run vLLM's default (raw_logprobs)"
     else:
         mode, how = "raw", "assumed: vLLM's default (no server has /server_info)"
         if silent:

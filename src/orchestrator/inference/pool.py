@@ -40,6 +40,11 @@ Use (the orchestrator)::
   wrote them there (every K steps); otherwise it waits (``awaiting``), out of rotation, for the next broadcast,
   whose group takes it in. ``syncing(servers)`` holds their sync locks during a broadcast; ``evict`` takes out a
   server whose transfer failed.
+- **Servers that come and go** (``inference.discover``, discovery.py): ``add(url)`` puts a new server in the
+  pool out of rotation; the probe admits it like any server out of rotation, after ``admit`` (the job's
+  preflight for that one server, set by whoever ran the job's preflight) and a weight sync to the target.
+  ``remove(url, why)`` takes a server out of rotation and out of the pool at once; rollouts it holds end as
+  they end (their failures count against nothing: it is gone).
 - **No unloadable checkpoint reaches a server.** With ``check_checkpoints`` (default), ``update_weights``
   first checks the checkpoint's directory (checkpoint_files.py) and refuses one that is missing, holds no
   weight files or a corrupt one (UnloadableCheckpoint) before any call: every server keeps its weights and
@@ -53,9 +58,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -64,6 +68,7 @@ from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.errors import CheckpointError, Failure, InferenceError, UnloadableCheckpoint
 from orchestrator.inference.checkpoint_files import why_unloadable
 from orchestrator.inference.config import InferenceConfig
+from orchestrator.inference.discovery import Resolver, ServerDiscovery, SystemResolver
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
 from orchestrator.inference.weights import PAUSE_QUERY, weight_sync, weights_dir
@@ -77,6 +82,11 @@ CANARY_PROMPT = [1, 2, 3]  # token ids of the probe's generate request: any mode
 PROBE_CACHE_SALT = "probe"  # the probe's generate requests carry it (tests tell them from rollouts' by it)
 
 
+def _now() -> float:
+    """Every timing rule here reads the running loop's clock (a test's may be virtual: orchestrator.testing.clock)."""
+    return asyncio.get_running_loop().time()
+
+
 @dataclass(eq=False)
 class Server:
     """One inference server as the pool sees it: its client and its health, load and weight version."""
@@ -88,6 +98,7 @@ class Server:
     failures: int = 0  # consecutive
     version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with; -1: unknown,
     # a weight transfer to it failed part way)
+    ceiling: int = 0  # the newest weights it may serve: the step of the newest sync begun on it (even one that failed)
     last_error: str = ""
     probe_failures: int = 0  # since it last left rotation
     waiting_since: float | None = None  # given work, and no answer (success or failure) from it since
@@ -96,9 +107,10 @@ class Server:
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     awaiting: bool = False  # healthy, out of rotation, waiting for a broadcast of the current weights
     out_why: str = ""  # why it last left rotation
-    out_since: float = 0.0  # when (monotonic)
+    out_since: float = 0.0  # when (loop time)
     probe_verdict: str = ""  # what its last probe found (the reason it stays out), and when
     probed_at: float | None = None
+    admitted: bool = True  # passed the job's preflight (a server added while the job runs: not yet)
 
     @property
     def url(self) -> str:
@@ -118,13 +130,22 @@ class WeightSyncResult:
 
 
 class InferencePool:
-    def __init__(self, cfg: InferenceConfig, servers: Sequence[InferenceServer], model: str | None = None) -> None:
-        """``model``: the served model's name, for the probe's generate canary (None: probes check health only)."""
+    def __init__(self, cfg: InferenceConfig, servers: Sequence[InferenceServer], model: str | None = None, *,
+                 discovery: ServerDiscovery | None = None, connect: Callable[[str], InferenceServer] | None = None
+                 ) -> None:
+        """``model``: the served model's name, for the probe's generate canary (None: probes check health only).
+        ``discovery``: follow a DNS name as the server list (``connect`` makes the client of a server it finds)."""
         if not servers:
             raise ValueError("an inference pool needs at least one server (inference.servers)")
+        if (discovery is None) != (connect is None):
+            raise ValueError("discovery and connect go together: a server found must be connected to")
         self.cfg = cfg
         self.model = model
         self.servers = [Server(api) for api in servers]
+        self.discovery, self._connect = discovery, connect
+        # the job's preflight of one server that joins while the job runs (InferenceError naming what is wrong);
+        # set by whoever ran the job's preflight (engines.py); None: a new server is admitted on its probe alone
+        self.admit: Callable[[InferenceServer], Awaitable[None]] | None = None
         self.weights = weight_sync(cfg.backend)
         self._changed = asyncio.Event()  # rotation, a release or a cap changed: an acquire may succeed now
         self._warned_at = -float("inf")
@@ -133,15 +154,53 @@ class InferencePool:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, cfg: InferenceConfig, model: str | None = None) -> AsyncIterator[InferencePool]:
-        """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit). A connection per call:
-        vLLM's server ends a connection after an error its handlers do not catch (a failed ``collective_rpc``), and
-        a pooled one would fail the next call ("Connection reset by peer", "Server disconnected": observed on vLLM
-        0.31 and 0.32, even with the connection marked to close, whose small reply had already given it back)."""
+    async def open(cls, cfg: InferenceConfig, model: str | None = None, *, resolver: Resolver | None = None
+                   ) -> AsyncIterator[InferencePool]:
+        """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit). With
+        ``cfg.discover``, also every server its name resolves to (``resolver``, default the system's), waiting for
+        the first; ``run()`` then follows the name. A connection per call: vLLM's server ends a connection after an
+        error its handlers do not catch (a failed ``collective_rpc``), and a pooled one would fail the next call
+        ("Connection reset by peer", "Server disconnected": observed on vLLM 0.31 and 0.32, even with the
+        connection marked to close, whose small reply had already given it back)."""
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True)
         key = api_key(cfg.api_key_env)
         async with aiohttp.ClientSession(connector=connector) as session:
-            yield cls(cfg, [HttpInferenceServer(url, session, key) for url in cfg.servers], model)
+            def connect(url: str) -> InferenceServer:
+                return HttpInferenceServer(url, session, key)
+
+            urls, discovery = list(cfg.servers), None
+            if cfg.discover is not None:
+                discovery = ServerDiscovery(cfg.discover, resolver or SystemResolver(), cfg.discover_interval_s)
+                urls += [u for u in await discovery.first() if u not in urls]
+            yield cls(cfg, [connect(url) for url in urls], model, discovery=discovery,
+                      connect=connect if discovery is not None else None)
+
+    def urls(self) -> list[str]:
+        """Every server's URL, in rotation or not."""
+        return [s.url for s in self.servers]
+
+    def add(self, url: str) -> Server:
+        """A server found while the job runs: in the pool, out of rotation until its probe admits it."""
+        assert self._connect is not None  # only discovery adds servers
+        server = Server(self._connect(url), in_rotation=False, admitted=False, out_why="new: not admitted yet",
+                        out_since=_now())
+        self.servers.append(server)
+        self.metrics["servers_added"] += 1
+        log.info("inference server %s found (inference.discover); it joins rotation after preflight and a weight sync",
+                 url)
+        return server
+
+    def remove(self, url: str, why: str) -> None:
+        """``url`` is gone: out of rotation and out of the pool now (rollouts it holds end as they end)."""
+        for server in self.servers:
+            if server.url == url:
+                self._set_rotation(server, False, f"gone: {why}")
+                self.servers.remove(server)
+                self.metrics["servers_removed"] += 1
+                if server.admitted:
+                    log.info("inference server %s removed from the pool (%s)", url, why)
+                self._changed.set()
+                return
 
     # ------------------------------------------------------------------------------- choice and pinning
 
@@ -155,7 +214,7 @@ class InferencePool:
         server = min(room, key=lambda s: s.inflight)
         server.inflight += n
         if server.waiting_since is None:
-            server.waiting_since = time.monotonic()
+            server.waiting_since = _now()
         return server
 
     async def wait_room(self) -> None:
@@ -191,7 +250,7 @@ class InferencePool:
         return ", ".join(f"{s.url} at its cap of {s.cap}" for s in self.servers if s.in_rotation)
 
     def _warn_no_server(self) -> None:
-        now = time.monotonic()
+        now = _now()
         if now - self._warned_at < self.cfg.no_server_warn_interval_s:
             return
         self._warned_at = now
@@ -239,7 +298,7 @@ class InferencePool:
             server.failures = 0
             log.info("inference server %s rejoins rotation (%s)", server.url, why)
         else:
-            server.out_why, server.out_since, server.probe_verdict, server.probed_at = why, time.monotonic(), "", None
+            server.out_why, server.out_since, server.probe_verdict, server.probed_at = why, _now(), "", None
             log.warning("inference server %s leaves rotation: %s", server.url, why)
         self._changed.set()
 
@@ -253,9 +312,11 @@ class InferencePool:
         ``model``). Each server has at most one check running, as a task owned here. Runs until cancelled
         (owned by the caller's TaskGroup)."""
         async with asyncio.TaskGroup() as tg:
+            if self.discovery is not None:
+                tg.create_task(self.discovery.run(self))
             while True:
                 await asyncio.sleep(self.cfg.probe_interval_s)
-                now = time.monotonic()
+                now = _now()
                 for server in self.servers:
                     if server.checking:
                         continue
@@ -281,7 +342,7 @@ class InferencePool:
         time out to say so: cancelled as stale (steps run on with the other servers) or with their group,
         they never answer, and the server would keep taking its share of new groups."""
         assert server.waiting_since is not None
-        waited, answers = time.monotonic() - server.waiting_since, server.answers
+        waited, answers = _now() - server.waiting_since, server.answers
         self.metrics["liveness_checks"] += 1
         try:
             await self._canary(server, self.cfg.request_timeout_s)
@@ -290,7 +351,7 @@ class InferencePool:
                 self.report_failure(server, e.kind, f"its work waited {waited:.0f} s with no answer, and {e}",
                                     evict=True)
             return
-        server.waiting_since = time.monotonic() if server.inflight else None  # alive: long rollouts
+        server.waiting_since = _now() if server.inflight else None  # alive: long rollouts
 
     async def _canary(self, server: Server, timeout_s: float) -> None:
         """A 2-token generate request that must answer and parse within ``timeout_s`` (InferenceError else)."""
@@ -306,10 +367,17 @@ class InferencePool:
         timeout_s = min(self.cfg.request_timeout_s, PROBE_TIMEOUT_S)
         try:
             await self.timed(server.api.request("GET", "/health"), f"/health of {server.url}", timeout_s)
+            if not server.admitted:
+                if self.admit is not None:
+                    await self.admit(server.api)
+                server.admitted = True
             if server.version == self.target.step:
-                # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped)
+                # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped);
+                # labelled: it may have restarted, and an engine starts as "default"
                 async with server.sync_lock:
                     await self.timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
+                    await self.weights.label(server.api, server.version,
+                                             lambda call, what, **_: self.timed(call, what, timeout_s))
             while server.version != self.target.step:  # newer weights may be announced while it loads
                 if not await self._on_disk(server):
                     return  # it waits for the next broadcast, out of rotation
@@ -324,7 +392,7 @@ class InferencePool:
             # a server may stay out for hours; the stall lines repeat the last verdict (out_of_rotation)
             level = logging.INFO if str(e) != server.probe_verdict else logging.DEBUG
             server.probe_failures += 1
-            server.probe_verdict, server.probed_at = str(e), time.monotonic()
+            server.probe_verdict, server.probed_at = str(e), _now()
             log.log(level, "inference server %s stays out of rotation: %s", server.url, e)
 
     async def _on_disk(self, server: Server) -> bool:
@@ -341,14 +409,14 @@ class InferencePool:
                          "it the weights of step %d (not on disk: %s)", server.url, self.target.step, e)
             server.awaiting = True
             server.probe_verdict = f"healthy, waiting for a broadcast of the weights of step {self.target.step}"
-            server.probed_at = time.monotonic()
+            server.probed_at = _now()
             return False
         return True
 
     def out_of_rotation(self) -> str:
         """The servers out of rotation, in a clause for a stall line: why each left, and its last probe's
         verdict (a probe that keeps failing says why here, not once an hour in the log)."""
-        now = time.monotonic()
+        now = _now()
         parts = []
         for s in self.servers:
             if s.in_rotation:
@@ -439,13 +507,26 @@ class InferencePool:
         async with contextlib.AsyncExitStack() as stack:
             for server in ordered:
                 await stack.enter_async_context(server.sync_lock)
-            t0 = time.monotonic()
+            t0 = _now()
             try:
                 yield
             finally:
                 for server in ordered:
                     if server.waiting_since is not None:
-                        server.waiting_since = min(time.monotonic(), server.waiting_since + time.monotonic() - t0)
+                        server.waiting_since = min(_now(), server.waiting_since + _now() - t0)
+
+    async def label(self) -> None:
+        """Label the weights of every server in rotation as the target's step (weights.py ``label``): at the start
+        of a run that loads none, so replies name that step, not the engine's "default". A server that fails it
+        leaves rotation (and is labelled before it rejoins)."""
+        live = [s for s in self.servers if s.in_rotation]
+        outcomes = await asyncio.gather(*(self.weights.label(s.api, self.target.step, self.timed) for s in live),
+                                        return_exceptions=True)
+        for server, outcome in zip(live, outcomes, strict=True):
+            if isinstance(outcome, InferenceError):
+                self._set_rotation(server, False, f"labelling its weights as step {self.target.step} failed: {outcome}")
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def loadable(self, ckpt: Checkpoint) -> str:
         """The directory of ``ckpt``'s weights; CheckpointError without one, UnloadableCheckpoint when
@@ -462,12 +543,13 @@ class InferencePool:
         """The backend's pause / load / resume; one sync per server at a time; logged when slow."""
         path = weights_dir(ckpt, self.cfg.weights_path)
         async with server.sync_lock:
-            t0 = time.monotonic()
+            t0 = _now()
+            server.ceiling = max(server.ceiling, ckpt.step)  # before the pause: tokens of it may come from now on
             try:
                 await self.weights.sync(server.api, ckpt, path, self.timed, phases)
             finally:
                 if server.waiting_since is not None:  # the pause froze its requests: that time is not waiting
-                    server.waiting_since = min(time.monotonic(), server.waiting_since + time.monotonic() - t0)
+                    server.waiting_since = min(_now(), server.waiting_since + _now() - t0)
             server.version = ckpt.step
             server.awaiting = False
-            log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, time.monotonic() - t0)
+            log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, _now() - t0)

@@ -8,9 +8,11 @@ For each server, concurrently (``orchestrator run`` at start, and ``orchestrator
    ``VLLM_SERVER_DEV_MODE=1``; ``/liveness`` only on prime-rl's server), and neither kind is mistaken for
    the other (prime-rl's server started with dev mode has its weight routes shadowed by vLLM's);
 4. ``POST /tokenize`` encodes a probe text as ``model.tokenizer`` does (a wrong or missing tokenizer);
-5. one tiny ``POST /inference/v1/generate`` round trip parses the way env workers' client parses it
-   (replies.py: catches vLLM >= 0.32's logprobs and upstream vLLM's routed-experts string); a vLLM >= 0.30
-   started without ``--enable-scale-out`` answers it 404 (0.31) or 403 (0.32): one line naming that flag.
+5. one tiny ``POST /inference/v1/generate`` round trip parses the way env workers read it: through the same
+   adaptation their shim applies (vLLM 0.32+'s logprobs entries, upstream vLLM's ``.npy`` routed experts), then by
+   verifiers' rules (replies.py); a vLLM >= 0.30 started without ``--enable-scale-out`` answers it 404 (0.31) or
+   403 (0.32, 0.33): one line naming that flag. Whether the reply says which weights sampled its tokens (vLLM
+   0.32+ ``weight_versions``) is logged: it decides whether each token's ``versions`` entry is exact or bounded.
 
 6. ``GET /server_info?config_format=json`` says which logprobs it reports; with what the job states and its
    sampling temperatures, that settles the logprobs mode every batch carries (logprobs.py: servers that
@@ -60,6 +62,7 @@ class ServerReport:
     max_model_len: int | None
     problems: tuple[str, ...]
     logprobs_mode: str | None = None  # vLLM's --logprobs-mode, as its /server_info says (None: it cannot say)
+    weight_versions: bool = False  # its generate replies say which weights sampled each token (vLLM 0.32+)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,13 @@ async def preflight(servers: list[InferenceServer], *, backend: str, model: str,
     if problems:
         raise PreflightError(problems)
     log.info("preflight: logprobs mode %s (%s)", settled.mode, settled.how)
+    bounded = [r.url for r in reports if not r.weight_versions]
+    if bounded:
+        log.info("preflight: %d of %d servers do not say which weights sampled each token (vLLM < 0.32, prime-rl's "
+                 "server): the versions column bounds their tokens by the policy a rollout started under (%s)",
+                 len(bounded), len(reports), ", ".join(bounded))
+    else:
+        log.info("preflight: every server says which weights sampled each token: the versions column is exact")
     return Preflight(list(reports), settled)
 
 
@@ -132,18 +142,20 @@ async def _check(server: InferenceServer, backend: str, model: str, encoded: lis
         await _call(server, "POST", "/resume")
     if encoded is not None and (mismatch := await _tokenizer_mismatch(server, model, encoded)):
         problems.append(f"{server.url}: {mismatch}")
+    versions = False
     try:
         prompt = encoded or [1, 2, 3]
         body = {"model": model, "token_ids": prompt, "cache_salt": "preflight",
                 "sampling_params": {"max_tokens": 2, "logprobs": 1, "temperature": 1.0}}
-        parse_generate_reply(await _call(server, "POST", "/inference/v1/generate", body), len(prompt))
+        reply = parse_generate_reply(await _call(server, "POST", "/inference/v1/generate", body), len(prompt))
+        versions = reply.weight_versions is not None
     except MalformedReply as e:
         problems.append(f"{server.url}: env workers could not read its generate replies: {e}")
     except HttpStatusError as e:
         problems.append(f"{server.url}: {_scale_out_problem(e) or f'a 2-token generate request failed ({e})'}")
     except InferenceError as e:
         problems.append(f"{server.url}: a 2-token generate request failed ({e})")
-    return ServerReport(server.url, max_len, tuple(problems), await server_mode(server))
+    return ServerReport(server.url, max_len, tuple(problems), await server_mode(server), versions)
 
 
 def _scale_out_problem(e: HttpStatusError) -> str | None:

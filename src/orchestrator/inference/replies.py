@@ -2,12 +2,13 @@
 
 Env workers parse generate replies with verifiers 0.4.0's ``TrainClient`` (``renderers/client.py``
 ``parse_generate_response`` and ``_parse_completion_logprobs``, renderers 0.1.12; ``verifiers/v1/graph.py``
-``_attribute_routed_experts``). Preflight sends one tiny request to each server and parses the reply here
-with the same rules, so a server whose replies that client cannot read is found before any rollout, with
-the fix named: one entry per token ``{"token": "token_id:<id>", "logprob": <finite, not -9999>}`` (vLLM
->= 0.32 writes ``{"token_id": <id>}`` instead), and routed experts as an object ``{"data": <base64 of the
-raw array>, "shape": [rows, layers, top_k], "start", "dtype"}`` (prime-rl's server; upstream vLLM sends a
-base64 ``.npy`` string, which that client cannot read) with ``tokens - 1 - start`` rows.
+``_attribute_routed_experts``), after their shim adapted them (``workers/adapter.py``: vLLM 0.32+'s logprobs
+entries, upstream vLLM's ``.npy`` routed experts). Preflight sends one tiny request to each server and parses the
+reply here, through the same adaptation and with the same rules, so a server whose replies that client cannot read
+is found before any rollout: one entry per token ``{"token": "token_id:<id>", "logprob": <finite, not -9999>}``,
+and routed experts as an object ``{"data": <base64 of the raw array>, "shape": [rows, layers, top_k], "start",
+"dtype"}`` with ``tokens - 1 - start`` rows. ``Generation.weight_versions`` says whether the server reports which
+weights sampled each token (vLLM 0.32+).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 import numpy as np
 import orjson
 
+from orchestrator.columns.versions import CallSpans
 from orchestrator.errors import MalformedReply
+from orchestrator.workers.adapter import Request, adapt_reply
 
 MISSING_LOGPROB = -9999.0  # vLLM's floor; verifiers' client reads it as "no sampling evidence"
 ROUTED_DTYPES = ("uint8", "uint16")
@@ -33,10 +36,16 @@ class Generation:
     finish_reason: str | None
     routed_experts: np.ndarray | None  # [rows, layers, top_k], uint8 or uint16
     routed_start: int
+    weight_versions: CallSpans | None = None  # which step sampled which output tokens (None: not reported)
+    adapted: bool = False  # the worker's shim rewrites such replies for verifiers (vLLM 0.32+ logprobs, .npy experts)
 
 
-def parse_generate_reply(raw: bytes, prompt_len: int) -> Generation:
-    """The reply's first choice; MalformedReply saying what is wrong, and how to fix it when we know."""
+def parse_generate_reply(raw: bytes, prompt_len: int, *, routed_start: int = 0) -> Generation:
+    """The reply's first choice as an env worker reads it (adapted by its shim, then parsed by verifiers' rules);
+    MalformedReply saying what is wrong, and how to fix it when we know. ``routed_start``: what the request asked
+    (``sampling_params.routed_experts_prompt_start``)."""
+    reply = adapt_reply(raw, Request(prompt_len, routed_start))
+    raw = reply.body
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -48,10 +57,11 @@ def parse_generate_reply(raw: bytes, prompt_len: int) -> Generation:
     ids = choice.get("token_ids")
     if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2**31 for t in ids):
         raise MalformedReply("generate reply: choices[0].token_ids is not a list of token ids (ints in [0, 2**31))")
-    logprobs = _logprobs(choice.get("logprobs"), ids)
+    lps = _logprobs(choice.get("logprobs"), ids)
     finish = choice.get("finish_reason")
     routed, start = _routed_experts(choice.get("routed_experts"), prompt_len + len(ids))
-    return Generation(ids, logprobs, finish if isinstance(finish, str) else None, routed, start)
+    return Generation(ids, lps, finish if isinstance(finish, str) else None, routed, start, reply.spans,
+                      reply.changed)
 
 
 def _logprobs(obj: Any, ids: list[int]) -> list[float]:
@@ -61,9 +71,6 @@ def _logprobs(obj: Any, ids: list[int]) -> list[float]:
                              f"{len(content) if isinstance(content, list) else 'no'} entries")
     out = []
     for i, (tok, entry) in enumerate(zip(ids, content, strict=True)):
-        if isinstance(entry, dict) and "token" not in entry and "token_id" in entry:
-            raise MalformedReply("logprobs come as {\"token_id\": <id>} (vLLM >= 0.32); verifiers 0.4.0's client "
-                                 "needs {\"token\": \"token_id:<id>\"}: use vLLM 0.31 (or 0.26) or prime-rl's server")
         if not isinstance(entry, dict) or entry.get("token") != f"token_id:{tok}":
             got = entry.get("token") if isinstance(entry, dict) else entry
             raise MalformedReply(f"generate reply: logprobs.content[{i}].token is {got!r}, expected 'token_id:{tok}'")
@@ -78,9 +85,8 @@ def _routed_experts(obj: Any, total_tokens: int) -> tuple[np.ndarray | None, int
     if obj is None:
         return None, 0
     if isinstance(obj, str):
-        raise MalformedReply("routed experts come as a base64 .npy string (upstream vLLM), which verifiers 0.4.0's "
-                             "client cannot read: for router replay use prime-rl's inference server, or start vLLM "
-                             "without --enable-return-routed-experts")
+        raise MalformedReply("routed experts come as a base64 string that is not a .npy array of expert ids "
+                             "[rows, layers, top_k] (what upstream vLLM sends, and env workers convert)")
     if not isinstance(obj, dict):
         raise MalformedReply("generate reply: routed_experts is not an object")
     shape, start, dtype = obj.get("shape"), obj.get("start", 0), obj.get("dtype", "uint8")

@@ -16,9 +16,13 @@ vLLM 0.26.0): ``POST /pause`` (it ignores the query and always pauses with keep,
 ``vllm/entrypoints/rl/online/api_router.py``): ``POST /pause?mode=keep&clear_cache=false`` (the defaults are
 mode=abort, clear_cache=true: aborted requests and a dropped cache), ``POST /collective_rpc {"method":
 "reload_weights", "kwargs": {"weights_path": DIR}}``, on 0.31+ ``POST /update_weight_version {"new_version":
-"<step>"}`` (the engine's version label; 0.32+ replies' ``weight_versions`` name it; 0.26 has no such route and
-answers 404, which is fine), ``POST /resume``. A load that fails kills a real engine at its next request
-(observed on vLLM 0.31.0: ``orchestrator.sim.engine``), so a trainer must announce directories with weights.
+"<step>"}`` (the engine's version label, set between pause and resume as vLLM assumes, ``v032:v1/engine/core.py``
+``_attach_weight_version``; 0.32+ replies' ``weight_versions`` name it for every output token, which is what makes
+each token's ``versions`` entry exact; 0.26 has no such route and answers 404, which is fine), ``POST /resume``.
+``label`` sets the same label without a load: at the start of a run (the engine says ``"default"`` until set) and
+when a server rejoins without needing weights (it may have restarted). A load that fails kills a real engine at its
+next request (observed on vLLM 0.31.0: ``orchestrator.sim.engine``), so a trainer must announce directories with
+weights.
 Without dev mode these routes do not exist (404) and full weights cannot be changed over HTTP at all.
 """
 
@@ -89,6 +93,9 @@ class WeightSync:
     async def load(self, server: InferenceServer, step: int, path: str, timed: Timed) -> None:
         raise NotImplementedError
 
+    async def label(self, server: InferenceServer, step: int, timed: Timed) -> None:
+        """Label the weights ``server`` serves as step ``step`` (where the backend has labels)."""
+
 
 class PrimeRLWeights(WeightSync):
     backend = "prime-rl"
@@ -109,6 +116,9 @@ class VLLMWeights(WeightSync):
     async def load(self, server: InferenceServer, step: int, path: str, timed: Timed) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
         await timed(server.request("POST", "/collective_rpc", body=body), f"reload_weights on {server.url}")
+        await self.label(server, step, timed)
+
+    async def label(self, server: InferenceServer, step: int, timed: Timed) -> None:
         try:
             await timed(server.request("POST", "/update_weight_version", body={"new_version": str(step)}),
                         f"update_weight_version on {server.url}")

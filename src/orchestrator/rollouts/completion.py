@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from orchestrator.errors import Failure
+from orchestrator.rollouts.concurrency import context_tokens
 from orchestrator.rollouts.faultlog import ServerFaultLines
 from orchestrator.rollouts.groups import Buffer, Expired, Group, GroupTracker, failure_summary, lose_columns
 from orchestrator.scoring.advantage import AdvantageFn
@@ -150,7 +151,7 @@ class Completion:
     # --------------------------------------------------------------------------------------- completed
 
     def _finish(self, group: Group) -> None:
-        self.capacity.release(group.server, group.size)
+        self.capacity.release(group.server, group.size, max(map(context_tokens, group.records), default=0))
         self.room.set()
         if group.eval_round is not None:
             assert self.evaluator is not None

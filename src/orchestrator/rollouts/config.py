@@ -20,23 +20,40 @@ class ConcurrencyConfig:
     adaptive: bool = opt(False, doc="follow each inference server's KV cache (its /metrics) with a cap per server; "
                          "false: scheduler.max_inflight alone, as before")
     poll_s: float = opt(2.0, gt=0, le=600, doc="how often each server's /metrics is read")
-    start_per_server: int | None = opt(None, ge=1, doc="each server's cap before its first poll (unset: "
-                                       "max_inflight split evenly over the servers)")
+    start_per_server: int | None = opt(None, ge=1, doc="each server's first cap (unset: its KV capacity, from "
+                                       "its /metrics, over rollout_tokens; a server that does not say its "
+                                       "capacity starts at max_inflight split evenly over the servers)")
+    rollout_tokens: int | None = opt(None, ge=1, doc="the KV tokens one rollout holds at its longest (prompt and "
+                                     "every turn), for the first cap (unset: the longest rollout of the first "
+                                     "groups to finish on the server; one group runs there until then)")
     min_per_server: int = opt(1, ge=1, doc="no cut goes below this many rollouts per server")
-    grow_below: float = opt(0.6, gt=0, le=1, doc="KV usage under which a binding cap may grow")
-    grow_factor: float = opt(1.25, gt=1, le=4, doc="growth per turnover (as many completions as the cap)")
-    trim_above: float = opt(0.8, gt=0, le=1, doc="KV usage over which admission closes (the cap becomes what is "
-                            "in flight)")
+    grow_below: float = opt(0.6, gt=0, le=1, doc="KV usage under which a binding cap grows at the full "
+                            "grow_factor (above it, less and less, to none at trim_above); also the usage a "
+                            "capacity queue needs to count")
+    grow_factor: float = opt(1.25, gt=1, le=4, doc="growth per turnover (as many completions as in flight), "
+                             "a share of it per completion, at most a group a poll")
+    trim_above: float = opt(0.8, gt=0, le=1, doc="KV usage over which the cap does not grow (it is not lowered: "
+                            "such a reading is often one wave of rollouts at its peak)")
     trim_to: float = opt(0.7, gt=0, le=1, doc="the usage a hard trim aims at: cap = in flight x trim_to / usage")
     cancel_above: float = opt(0.9, gt=0, le=1, doc="KV usage over which the rollouts above the trimmed cap are "
                               "cancelled (whole groups not yet half done, youngest first)")
     cancel_only_preempting: bool = opt(True, doc="cancel past cancel_above only while the server preempts (its "
                                         "counter rose since the last poll); a full cache that does not preempt "
-                                        "is trimmed, nothing thrown away. false: cancel past cancel_above always "
-                                        "(prime-rl's rule)")
-    cut_factor: float = opt(0.75, gt=0, le=0.95, doc="on preemptions or a persistent queue: cap = in flight x this")
-    probe_after: int = opt(10, ge=0, doc="turnovers after a cut on preemptions before growth may reach the cap "
-                           "that preempted again (0: at once, as prime-rl)")
+                                        "only stops growth, nothing thrown away. false: cancel past cancel_above "
+                                        "always, preempting or not (prime-rl's rule)")
+    cancel_polls: int = opt(4, ge=1, doc="polls in a row past cancel_above that preempt before rollouts are "
+                            "cancelled (one group's peak preempts once; a cache that thrashes goes on)")
+    preemption_budget: float = opt(0.0075, ge=0, le=1, doc="preemptions per finished request the cap may cost: "
+                                   "a preemption within it only stops growth at the in-flight count it happened "
+                                   "under; past it, the cap is cut and stays a step below that count until "
+                                   "the budget is repaid (0: every preemption cuts). Counted with the server's "
+                                   "vllm:request_success counter; a server without it: every preemption cuts")
+    budget_window: int = opt(600, ge=1, doc="the budget's reserve, in finished requests: preemption_budget x this "
+                             "preemptions may come at once without a cut, and at most as many are owed")
+    cut_factor: float = opt(0.9, gt=0, le=0.95, doc="on preemptions or a persistent queue: cap = in flight x this")
+    probe_after: int = opt(3, ge=0, doc="turnovers without a preemption, within the budget, after which growth "
+                           "may go a group past the in-flight count preemptions were last seen under (a probe; "
+                           "one that preempts doubles the wait, up to 8x). 0: at once")
     queue_polls: int = opt(2, ge=1, doc="polls in a row with a capacity queue (see queue_ratio) that make a "
                            "persistent queue")
     queue_ratio: float = opt(0.5, ge=0, doc="a poll has a capacity queue when its KV usage is at least grow_below "
@@ -136,6 +153,10 @@ class EnvConfig:
     workers: int = opt(1, ge=0, doc="env worker processes; 0 runs in-process (debugging only)")
     max_concurrent: int | None = opt(None, ge=1, doc="rollouts of this env running at once")
     group_scoring: bool = opt(False, doc="the env scores whole groups: any failure drops the group")
+    max_token_lag: int | None = opt(None, ge=0, doc="trained tokens sampled by weights more than this many steps "
+                                    "behind the step they train in are masked out of the loss (the versions column; "
+                                    "a token whose version is only bounded counts at its lower bound); a sample "
+                                    "left with nothing to train is dropped; unset: no limit")
     sampling: SamplingConfig = opt(SamplingConfig(), doc="sampling parameters")
     curriculum: CurriculumConfig | None = opt(None, doc="[env.curriculum]: draw tasks from pools by their recent "
                                               "pass rate; unset: every task in turn, in a seeded order")
@@ -195,6 +216,10 @@ def rollout_problems(scheduler: SchedulerConfig, envs: Sequence[EnvConfig], ev: 
             yield (f"{source(f'env[{i}].name')}: env[{i}].name: {env.label!r} is already used by "
                    f"env[{labels[env.label]}]; give each environment a distinct name")
         labels.setdefault(env.label, i)
+        if env.max_token_lag is not None and env.max_token_lag >= scheduler.max_async_level:
+            yield (f"{source(f'env[{i}].max_token_lag')}: env[{i}].max_token_lag: {env.max_token_lag} can never "
+                   f"mask a token: a rollout is at most scheduler.max_async_level ({scheduler.max_async_level}) "
+                   "steps behind its step, and its tokens are no older than it; set it below that, or leave it unset")
     for i, env in enumerate(envs):
         yield from _sampling_problems(env, f"env[{i}]", source)
     if ev is not None:

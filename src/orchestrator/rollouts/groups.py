@@ -120,6 +120,9 @@ class GroupTracker:
             self.counts["late"] += 1
             return None, False
         h.env, h.task, h.policy_step = group.env, group.task, group.policy  # ours, whatever the worker said
+        # every token it has was sampled after its assignment (policy_step) and before now: no newer weights than
+        # a sync begun on its server by now (the upper bound of its bounded versions: columns/versions.py)
+        h.policy_max = max(group.policy, group.server.ceiling)
         group.missing.discard(h.rid)
         group.records.append(record)
         if record.ok:

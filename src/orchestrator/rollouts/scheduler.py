@@ -53,9 +53,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.contracts.events import PoolGone, RecordsIn
@@ -82,16 +81,17 @@ class Scheduler:
     def __init__(self, limits: SchedulerConfig, envs: Sequence[EnvConfig], pool: InferencePool, hub: WorkerLink,
                  policy: int = 0, *, pipeline: PipelineConfig, evaluation: EvalConfig | None = None, seed: int = 0,
                  stall_warn_s: float = 30.0, state: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic, train: bool = True,
+                 train: bool = True,
                  checkpoints: CheckpointSource | None = None, first_step: int | None = None) -> None:
         """``limits``: ``[scheduler]``; ``envs``: the ``[[env]]`` tables; ``pipeline``: advantages and gates;
         ``evaluation``: ``[eval]``; ``seed``: ``run.seed`` (task order). ``train=False``: evaluation only
         (``orchestrator eval``); no training group ever opens. ``checkpoints``: asked for a checkpoint when a step
-        waits for a newer policy. ``first_step``: the step ``next_step`` fills first (default ``policy``)."""
+        waits for a newer policy. ``first_step``: the step ``next_step`` fills first (default ``policy``). Built
+        in the running loop, whose clock its timing rules read (group timeouts, stall lines, rates)."""
         self.limits = limits
         self.pool = pool
         self.hub = hub
-        self.clock = clock
+        self.clock = clock = asyncio.get_running_loop().time
         self.envs = {e.label: e for e in envs}
         state = state or {}
         self.sampler = TaskSampler([EnvDraws(e.label, hub.tasks_per_env[e.label], e.weight, e.curriculum)
@@ -109,7 +109,7 @@ class Scheduler:
         self.concurrency = None if not limits.concurrency.adaptive else ConcurrencyControl(
             limits.concurrency, pool, limits.max_inflight, self.smallest_group,
             lambda server, n: self.completion.shed(server, n), raised=self._wake.set)
-        done = self.concurrency.done if self.concurrency is not None else (lambda _server, _size: None)
+        done = self.concurrency.done if self.concurrency is not None else (lambda _server, _size, _longest: None)
         capacity = Capacity(self.limits.max_inflight, pool, self.tracker, done)
         self.admission = Admission(self.limits, capacity, self.tracker, self.buffer, self.envs, self.sampler,
                                    self.evaluator, policy, policy if first_step is None else first_step)

@@ -70,6 +70,8 @@ class AdminServer(Protocol):
 
     async def load(self, path: object, *, none_reloads: bool = False) -> None: ...
 
+    def interrupt_generations(self) -> None: ...
+
 ADMIN_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/collective_rpc", "/update_weights",
                          "/reset_prefix_cache", "/update_weight_version", "/weight_info", "/get_world_size",
                          "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
@@ -123,6 +125,8 @@ class _Admin:
         return json_response({"status": "paused"})
 
     async def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        if mode == "keep":  # requests inside stop mid-way: what they sampled so far is the old weights' (segments.py)
+            self.server.interrupt_generations()
         self.server.gate.pause(mode)
         if mode == "wait":
             await self.server.gate.drained()

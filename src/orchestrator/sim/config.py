@@ -39,3 +39,30 @@ class SimConfig:
             yield f"{source(f'{key}.top_k')}: {key}.layers / {key}.top_k: set both (routed experts) or neither"
         if self.latency_max_ms is not None and self.latency_max_ms < self.latency_ms:
             yield f"{source(f'{key}.latency_max_ms')}: {key}.latency_max_ms: must be >= {key}.latency_ms"
+
+    def server_profile(self, backend: str) -> str:
+        """The server the simulator plays: ``profile``, else the one ``inference.backend`` names."""
+        if self.profile is not None:
+            return self.profile
+        from orchestrator.sim.profiles import DEFAULT_PROFILE
+
+        return "prime-rl" if backend == "prime-rl" else DEFAULT_PROFILE
+
+    def arguments(self, model: str, backend: str, transfer: str | None = None) -> list[str]:
+        """``orchestrator sim-inference`` flags for every key of this table, serving ``model`` as the server
+        ``inference.backend`` names, taking weights over the wire with ``transfer`` (``inference.transfer_backend``;
+        the simulator plays gloo only) (``--seed`` left to the caller: one per server)."""
+        args = ["--profile", self.server_profile(backend), "--model", model, "--layers", str(self.layers),
+                "--logprobs-mode", self.logprobs_mode, "--top-k", str(self.top_k),
+                "--num-experts", str(self.num_experts), "--latency-ms", str(self.latency_ms),
+                "--error-rate", str(self.error_rate), "--hang-rate", str(self.hang_rate),
+                "--malformed-rate", str(self.malformed_rate), "--drop-rate", str(self.drop_rate)]
+        if self.latency_max_ms is not None:
+            args += ["--latency-max-ms", str(self.latency_max_ms)]
+        if not self.dev_mode:
+            args.append("--no-dev-mode")
+        if not self.scale_out:
+            args.append("--no-scale-out")
+        if transfer == "gloo":  # weights over the wire: the servers take them
+            args += ["--weight-transfer", "gloo"]
+        return args

@@ -59,6 +59,9 @@ class KVLoad:
     running: int  # vllm:num_requests_running
     waiting: int  # vllm:num_requests_waiting (all of them wait for capacity here)
     preemptions: int  # vllm:num_preemptions (a counter)
+    finished: int = 0  # vllm:request_success (a counter): requests that left the engine, done or cancelled
+    block_tokens: int = 16  # vllm:cache_config_info's block_size ...
+    blocks: int = 0  # ... and num_gpu_blocks (0: no KV model, the family is not written)
 
 
 @dataclass(eq=False)
@@ -81,6 +84,7 @@ class KVEngine:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.free = model.blocks
         self.preemptions = 0
+        self.finished = 0  # requests that left: done or cancelled (vLLM counts an abort too)
 
     def fits(self, prompt: int, target: int) -> bool:
         """Whether a request can ever finish: alone, its whole context fits (vLLM refuses to start when
@@ -99,10 +103,12 @@ class KVEngine:
             if r.key == key:
                 self.running.remove(r)
                 self.free += r.blocks
+                self.finished += 1
                 return
         for r in self.waiting:
             if r.key == key:
                 self.waiting.remove(r)
+                self.finished += 1
                 return
 
     @property
@@ -111,7 +117,8 @@ class KVEngine:
 
     def load(self) -> KVLoad:
         used = self.model.blocks - self.free
-        return KVLoad(used / self.model.blocks, len(self.running), len(self.waiting), self.preemptions)
+        return KVLoad(used / self.model.blocks, len(self.running), len(self.waiting), self.preemptions, self.finished,
+                      self.model.block_tokens, self.model.blocks)
 
     def step(self) -> tuple[float, list[Hashable]]:
         """One iteration: its duration in ms, and the keys of the requests that finished in it."""
@@ -126,6 +133,7 @@ class KVEngine:
                 self.running.remove(r)
                 self.free += r.blocks
                 finished.append(r.key)
+        self.finished += len(finished)
         return self.model.step_ms + self.model.prefill_ms_per_1k * computed / 1000, finished
 
     def _grow_running(self) -> bool:

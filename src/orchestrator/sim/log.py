@@ -22,7 +22,9 @@ when it was answered); ``pause_mode`` is the pause in force when the request arr
 ``fault`` names an injected fault (``error``, ``drop``, ``down``, ``malformed:<kind>``, ``hang``) or is null; a
 hung request is logged when it starts hanging, with status 0 (never answered). A server
 started with ``record_replies`` (``sim-inference --record-replies``) also keeps each reply's ``token_ids``
-(prompt, then completion) and its ``routed_experts`` as sent; otherwise both are null.
+(prompt, then completion), its ``routed_experts`` as sent, and ``versions``: the ``[label, start, end]`` spans of
+the engine's version label over its completion (segments.py), which profiles before 0.32 do not send; otherwise
+all three are null.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class GenerateCall:
     completion_tokens: int = 0
     token_ids: list[int] | None = None  # prompt then completion (``record_replies`` only)
     routed_experts: Any = None  # choices[0].routed_experts exactly as sent (``record_replies`` only)
+    versions: list[tuple[str, int, int]] | None = None  # the label of each span of it (``record_replies`` only)
 
 
 @dataclass

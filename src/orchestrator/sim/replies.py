@@ -8,7 +8,8 @@
 - routed experts ``[prompt + completion - 1 - start, layers, top_k]``: vLLM a base64 ``.npy`` string, uint8
   when num_experts <= 256 else uint16; prime-rl ``{"data", "shape", "start", "dtype"}`` (raw bytes, dtype by
   the largest id), in that key order, so its compact JSON holds ``"routed_experts":{"data":"``.
-- 0.32+: ``choices[i].weight_versions`` spans over the output tokens (empty without output tokens) and
+- 0.32+: ``choices[i].weight_versions`` spans over the output tokens, one per run of tokens a version label sampled
+  (two when a keep pause cut the request: segments.py; empty without output tokens) and
   ``stop_reason``; 0.31 neither, but ``choices[i].sampling_mask`` and ``usage.completion_tokens_details`` (null),
   in the key order observed on a real 0.31.0 (OBSERVED.md); prime-rl: ``model`` and ``created`` null.
 
@@ -65,8 +66,9 @@ def logprobs_content(profile: Profile, sample: Sample, asked: int) -> list[dict[
 
 
 def choice(profile: Profile, index: int, sample: Sample | None, *, logprobs: int | None,
-           experts: str | dict[str, Any] | None, weight_version: str) -> dict[str, Any]:
-    """One ``choices[i]``; ``sample`` None: a request an abort pause ended before any token."""
+           experts: str | dict[str, Any] | None, weight_versions: list[tuple[str, int, int]]) -> dict[str, Any]:
+    """One ``choices[i]``; ``sample`` None: a request an abort pause ended before any token. ``weight_versions``:
+    ``(label, start, end)`` spans over its tokens (segments.py)."""
     ids = [] if sample is None else sample.token_ids.tolist()
     finish = "abort" if sample is None else sample.finish_reason
     content = None if logprobs is None else {
@@ -74,23 +76,21 @@ def choice(profile: Profile, index: int, sample: Sample | None, *, logprobs: int
     if profile.reply_form == "0.31":  # observed key order (OBSERVED.md)
         return {"index": index, "logprobs": content, "finish_reason": finish, "token_ids": ids,
                 "routed_experts": experts, "sampling_mask": None}
-    out: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": ids}
-    if profile.weight_versions:
-        out["stop_reason"] = None if sample is None else sample.stop_reason
-    out["logprobs"] = content
-    out["routed_experts"] = experts
-    if profile.weight_versions:
-        out["weight_versions"] = [{"version": weight_version, "start": 0, "end": len(ids)}] if ids else []
-    return out
+    if profile.reply_form == "0.32":  # observed key order (vLLM 0.32.0 on CPU, 2026-11-28; v033 protocol.py: same)
+        spans = [{"version": v, "start": a, "end": b} for v, a, b in weight_versions] if ids else []
+        return {"index": index, "finish_reason": finish, "stop_reason": None if sample is None else sample.stop_reason,
+                "token_ids": ids, "routed_experts": experts, "sampling_mask": None, "weight_versions": spans,
+                "logprobs": content}
+    return {"index": index, "finish_reason": finish, "token_ids": ids, "logprobs": content, "routed_experts": experts}
 
 
-# the null keys after ``usage``, in each form's order (0.31's as observed)
+# the null keys after ``usage``, in each form's order (0.31's and 0.32's as observed)
 _TAIL_KEYS: dict[str, tuple[str, ...]] = {
     "0.26": ("prompt_logprobs", "kv_transfer_params", "ec_transfer_params"),
     "0.31": ("prompt_logprobs", "prompt_token_id_logprobs", "prompt_token_ids", "mm_placeholders", "metrics",
              "kv_transfer_params", "ec_transfer_params"),
-    "0.32": ("prompt_logprobs", "kv_transfer_params", "ec_transfer_params", "prompt_token_id_logprobs",
-             "prompt_token_ids", "mm_placeholders", "metrics"),
+    "0.32": ("prompt_logprobs", "prompt_token_id_logprobs", "prompt_token_ids", "mm_placeholders", "metrics",
+             "kv_transfer_params", "ec_transfer_params"),
 }
 
 
@@ -99,19 +99,14 @@ def generate_reply(profile: Profile, request_id: str, model: str, prompt_len: in
     completion = sum(len(c["token_ids"]) for c in choices)
     usage: dict[str, Any] = {"prompt_tokens": prompt_len, "total_tokens": prompt_len + completion,
                              "completion_tokens": completion, "prompt_tokens_details": None}
-    if profile.reply_form == "0.31":
+    if profile.reply_form != "0.26":
         usage["completion_tokens_details"] = None
-    reply: dict[str, Any] = {
-        "request_id": f"generate-tokens-{request_id}",
-        "model": None if profile.prime_rl else model,
-        "created": None if profile.prime_rl else int(time.time()),
-        "choices": choices,
-        "usage": usage,
-        **dict.fromkeys(_TAIL_KEYS[profile.reply_form]),
-    }
-    if profile.reply_form == "0.32":
-        reply["output_mode"] = "tokens"
-    return reply
+    head = {"request_id": f"generate-tokens-{request_id}", "model": None if profile.prime_rl else model,
+            "created": None if profile.prime_rl else int(time.time())}
+    if profile.reply_form == "0.32":  # choices last, after output_mode (observed on 0.32.0, 2026-11-28)
+        return {**head, "usage": usage, **dict.fromkeys(_TAIL_KEYS["0.32"]), "output_mode": "tokens",
+                "choices": choices}
+    return {**head, "choices": choices, "usage": usage, **dict.fromkeys(_TAIL_KEYS[profile.reply_form])}
 
 
 def malformed_kinds(reply: dict[str, Any]) -> list[str]:

@@ -55,6 +55,7 @@ from orchestrator.sim.responses import (
     read_json_body,
     validation_error,
 )
+from orchestrator.sim.segments import Generation
 from orchestrator.sim.transfer import SimTransfer
 from orchestrator.sim.vocab import SimVocab
 
@@ -137,6 +138,7 @@ class SimServer:
             raise ValueError(f"weight_transfer must be 'gloo' or None, not {weight_transfer!r}")
         self.transfer = SimTransfer(weight_transfer, self, sanitized=self.profile.sanitized_errors)
         self.log = SimLog()
+        self._generating: set[Generation] = set()  # inside the engine, tokens not sampled yet (segments.py)
         self._fault_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
         self._created = int(time.time())
         self.url = ""
@@ -343,9 +345,17 @@ class SimServer:
             return engine_error(503, PAUSED_MESSAGE).response()
         request_id = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
         async with self.gate.inflight() as aborted:
-            aborted = aborted or await self.gate.hold(delay_s)
+            gen = None if aborted or req.sampling.n != 1 else Generation(req.token_ids, req.sampling, delay_s)
+            if gen is not None:
+                self._generating.add(gen)  # a keep pause from here on cuts it in two (segments.py)
+            try:
+                aborted = aborted or await self.gate.hold(delay_s)
+            finally:
+                if gen is not None:
+                    self._generating.discard(gen)
             # the forward pass: a broken engine dies here (engine.py)
-            reply = self._reply(req, request_id, aborted) if aborted or self.engine.forward() else None
+            alive = aborted or self.engine.forward()
+            reply, spans = self._reply(req, request_id, aborted, gen) if alive else (None, [])
             sampled_with = (self.weights_path, self.loads)
             if reply is not None and not aborted and self.kv is not None:  # decoded under the KV cache's capacity
                 await self.kv.decode(len(req.token_ids), reply["usage"]["completion_tokens"])
@@ -354,8 +364,8 @@ class SimServer:
             return dead_error()
         raw, fault = self._maybe_malformed(reply)
         first = reply["choices"][0]
-        recorded = {"token_ids": [*req.token_ids, *first["token_ids"]],
-                    "routed_experts": first.get("routed_experts")} if self.record_replies else {}
+        recorded = {"token_ids": [*req.token_ids, *first["token_ids"]], "routed_experts": first.get("routed_experts"),
+                    "versions": spans} if self.record_replies else {}
         self._log_generate(200, req.cache_salt, arrival, sampled_with=sampled_with,
                            finish_reason=first["finish_reason"], fault=fault, prompt_tokens=len(req.token_ids),
                            completion_tokens=reply["usage"]["completion_tokens"], **recorded)
@@ -390,12 +400,29 @@ class SimServer:
 
     # ------------------------------------------------------------------------------------------ sampling
 
-    def _reply(self, req: GenerateRequest, request_id: str, aborted: bool) -> dict[str, Any]:
+    def interrupt_generations(self) -> None:
+        """A keep pause begins on a running engine: the requests inside sample the tokens produced so far, with the
+        weights and version label of now (segments.py)."""
+        if self.gate.mode is None:
+            for gen in self._generating:
+                gen.interrupt(self.policy, self.weight_version)
+
+    def _reply(self, req: GenerateRequest, request_id: str, aborted: bool, gen: Generation | None = None
+               ) -> tuple[dict[str, Any], list[tuple[str, int, int]]]:
+        """The reply, and the version spans of its first choice."""
         sp = req.sampling
         self.counters.requests += 1
         choices = []
+        first: list[tuple[str, int, int]] = []
         for i in range(sp.n):
-            sample = None if aborted else self.policy.sample(req.token_ids, sp)
+            spans: list[tuple[str, int, int]] = []
+            if aborted:
+                sample = None
+            elif gen is not None and i == 0:
+                sample, spans = gen.finish(self.policy, self.weight_version)
+            else:
+                sample = self.policy.sample(req.token_ids, sp)
+                spans = [(self.weight_version, 0, int(sample.token_ids.size))]
             experts = None
             if sample is not None:
                 self.counters.generated_tokens += int(sample.token_ids.size)
@@ -404,10 +431,11 @@ class SimServer:
                     rows = len(req.token_ids) + int(sample.token_ids.size) - 1 - start
                     experts = replies.routed_experts(self.profile, self.policy.route(rows), start, self.num_experts)
             choices.append(replies.choice(self.profile, i, sample, logprobs=sp.logprobs, experts=experts,
-                                          weight_version=self.weight_version))
+                                          weight_versions=spans))
+            first = first if i else spans
         if aborted:
             self.counters.aborted += 1
-        return replies.generate_reply(self.profile, request_id, self.model, len(req.token_ids), choices)
+        return replies.generate_reply(self.profile, request_id, self.model, len(req.token_ids), choices), first
 
     def _log_generate(self, status: int, cache_salt: str | None, pause_mode: str | None, *,
                       sampled_with: tuple[str | None, int] | None = None, **rest: Any) -> None:

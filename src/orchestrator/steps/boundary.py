@@ -17,15 +17,19 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import numpy as np
+from msgspec import UNSET, UnsetType
 
+from orchestrator.columns.layout import ROUTED, column_names, shared_optional
+from orchestrator.columns.versions import mask_older
 from orchestrator.contracts.manifest import StepManifest
 from orchestrator.contracts.protocol import RolloutRecord
 from orchestrator.contracts.rows import RolloutRow, dropped_rows
-from orchestrator.contracts.wire import ROUTED, TOKEN_COLUMNS, Batch, LogprobsMode
+from orchestrator.contracts.wire import Batch, LogprobsMode
 from orchestrator.rollouts.config import EnvConfig
 from orchestrator.scoring.advantage import AdvantageFn
 from orchestrator.scoring.config import PipelineConfig
 from orchestrator.scoring.filters import FilterSet
+from orchestrator.scoring.token_lag import LAG_FILTER, TokenLag
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ class StepResult(Generic[B]):
     filter_counts: dict[str, dict[str, int]]
     untrained: list[RolloutRecord] = field(default_factory=list)  # survivors left out: never read
     trained: list[RolloutRecord] = field(default_factory=list)  # the rollouts the step carries
+    versions: dict[str, Any] = field(default_factory=dict)  # its tokens' versions (scoring/token_lag.py stats)
 
     @property
     def num_samples(self) -> int:
@@ -58,6 +63,7 @@ class StepBuilder:
         self.vocab_size = vocab_size
         self.filter_configs = pipeline.filters
         self.filters = FilterSet(pipeline.filters, vocab_size)
+        self.lag = TokenLag({e.label: e.max_token_lag for e in envs})
 
     def build(self, step: int, groups: Sequence[Any], dropped: Sequence[Any] = ()) -> StepResult[Batch]:
         """All three phases in order, each timed in ``phase_s``; the rows of ``dropped`` groups (none of whose
@@ -89,7 +95,10 @@ class StepBuilder:
         kept = {id(rec) for rec, _ in trained}
         untrained = [r for g in groups for r in g.survivors if id(r) not in kept]
         counts = (filters or self.filters).take_counts()
-        return StepResult(batch, rows, phase, counts, untrained, [rec for rec, _ in trained])
+        lagged = {row.rollout for row in rows if row.filtered and LAG_FILTER in row.filters}
+        versions = self.lag.stats(batch.step, [rec.header for rec, _ in trained]
+                                  + [r.header for r in untrained if r.rid in lagged])
+        return StepResult(batch, rows, phase, counts, untrained, [rec for rec, _ in trained], versions)
 
     # The phases of ``build``, public so replay (scripts/perf) can run and time them one at a time.
 
@@ -105,45 +114,75 @@ class StepBuilder:
     def filter(self, step: int, groups: Sequence[Any], advantages: Sequence[np.ndarray],
                filters: FilterSet | None = None) -> tuple[list[RolloutRow], list[tuple[RolloutRecord, float]]]:
         """Phase ``filter``: every rollout's row (failed ones included) and the (record, advantage) pairs
-        to train on. Filter counts accumulate until ``filters.take_counts()``."""
+        to train on. Filter counts accumulate until ``filters.take_counts()``. A rollout its env's
+        ``max_token_lag`` leaves no trained token (token_lag.py) is filtered too, by ``max_token_lag``."""
         rows: list[RolloutRow] = []
         trained: list[tuple[RolloutRecord, float]] = []
         for g, adv in zip(groups, advantages, strict=True):
             rows += [RolloutRow.failed(step, g, r) for r in g.records if not r.ok]
             for rec, a in zip(g.survivors, adv.tolist(), strict=True):
                 verdict = (filters or self.filters)(rec, a)
-                if not verdict.filtered:
+                matched, filtered = list(verdict.matched), verdict.filtered
+                masked: int | UnsetType = UNSET  # only with the limit
+                if not filtered and rec.header.samples and self.lag.floor(rec.env, step) is not None:
+                    plan = self.lag.plan(rec.header, step)
+                    masked = plan.masked
+                    if not any(plan.keep):
+                        matched, filtered = [*matched, LAG_FILTER], True
+                if not filtered:
                     trained.append((rec, a))
-                rows.append(RolloutRow.survivor(step, g, rec, a, list(verdict.matched), verdict.filtered))
+                rows.append(RolloutRow.survivor(step, g, rec, a, matched, filtered, masked_tokens=masked))
         return rows, trained
 
     def assemble(self, step: int, trained: Sequence[tuple[RolloutRecord, float]]) -> Batch:
-        """Phase ``assemble``: concatenate every trained rollout's column frames once; scalars per sample."""
+        """Phase ``assemble``: concatenate every trained rollout's column frames once; scalars per sample. The
+        batch has the optional columns every trained rollout has (columns/layout.py), and routed experts when they
+        all have the same routed shape. A sample ``max_token_lag`` leaves no trained token is left out, and the
+        loss mask is 0 on every token older than its sample's ``min_version`` (token_lag.py)."""
         lengths: list[int] = []
         scalars: dict[str, list[Any]] = {"advantage": [], "reward": [], "env": [], "rollout": [], "temperature": [],
-                                         "policy": []}
+                                         "policy": [], "policy_max": [], "min_version": []}
         tails = {s[1:] for rec, _ in trained for s in rec.header.samples}
-        with_routed = len(tails) == 1 and (0, 0) not in tails
         if len(tails) > 1:
             log.warning("step %d: routed-expert shapes differ across rollouts %s; the batch carries none",
                         step, sorted(tails))
-        chunks: dict[str, list[np.ndarray]] = {name: [] for name in TOKEN_COLUMNS}
-        if with_routed:
-            chunks[ROUTED] = []
+        names = list(column_names(shared_optional(rec.header.optional for rec, _ in trained if rec.header.samples)))
+        if not (len(tails) == 1 and (0, 0) not in tails):
+            names.remove(ROUTED)
+        chunks: dict[str, list[np.ndarray]] = {name: [] for name in names}
         for rec, adv in trained:
-            shapes = rec.header.samples
-            if not shapes:
+            h = rec.header
+            if not h.samples:
                 continue
-            for name in TOKEN_COLUMNS:
-                chunks[name].append(rec.column(name))
-            if with_routed:
-                chunks[ROUTED].append(rec.column(ROUTED).reshape(rec.tokens, *shapes[0][1:]))
-            for s in shapes:
+            plan = self.lag.plan(h, step)
+            columns = {name: rec.column(name).reshape(rec.tokens, *h.samples[0][1:]) if name == ROUTED
+                       else rec.column(name) for name in names}
+            if plan.floor is not None:  # its own versions say which tokens to mask, whatever the step carries
+                columns["loss_mask"] = mask_older(columns["loss_mask"], rec.column("versions"),
+                                                  np.array([0, rec.tokens]), [plan.floor])
+            kept = [(at, s) for at, s, keep in zip(_starts(h.samples), h.samples, plan.keep, strict=True) if keep]
+            for name, column in columns.items():
+                if len(kept) == len(h.samples):
+                    chunks[name].append(column)  # the whole rollout: one chunk, as its frame came
+                else:
+                    chunks[name] += [column[at:at + s[0]] for at, s in kept]
+            for _, s in kept:
                 lengths.append(s[0])
                 scalars["advantage"].append(adv)
                 scalars["reward"].append(rec.reward)
                 scalars["env"].append(rec.env)
                 scalars["rollout"].append(rec.rid)
                 scalars["temperature"].append(self.temperatures.get(rec.env, 1.0))
-                scalars["policy"].append(rec.header.policy_step)
+                scalars["policy"].append(h.policy_step)
+                scalars["policy_max"].append(h.policy_step if h.policy_max is None else h.policy_max)
+                scalars["min_version"].append(plan.floor)
         return Batch.from_columns(self.run, step, chunks, lengths, scalars, self.logprobs_mode)
+
+
+def _starts(shapes: Sequence[tuple[int, int, int]]) -> list[int]:
+    """Each sample's first token in its rollout's columns."""
+    out, at = [], 0
+    for tokens, _, _ in shapes:
+        out.append(at)
+        at += tokens
+    return out

@@ -40,7 +40,8 @@ from orchestrator.errors import WireError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: rollout headers carry a failure kind
+FORMAT_VERSION = 3  # 2: rollout headers carry a failure kind; 3: and their optional columns (2 is read as none)
+READ_FORMATS = (2, 3)
 MAGIC = b"ORCFRM01"
 ALIGN = 64
 _ROW_OPTS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
@@ -160,8 +161,9 @@ def load_dump(path: str | Path) -> StepDump:
         meta = orjson.loads((path / "meta.json").read_bytes())
     except (OSError, orjson.JSONDecodeError) as e:
         raise WireError(f"{path}: not a step dump (meta.json: {e})") from None
-    if meta.get("format") != FORMAT_VERSION:
-        raise WireError(f"{path}: dump format {meta.get('format')!r}, this version reads {FORMAT_VERSION}")
+    if meta.get("format") not in READ_FORMATS:
+        raise WireError(f"{path}: dump format {meta.get('format')!r}, this version reads "
+                        f"{' and '.join(map(str, READ_FORMATS))}")
     frames = read_frames(path / "records.frames")
     try:
         index = msgpack.unpackb(frames[0], raw=False)

@@ -80,8 +80,10 @@ def format_step_line(m: Mapping[str, Any]) -> str:
     workers = f" worker max={max(worker_rss):.0f}MB" if worker_rss else ""
     shm = f" | shm={m['shm_live_mb']:.1f}MB in {m['shm_spans']} spans" if "shm_live_mb" in m else ""
     dropped = f", {m['dropped']} in dropped groups" if m.get("dropped") else ""
+    masked = m.get("versions", {}).get("masked")
+    stale = f" ({masked} older than max_token_lag, masked)" if masked else ""
     return (f"step {m['step']}: {m['rollouts']} rollouts ({m['failed']} failed, {m['filtered']} filtered{dropped}), "
-            f"{m['tokens']} tokens, {m['rollouts_per_s']:.1f} rollouts/s | reward {rewards} | {phases} | "
+            f"{m['tokens']} tokens{stale}, {m['rollouts_per_s']:.1f} rollouts/s | reward {rewards} | {phases} | "
             f"lag p99={lag['p99']:.1f}ms max={lag['max']:.1f}ms | rss={m['rss_mb']:.0f}MB{workers}{shm}")
 
 

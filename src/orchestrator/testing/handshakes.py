@@ -4,6 +4,7 @@ instead of sleeping and hoping it was."""
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +32,7 @@ class FailedHandshakes:
 @contextlib.contextmanager
 def failed_handshakes(sock: zmq.Socket[Any]) -> Iterator[FailedHandshakes]:
     """Watch ``sock`` (plain or asyncio) for failed handshakes from now on; the monitor goes on exit."""
-    address = f"inproc://failed-handshakes.{id(sock)}"
+    address = f"inproc://failed-handshakes.{uuid.uuid4().hex}"  # not id(sock): security.RefusalWatch says why
     sock.monitor(address, HANDSHAKE_FAILED)
     monitor = zmq.asyncio.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
     try:

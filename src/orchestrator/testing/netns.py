@@ -24,6 +24,7 @@ import shutil
 import subprocess
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import IO, Any
 
 from orchestrator.procs import terminate
 
@@ -101,18 +102,30 @@ class Network:
         self.namespace(host)  # KeyError for an unknown host
         return self._addresses[host]
 
-    async def run(self, host: str, *argv: str, stdin: int | None = None, stdout: int | None = None,
-                  stderr: int | None = None, cwd: Path | None = None, hostname: str | None = None) -> Process:
+    async def run(self, host: str, *argv: str, stdin: int | IO[Any] | None = None,
+                  stdout: int | IO[Any] | None = None, stderr: int | IO[Any] | None = None, cwd: Path | None = None,
+                  hostname: str | None = None,
+                  own_sysfs: bool = True, env: dict[str, str] | None = None) -> Process:
         """Start ``argv`` inside ``host`` (environment and files as ours); stopped by its pid on exit if still
         running. ``stdin``/``stdout``/``stderr`` as for ``asyncio.create_subprocess_exec``. With ``hostname``
         it also gets a UTS namespace of its own with that host name, so it reports itself as another machine
-        (``socket.gethostname()``: e.g. an env worker's pool ``host``)."""
+        (``socket.gethostname()``: e.g. an env worker's pool ``host``). ``own_sysfs=False`` enters the network
+        namespace only (``nsenter``), keeping this machine's /sys and its cgroup mounts, which slurmd needs: ``ip
+        netns exec`` mounts a /sys of the namespace's own, without them."""
         if hostname is not None:  # unshare and sh exec in turn: the pid stays the command's own
             argv = ("unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv)
-        proc = await asyncio.create_subprocess_exec("ip", "netns", "exec", self.namespace(host), *argv, stdin=stdin,
-                                                    stdout=stdout, stderr=stderr, cwd=cwd)
-        self._procs.append(proc)  # `ip netns exec` execs argv: this pid is the command's own
+        enter = (("ip", "netns", "exec", self.namespace(host)) if own_sysfs
+                 else ("nsenter", f"--net=/run/netns/{self.namespace(host)}", "--"))
+        proc = await asyncio.create_subprocess_exec(*enter, *argv, stdin=stdin, stdout=stdout, stderr=stderr,
+                                                    cwd=cwd, env=env)
+        self._procs.append(proc)  # `ip netns exec` and nsenter exec argv: this pid is the command's own
         return proc
+
+    def pids(self, host: str) -> list[int]:
+        """Every process inside ``host``'s network namespace now (``ip netns pids``), ours or their children."""
+        out = subprocess.run(["ip", "netns", "pids", self.namespace(host)], capture_output=True, text=True,
+                             check=False, timeout=30).stdout
+        return [int(p) for p in out.split()]
 
     async def _build(self) -> None:
         await self._add_namespace(self.bridge_ns)

@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,11 +60,12 @@ async def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, 
                      poll_s: float = 0.1) -> None:
     """Poll ``ready`` until it holds; AssertionError naming ``what`` after ``timeout_s``, or at once if
     ``alive`` exits first."""
-    deadline = time.monotonic() + timeout_s
+    loop = asyncio.get_running_loop()  # its clock: a test on a virtual one (testing.clock) waits in virtual time
+    deadline = loop.time() + timeout_s
     while not ready():
         if alive is not None and alive.returncode is not None:
             raise AssertionError(f"waiting for {what}: process {alive.pid} exited with {alive.returncode}")
-        if time.monotonic() > deadline:
+        if loop.time() > deadline:
             raise AssertionError(f"waiting for {what}: not within {timeout_s:.0f} s")
         await asyncio.sleep(poll_s)
 

@@ -24,8 +24,9 @@ from orchestrator.config import load_config
 from orchestrator.realstack.install import StackPaths
 from orchestrator.realstack.server import VLLMServer
 from orchestrator.testing.jobs import Section, toml_text
-from orchestrator.trainer.reference import Learner, ReferenceTrainer, read_journal
+from orchestrator.trainer.reference import BroadcastLearner, ReferenceTrainer, read_journal
 
+RESET_TRIES = 20  # reload_base's prefix-cache resets, 0.5 s apart
 ENVS = {
     "arith": "orchestrator-arithmetic",  # single turn
     "guess": "orchestrator-guess-number",  # 2-6 turns
@@ -62,8 +63,10 @@ class RealJob:
     workers: int = 1  # env workers per environment
     seed: int = 0
     concurrency: Section = field(default_factory=dict)  # [scheduler.concurrency], e.g. {"adaptive": True}
-    # more keys of each env's sampling table, e.g. {"extra_body": {"ignore_eos": True}}
+    # more keys of each env's sampling table, e.g. {"extra_body": {"ignore_eos": True}}; env_sampling: per env
     sampling: Section = field(default_factory=dict)
+    env_sampling: Mapping[str, Section] = field(default_factory=dict)
+    pipeline: Section = field(default_factory=lambda: {"gates": []})  # [pipeline]: every finished group trains
     extra: Mapping[str, Section | Sequence[Section]] = field(default_factory=dict)  # more sections (testing.jobs)
     weight_transfer: str = "filesystem"  # "broadcast": the trainer sends its weights over gloo (servers with it)
     save_every: int = 1  # the trainer writes a checkpoint directory every this many steps
@@ -84,9 +87,9 @@ class RealJob:
             scheduler={"batch_size": self.batch_size, "max_inflight": self.max_inflight or self.batch_size,
                        "max_async_level": self.max_async_level, "max_off_policy_steps": self.max_async_level + 1,
                        "concurrency": self.concurrency},
-            pipeline={"gates": []},  # every finished group trains
+            pipeline=self.pipeline,
             env=[{"name": name, "taskset": ENVS[name], "group_size": self.group_size, "workers": self.workers,
-                  "sampling": sampling} for name in self.envs],
+                  "sampling": {**sampling, **self.env_sampling.get(name, {})}} for name in self.envs],
             **self.extra)
 
 
@@ -98,7 +101,7 @@ class RealJobResult:
     orchestrator: Orchestrator | None = field(default=None, repr=False)
 
 
-async def run_real_job(job: RealJob, learner: Learner, *,
+async def run_real_job(job: RealJob, learner: BroadcastLearner, *,
                        trainer: Callable[..., ReferenceTrainer] = ReferenceTrainer,
                        during: Callable[[Orchestrator], Coroutine[Any, Any, None]] | None = None,
                        timeout_s: float = 900.0) -> RealJobResult:
@@ -127,7 +130,10 @@ async def run_real_job(job: RealJob, learner: Learner, *,
 
 
 async def reload_base(url: str, model: Path) -> None:
-    """Pause, reload ``model``'s own weights, resume: a shared server back on the weights it started with."""
+    """A shared server back to the state it started in: pause, reload ``model``'s own weights, resume, and empty
+    its prefix cache. Its KV blocks were computed with a previous test's weights under the ``cache_salt`` of a
+    policy version (inference/weights.py) that this test's run numbers again from 0: reused, they would give this
+    run's requests that run's logprobs. A reset fails while blocks are held (requests still running): retried."""
     root = url.removesuffix("/v1")
     async with aiohttp.ClientSession() as session:
         for path, body in (("/pause?mode=keep&clear_cache=false", None),
@@ -136,6 +142,14 @@ async def reload_base(url: str, model: Path) -> None:
             async with session.post(root + path, json=body) as reply:
                 if reply.status != 200:
                     raise RuntimeError(f"{root}{path}: HTTP {reply.status}: {(await reply.text())[:300]}")
+        for _ in range(RESET_TRIES):
+            async with session.post(root + "/reset_prefix_cache") as reply:
+                if reply.status != 200:
+                    raise RuntimeError(f"{root}/reset_prefix_cache: HTTP {reply.status}: {(await reply.text())[:300]}")
+                if (await reply.json()).get("success"):
+                    return
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"{root}/reset_prefix_cache: no success in {RESET_TRIES} tries (requests still running)")
 
 
 async def get_json(url: str) -> Any:

@@ -2,10 +2,10 @@
 
 ``synthetic_groups`` makes ``rollouts`` records in groups of ``group_size``; each record has one sample of
 ``tokens`` tokens over ``turns`` turns (half prompt, half sampled per turn), routed experts ``layers`` x
-``top_k`` (none when either is 0), binary rewards, and the same header fields and column frames as
-``worker.process.episode_record``. Seeded: the same arguments give the same bytes. Used by tests and by
-``scripts/perf`` (synthetic dumps, replay, bench_step). ``rollout_row`` makes a rollout's row with only the
-fields a test of a row's reader cares about.
+``top_k`` (none when either is 0), a ``versions`` column (policy 0 on the sampled tokens), binary rewards, and
+the same header fields and column frames as ``worker.process.episode_record``. Seeded: the same arguments give
+the same bytes. Used by tests and by ``scripts/perf`` (synthetic dumps, replay, bench_step). ``rollout_row`` makes
+a rollout's row with only the fields a test of a row's reader cares about.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from orchestrator.columns.versions import NOT_SAMPLED
 from orchestrator.config import EnvConfig, InferenceConfig, JobConfig, RunConfig, SchedulerConfig
 from orchestrator.contracts.protocol import RolloutHeader, RolloutRecord
 from orchestrator.contracts.rows import RolloutRow
@@ -41,14 +42,15 @@ def synthetic_record(rng: np.random.Generator, rid: str, gid: str, env: str, tas
         mask[bounds[2 * t + 1]:bounds[2 * t + 2]] = 1
     token_ids = rng.integers(0, 150_000, tokens, dtype=np.int32)
     logprobs = np.where(mask, rng.normal(-1.0, 0.5, tokens), 0.0).astype(np.float32)
+    versions = np.where(mask, 0, NOT_SAMPLED).astype(np.int32)
     routed = (np.frombuffer(rng.bytes(tokens * layers * top_k), np.uint8) if layers and top_k
               else np.zeros(0, np.uint8))
     shape = (tokens, layers, top_k) if layers and top_k else (tokens, 0, 0)
     header = RolloutHeader(rid=rid, group=gid, env=env, task=task, policy_step=0, worker="synthetic",
                            server="synthetic", ok=True, reward=float(rng.integers(0, 2)), metrics={"correct": 1.0},
-                           stop="length", samples=[shape], tokens=tokens,
-                           wall_s=round(float(rng.uniform(1, 30)), 4), frames=4)
-    frames = [a.data.cast("B") for a in (token_ids, mask, logprobs, routed)]
+                           stop="length", samples=[shape], tokens=tokens, optional=["versions"],
+                           wall_s=round(float(rng.uniform(1, 30)), 4), frames=5)
+    frames = [a.data.cast("B") for a in (token_ids, mask, logprobs, versions, routed)]
     return RolloutRecord(header, frames)
 
 

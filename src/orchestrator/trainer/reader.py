@@ -10,8 +10,11 @@ of it is left, and frees the memory once the worker has let go of it too.
 
 Views stay valid as long as they live (the mapping does), even after the worker dies; but the worker reuses
 a span once the orchestrator releases it, which it does when the trainer acknowledges the step: read (or
-copy) a step's arrays before acknowledging it. ``StepView.gather()`` makes the through path's contiguous
-``Batch`` with one copy per column, for trainers that want it; ``transport.packing.pack`` works on it.
+copy) a step's arrays before acknowledging it. A sample whose ``min_version`` scalar is set gets a loss mask with 0
+on every token older than it (its env's ``max_token_lag``, columns/versions.py): a copy of that one column, the
+rest stays views; the through plane's batches come with that mask already applied. ``StepView.gather()`` makes
+the through path's contiguous ``Batch`` with one copy per column, for trainers that want it;
+``transport.packing.pack`` works on it.
 
 Pools on another host (``PoolRef.host``) with a span server (``PoolRef.address``) are not mapped: ``view``
 fetches the step's spans from it (trainer/fetch.py; blocking, at most ``fetch_timeout_s`` per pool) and the
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from orchestrator.columns.layout import span_layout
+from orchestrator.columns.versions import mask_older
 from orchestrator.contracts.manifest import PoolRef, StepManifest
 from orchestrator.errors import WireError
 from orchestrator.security import ClientKeys, KeyPair
@@ -47,6 +50,8 @@ if TYPE_CHECKING:
 # them, never at import time, and can be imported first, last or alone.
 
 log = logging.getLogger(__name__)
+
+_OWN_VERSIONS = "_own_versions"  # a span's versions, read for the loss mask only (the step does not carry them)
 
 
 @dataclass
@@ -169,8 +174,7 @@ class PoolMaps:
         """Blocking, at most ``fetch_timeout_s``: the bytes of every span of ``m`` in pool ``m.pools[p]``, from
         its span server, by span index. WireError when they cannot be had (a lost step)."""
         index = [i for i, s in enumerate(m.spans) if s.pool == p]
-        spans = [(m.spans[i].offset, span_layout(m.spans[i].tokens, m.spans[i].layers, m.spans[i].top_k,
-                                                 m.spans[i].routed_dtype).nbytes) for i in index]
+        spans = [(m.spans[i].offset, m.spans[i].layout().nbytes) for i in index]
         return dict(zip(index, self._fetch(ref, spans), strict=True))
 
     def _fetch(self, ref: PoolRef, spans: Sequence[tuple[int, int]]) -> list[memoryview]:
@@ -187,16 +191,19 @@ class PoolMaps:
 
     def _span_columns(self, m: StepManifest, i: int, fetched: dict[int, memoryview]) -> dict[str, np.ndarray]:
         """The columns of span ``i`` the step carries, as read-only views of its pool's mapping, or of its
-        ``fetched`` bytes (``check_manifest`` has checked the span lies inside its pool)."""
+        ``fetched`` bytes (``check_manifest`` has checked the span lies inside its pool); and its own ``versions``
+        when the span has them and the step does not (a step of spans that do not all have them), for the mask."""
         s = m.spans[i]
         region, base = (fetched[i], 0) if i in fetched else (self._pools[m.pools[s.pool].id].view, s.offset)
-        layout = span_layout(s.tokens, s.layers, s.top_k, s.routed_dtype)
+        layout = s.layout()
         out: dict[str, np.ndarray] = {}
-        for c in m.columns:
-            offset, nbytes = layout.columns[c.name]
-            dtype = np.dtype(c.dtype)
+        specs = [(c.name, np.dtype(c.dtype), c.tail) for c in m.columns]
+        if "versions" in s.optional and all(c.name != "versions" for c in m.columns):
+            specs.append((_OWN_VERSIONS, layout.dtype("versions"), []))
+        for name, dtype, tail in specs:
+            offset, nbytes = layout.columns[name.removeprefix("_own_")]
             at = base + offset
-            out[c.name] = np.frombuffer(region[at:at + nbytes], dtype).reshape(s.tokens, *c.tail)
+            out[name] = np.frombuffer(region[at:at + nbytes], dtype).reshape(s.tokens, *tail)
         return out
 
     def _drop(self, pool_id: str) -> None:
@@ -236,11 +243,16 @@ class StepView:
         return self.manifest.logprobs_mode
 
     def sample(self, i: int) -> dict[str, Any]:
-        """Sample ``i``: each column's tokens ``start:start + tokens`` of its span (views), and its scalars."""
+        """Sample ``i``: each column's tokens ``start:start + tokens`` of its span (views), and its scalars (the
+        loss mask a copy with stale tokens masked, when its ``min_version`` masks any)."""
         ref = self.manifest.samples[i]
         span = self._spans[ref.span]
         out: dict[str, Any] = {name: col[ref.start:ref.start + ref.tokens] for name, col in span.items()}
         out.update({k: v[i] for k, v in self.manifest.scalars.items()})
+        versions = out.pop(_OWN_VERSIONS, out.get("versions"))
+        floor = out.get("min_version")
+        if floor is not None and versions is not None:
+            out["loss_mask"] = mask_older(out["loss_mask"], versions, np.array([0, ref.tokens]), [floor])
         return out
 
     def gather(self) -> Batch:
@@ -250,7 +262,11 @@ class StepView:
 
         m = self.manifest
         names = [c.name for c in m.columns]
+        floors = m.scalars.get("min_version") or [None] * len(m.samples)
         chunks = {name: [self._spans[ref.span][name][ref.start:ref.start + ref.tokens] for ref in m.samples]
                   for name in names}
+        for i, floor in enumerate(floors):  # the samples with a floor: their loss mask, masked (a copy of it)
+            if floor is not None:
+                chunks["loss_mask"][i] = self.sample(i)["loss_mask"]
         return Batch.from_columns(m.run, m.step, chunks, [ref.tokens for ref in m.samples],
                                   {k: list(v) for k, v in m.scalars.items()}, m.logprobs_mode)

@@ -64,6 +64,10 @@ class Learner(Protocol):
         """Go on from the weights saved in ``directory`` (False: none there)."""
         ...
 
+
+class BroadcastLearner(Learner, Protocol):
+    """A learner whose weights can go over the wire (``receive --broadcast``): both built-in learners are."""
+
     def weights(self) -> Mapping[str, Any]:
         """The current weights by name (torch tensors or numpy arrays): what a broadcast sends."""
         ...

@@ -12,16 +12,20 @@ For each batch:
    logits (vLLM's default), ``processed`` of the logits divided by the sample's temperature (vLLM's
    ``--logprobs-mode processed_logprobs``: the distribution it sampled from).
 2. **Report.** Before the update on the batch of step ``s`` the trainer's weights are those it saved as
-   ``step_s``, policy ``s``; a sample whose ``policy`` scalar is ``s`` was sampled by exactly these weights, so
-   its shipped logprobs must equal the recomputed ones. Over those on-policy samples, ``max``/``mean`` of
-   ``|shipped - recomputed|`` is the train/inference mismatch: a float32 dense model served in float32 matches to
-   < 1e-6; bf16 serving to ~5e-3. Anything larger is a bug somewhere: a misaligned loss mask, a server and
-   trainer that disagree on the logprobs mode, or a server that did not load the weights it answered 200 for
-   (vLLM's CPU MoE reload: REAL-VLLM.md). Above ``warn_mismatch`` a WARNING says so. Samples of older policies
-   (``max_async_level`` > 0) differ by what the updates since changed, which is not a fault: they are counted
-   (``stale``) and left out of the mismatch, and the importance ratio ``exp(recomputed - shipped)`` of the
-   first pass (mean, min, max) is reported over every sample. A batch without ``policy`` scalars (an older
-   sender) is taken as on-policy throughout.
+   ``step_s``, policy ``s``. Token by token (trainer/versions.py): a token these weights sampled, in a sample
+   begun under them (so its whole context was computed by them too), must have the shipped logprob the learner
+   recomputes. Over those tokens, ``max``/``mean`` of ``|shipped - recomputed|`` is the train/inference mismatch:
+   a float32 dense model served in float32 matches to < 1e-6; bf16 serving to ~5e-3. Anything larger is a bug
+   somewhere: a misaligned loss mask, a server and trainer that disagree on the logprobs mode, a versions column
+   that names the wrong weights, or a server that did not load the weights it answered 200 for (vLLM's CPU MoE
+   reload: REAL-VLLM.md). Above ``warn_mismatch`` a WARNING says so. Tokens of older weights differ by what the
+   updates since changed, which is not a fault: their samples are counted (``stale``: no token of these
+   weights) and they are left out of the mismatch. Tokens these weights sampled in a sample begun under older
+   ones (a sync's keep pause caught its request in flight: it went on over KV cache of the older weights) are
+   reported apart (``mixed_*``): vLLM does not recompute that cache, so they differ (observed: 0.12 on average).
+   The importance ratio ``exp(recomputed - shipped)`` of the first pass (mean, min, max) is over every token. A
+   batch without ``versions`` (an older sender) counts a sample's tokens as its ``policy``'s; one without
+   ``policy`` scalars is taken as on-policy throughout.
 3. **Learn.** PPO's clipped surrogate with per-sample weights (GRPO's: each sample weighs the same whatever its
    length), on the shipped advantages; AdamW; ``passes`` optimizer steps per batch, gradients clipped to
    ``max_grad_norm``.
@@ -45,6 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from orchestrator.contracts.wire import Batch
+from orchestrator.trainer.versions import clean_context, sampled_by
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +90,19 @@ class TorchLearnStats:
     objective: float  # the clipped surrogate before the update
     clipped: float  # share of trained tokens whose gradient the clip removed (last pass)
     grad_norm: float  # before clipping, first pass
-    stale: int = 0  # samples of older policies, left out of the mismatch
+    stale: int = 0  # samples without a token of the learner's weights, left out of the mismatch
+    own_tokens: int = 0  # trained tokens the mismatch is over: of its weights, in samples begun under them
+    mixed_tokens: int = 0  # trained tokens of its weights in samples begun under older ones (stale KV context)
+    mixed_max: float = math.nan  # max / mean |shipped - recomputed| over those (nan: none)
+    mixed_mean: float = math.nan
 
     def __str__(self) -> str:
         mismatch = (f"mismatch max {self.mismatch_max:.2e} mean {self.mismatch_mean:.2e}"
                     if math.isfinite(self.mismatch_max) else "mismatch n/a (no on-policy sample)")
         stale = f" ({self.stale} of {self.samples} samples of older policies)" if self.stale else ""
+        if self.mixed_tokens:
+            stale += (f"; {self.mixed_tokens} tokens of its weights over an older context: mismatch max "
+                      f"{self.mixed_max:.2e} mean {self.mixed_mean:.2e}")
         return (f"trained {self.tokens} tokens ({self.mode} logprobs): {mismatch}{stale}, "
                 f"ratio {self.ratio_mean:.4f} [{self.ratio_min:.3f}, {self.ratio_max:.3f}], "
                 f"clipped {self.clipped:.1%}, objective {self.objective:+.4f}, grad norm {self.grad_norm:.3f}")
@@ -105,7 +117,9 @@ class Sample:
     shipped: torch.Tensor  # float32 [P]: their shipped logprobs
     advantage: float
     temperature: float
-    on_policy: bool  # sampled by the weights the learner holds before this batch's update
+    on_policy: bool  # some of its trained tokens the weights the learner holds before this batch's update sampled
+    own: torch.Tensor | None = None  # bool [P]: trained tokens those weights sampled over a context of theirs
+    mixed: torch.Tensor | None = None  # bool [P]: trained tokens those weights sampled over an older context
 
 
 class TorchLearner:
@@ -128,15 +142,18 @@ class TorchLearner:
         mask = batch.columns["loss_mask"]
         ids, shipped = batch.columns["token_ids"], batch.columns["logprobs"]
         temps = batch.scalars.get("temperature") or [self.config.temperature] * batch.num_samples
-        policies = batch.scalars.get("policy") or [batch.step] * batch.num_samples
+        own, clean = sampled_by(batch), clean_context(batch)
         out = []
         for i in range(batch.num_samples):
             a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
             positions = np.flatnonzero(mask[a:b])
             positions = positions[positions >= 1]  # a sample's first token has no context
+            mine = own[a:b][positions]
             out.append(Sample(torch.from_numpy(ids[a:b].astype(np.int64)), torch.from_numpy(positions),
                               torch.from_numpy(shipped[a:b][positions].astype(np.float32)),
-                              float(batch.scalars["advantage"][i]), float(temps[i]), policies[i] == batch.step))
+                              float(batch.scalars["advantage"][i]), float(temps[i]), bool(mine.any()),
+                              torch.from_numpy(mine & clean[a:b][positions]),
+                              torch.from_numpy(mine & ~clean[a:b][positions])))
         return out
 
     def mode(self, batch: Batch) -> str:
@@ -166,7 +183,8 @@ class TorchLearner:
                 self.optimizer.step()
         stats = TorchLearnStats(len(samples), tokens, mode, first["mismatch_max"], first["mismatch_mean"],
                                 first["ratio_mean"], first["ratio_min"], first["ratio_max"], first["objective"],
-                                clipped, first["grad_norm"], stale)
+                                clipped, first["grad_norm"], stale, int(first["own_tokens"]),
+                                int(first["mixed_tokens"]), first["mixed_max"], first["mixed_mean"])
         if stats.mismatch_mean > self.config.warn_mismatch:  # False for nan: no on-policy sample
             log.warning("step %d: the shipped logprobs differ from the trainer's recomputation by %.3g on average "
                         "(max %.3g): a misaligned loss mask, a logprobs mode the server and trainer disagree on, or "
@@ -176,7 +194,7 @@ class TorchLearner:
 
     def _backward(self, samples: list[Sample], mode: str, n: int, *, report: bool) -> dict[str, float]:
         """Accumulate the gradient of -J over micro-batches; what this pass saw (the mismatch when ``report``)."""
-        diffs, ratios, objective, active, total = [], [], 0.0, 0, 0
+        diffs, mixed, ratios, objective, active, total = [], [], [], 0.0, 0, 0
         for group in self._micro_batches(samples):
             logps = self._logprobs(group, mode)
             loss = torch.zeros((), device=self.device)
@@ -192,15 +210,21 @@ class TorchLearner:
                     total += int(ratio.numel())
                     if report:
                         ratios.append(ratio.detach().cpu())
-                        if s.on_policy:
-                            diffs.append((logp.detach() - shipped).abs().cpu())
+                        diff = (logp.detach() - shipped).abs().cpu()
+                        own = s.own if s.own is not None else torch.full_like(diff, s.on_policy, dtype=torch.bool)
+                        diffs.append(diff[own])
+                        if s.mixed is not None:
+                            mixed.append(diff[s.mixed])
             loss.backward()  # type: ignore[no-untyped-call]
             objective -= float(loss.detach())
         out = {"objective": objective, "clipped": 1.0 - active / max(total, 1)}
         if report:
-            d, r = torch.cat(diffs) if diffs else torch.full((1,), math.nan), torch.cat(ratios)
+            d, r = _nonempty(diffs), torch.cat(ratios)
+            m = _nonempty(mixed)
             out |= {"mismatch_max": float(d.max()), "mismatch_mean": float(d.mean()), "ratio_mean": float(r.mean()),
-                    "ratio_min": float(r.min()), "ratio_max": float(r.max())}
+                    "ratio_min": float(r.min()), "ratio_max": float(r.max()), "mixed_max": float(m.max()),
+                    "mixed_mean": float(m.mean()), "own_tokens": sum(int(x.numel()) for x in diffs),
+                    "mixed_tokens": sum(int(x.numel()) for x in mixed)}
         return out
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[Sample]]:
@@ -255,3 +279,9 @@ class TorchLearner:
             state.update(load_file(f, device=str(self.device)))
         self.model.load_state_dict(state)
         return True
+
+
+def _nonempty(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` concatenated; a single nan when they hold nothing (max and mean are then nan)."""
+    joined = torch.cat(parts) if parts else torch.zeros(0)
+    return joined if joined.numel() else torch.full((1,), math.nan)

@@ -253,6 +253,8 @@ class BroadcastSync:
         group = self.group
         assert group is not None
         live = list(members)
+        for s in live:  # before the pause: tokens of these weights may come from now on
+            s.ceiling = max(s.ceiling, step)
         for phase, call in (("pause", self.pool.pause), ("start", self._start)):
             live = await self._phase(phase, live, call, report)
         t = time.monotonic()

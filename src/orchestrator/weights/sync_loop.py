@@ -9,7 +9,7 @@ after that (``sched.set_policy``).
 A checkpoint the pool refuses as unloadable (``inference.check_checkpoints``: its directory is missing, holds no
 weight files or a corrupt one) reaches no server: they keep their weights and stay in rotation. The refusal is
 logged once as an ERROR naming the step, the path and why, and a step that waits for a newer policy names it in
-its stall line. The refused checkpoint is checked again every ``recheck_s`` (a trainer or a shared filesystem
+its stall line. The refused checkpoint is checked again every RECHECK_S (a trainer or a shared filesystem
 may complete it late) until a newer one is announced. If no checkpoint has loaded ``unloadable_checkpoint_s``
 after the first refusal, the run stops: CheckpointError, exit status 1, naming the checkpoint, path and why. A
 checkpoint that loads (a newer one, or the refused one mended) cancels that clock.
@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from orchestrator.contracts.checkpoints import Checkpoint, CheckpointFeed
 from orchestrator.errors import CheckpointError, UnloadableCheckpoint
@@ -51,14 +51,11 @@ MAX_REPORTS = 64  # sync reports kept for the next step's metrics (one or two a 
 
 class WeightSyncLoop:
     def __init__(self, pool: InferencePool, sched: Scheduler, state: OrchestratorState, cfg: InferenceConfig, *,
-                 recheck_s: float = RECHECK_S, clock: Callable[[], float] = time.monotonic,
                  channel: TrainerChannel | None = None) -> None:
         self.pool = pool
         self.sched = sched
         self.state = state
         self.bound_s = cfg.unloadable_checkpoint_s
-        self.recheck_s = recheck_s
-        self.clock = clock
         self.feed = CheckpointFeed()
         self.tried = -1  # the newest announced step taken from the feed
         self.refused: tuple[Checkpoint, UnloadableCheckpoint] | None = None  # the newest refused, until one loads
@@ -69,6 +66,7 @@ class WeightSyncLoop:
         self.retry: Checkpoint | None = None  # a broadcast to try again (it reached no server, or could not start)
         self.reports: list[SyncReport] = []
         self._told: set[str] = set()  # warnings given once
+
     async def run(self, announcements: AsyncIterator[Checkpoint]) -> None:
         """Consumes ``announcements``; produces weight syncs and policy changes. Waits for a newer announcement
         or, while a checkpoint is refused, its next recheck. Runs until cancelled, or raises CheckpointError when
@@ -98,11 +96,12 @@ class WeightSyncLoop:
 
     async def _next(self) -> Checkpoint:
         """The newest announced checkpoint not taken yet; while one is refused, that one again every
-        ``recheck_s``; while a broadcast is to be tried again (or servers wait for the current weights), that one
+        RECHECK_S; while a broadcast is to be tried again (or servers wait for the current weights), that one
         (or the current one) every ``retry_s``; CheckpointError at the refusal clock's end."""
+        loop = asyncio.get_running_loop()
         while True:
             deadline = None if self.since is None else self.since + self.bound_s
-            wait = None if deadline is None else min(self.recheck_s, deadline - self.clock())
+            wait = None if deadline is None else min(RECHECK_S, deadline - loop.time())
             if wait is not None and wait <= 0:
                 raise self._expired()
             if self.broadcast is not None:  # a failed broadcast, or servers that start to wait: seen within retry_s
@@ -111,7 +110,7 @@ class WeightSyncLoop:
                 async with asyncio.timeout(wait):  # not wait_for: on 3.11 it can swallow a cancel
                     ckpt = await self.feed.newer(self.tried)
             except TimeoutError:
-                if self.refused is not None and deadline is not None and self.clock() < deadline:
+                if self.refused is not None and deadline is not None and loop.time() < deadline:
                     return self.refused[0]
                 retry = self._retry()
                 if retry is not None:
@@ -143,20 +142,20 @@ class WeightSyncLoop:
         sched.sync_started(f"weights of step {ckpt.step} are loading on the inference servers")
         if self.broadcast is not None and await self._broadcast(ckpt):
             return
-        t0 = time.monotonic()
+        t0 = asyncio.get_running_loop().time()
         try:
             result = await self.pool.update_weights(ckpt)
         except UnloadableCheckpoint as e:
             self.refuse(ckpt, e)
             return
         self._report(SyncReport(ckpt.step, "filesystem", result.updated, result.failed, result.phases,
-                                time.monotonic() - t0))
+                                asyncio.get_running_loop().time() - t0))
         if self.refused is not None:
             log.info("checkpoint %d loads: the refusal of checkpoint %d no longer counts", ckpt.step,
                      self.refused[0].step)
         self.refused = self.since = None
         log.info("weights of step %d on %d/%d servers in %.1f s", ckpt.step, len(result.updated),
-                 len(self.pool.servers), time.monotonic() - t0)
+                 len(self.pool.servers), asyncio.get_running_loop().time() - t0)
         self._synced(ckpt)
         await sched.set_policy(ckpt.step)
 
@@ -247,7 +246,7 @@ class WeightSyncLoop:
     def refuse(self, ckpt: Checkpoint, e: UnloadableCheckpoint) -> None:
         """Checkpoint ``ckpt`` was refused (also by the reload at ``--resume``): start the clock unless it runs,
         log the refusal once per checkpoint and reason, and say it in stall lines."""
-        now = self.clock()
+        now = asyncio.get_running_loop().time()
         if self.since is None:
             self.since = now
         again = self.refused is not None and (self.refused[0].step, self.refused[1].why) == (e.step, e.why)

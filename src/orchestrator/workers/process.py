@@ -6,6 +6,10 @@ handling and sample building never touch the orchestrator's event loop. Its loop
 messages (one per group: each finished episode's scalars + column frames, see protocol.py) and a heartbeat
 every HEARTBEAT_S.
 
+verifiers' client reaches the inference servers through this process's ``GenerateShim`` (shim.py): it adapts vLLM
+0.32+'s generate replies to what verifiers reads and keeps the weight versions they report, so the ``versions`` of
+each sampled token is exact where the server says which weights sampled it.
+
 With ``data_plane = "direct"`` in its setup (docs/data-plane.md) a rollout's columns are written once into
 this worker's own column pool (``columns.store.ColumnStore``, served read-only to trainers on this host at
 ``<pool_dir>/<worker id>.pool``) and its record carries the span instead of frames; ``release`` frees spans.
@@ -34,7 +38,8 @@ import zmq.asyncio
 
 from orchestrator.columns.memfd import check_socket_path, serve_pool
 from orchestrator.columns.samples import Sample, SampleError, samples_from_trace
-from orchestrator.columns.store import ColumnStore, PoolTooSmall, rollout_layout
+from orchestrator.columns.store import ColumnStore, PoolTooSmall, rollout_layout, sample_optional
+from orchestrator.columns.versions import TokenVersions, summary
 from orchestrator.contracts.protocol import (
     FLUSH_S,
     HEARTBEAT_S,
@@ -63,6 +68,7 @@ from orchestrator.scoring.filters import token_filter
 from orchestrator.security import ClientKeys, KeyPair, RefusalWatch, ServerKeys, is_loopback, secure_client
 from orchestrator.trainer.fetch import SpanServer
 from orchestrator.workers.envconfig import resolve_env
+from orchestrator.workers.shim import Calls, GenerateShim
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +126,13 @@ def classify(errors: list[Any], is_timeout: bool) -> Failure:
     return Failure.ENV
 
 
-def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = True
+def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = True, calls: Calls | None = None
                    ) -> tuple[RolloutHeader, list[Sample]]:
     """Turn a verifiers Episode into a record header and its training samples (none for an evaluation
     rollout: ``train`` False, or a failed one). The header has the samples' shapes; where their columns go
-    (frames or a span of the worker's pool) is the caller's choice."""
+    (frames or a span of the worker's pool) is the caller's choice. ``calls``: the versions its generate calls
+    reported (the shim's), which make the samples' ``versions`` exact; without them every sampled token is
+    bounded by the policy the rollout was assigned under."""
     trace = ep.traces[0] if ep.traces else None
     errors = list(ep.errors or [])
     if trace is not None:
@@ -140,7 +148,7 @@ def episode_record(ep: Any, base: AssignedRollout, wall_s: float, train: bool = 
         return RolloutHeader.failed(base, Failure.INVALID_REWARD, f"the environment returned a reward of {reward}",
                                     wall_s=wall_s, stop=stop), []
     try:
-        samples = samples_from_trace(trace) if train else []
+        samples = samples_from_trace(trace, TokenVersions(base.policy_step, calls)) if train else []
         shapes, routed_dtype, _ = rollout_layout(samples)
     except SampleError as e:
         return RolloutHeader.failed(base, Failure.BAD_SAMPLE, str(e), wall_s=wall_s, stop=stop), []
@@ -184,6 +192,7 @@ class Worker:
         self.groups: dict[str, asyncio.Task[None]] = {}
         self.store: ColumnStore | None = None  # data_plane = direct: this worker's column pool
         self.pool_path: str | None = None  # where trainers on this host get the pool's fd
+        self.shim: GenerateShim | None = None  # verifiers' way to the servers (None: straight to them)
         self._contexts: dict[str, Any] = {}
 
     async def run(self) -> int:
@@ -203,6 +212,7 @@ class Worker:
             try:
                 async with contextlib.AsyncExitStack() as stack:
                     self.setup, self.model, self.tokenizer = setup, setup.model, setup.tokenizer
+                    self.shim = await stack.enter_async_context(GenerateShim.open())
                     await self._load(stack, setup)
                     await self.open_store(stack, setup)
                     gc.freeze()  # everything loaded so far lives for the process: keep it out of GC passes
@@ -326,28 +336,30 @@ class Worker:
             await sock.send(pack(Heartbeat(self.worker_id, len(self.groups), round(rss_mb(), 1), free)))
             await asyncio.sleep(HEARTBEAT_S)
 
-    def _client_config(self, server: str) -> Any:
-        """verifiers' train client config for ``server``: our tokenizer's renderer, and a read timeout of
-        ``request_timeout_s`` on every generate call (a keep pause holds a call open, so not a total one)."""
+    def _client_config(self, base_url: str) -> Any:
+        """verifiers' train client config for a server at ``base_url``: our tokenizer's renderer, and a read timeout
+        of ``request_timeout_s`` on every generate call (a keep pause holds a call open, so not a total one)."""
         import verifiers.v1 as vf
         from renderers.configs import DefaultRendererConfig
         from verifiers.v1.configs.client import ClientTimeoutConfig
 
-        return vf.TrainClientConfig(base_url=server, renderer=DefaultRendererConfig(),
+        return vf.TrainClientConfig(base_url=base_url, renderer=DefaultRendererConfig(),
                                     renderer_model_name=self.tokenizer,
                                     api_key_var=self.setup.api_key_env or NO_API_KEY_VAR,
                                     timeout=ClientTimeoutConfig(read=self.setup.request_timeout_s))
 
     async def _warm(self) -> None:
         """Build, before ``ready``, the tokenizer renderer verifiers' train client would build on the first
-        rollout (shared by every later one): loading it imports transformers, seconds of CPU mostly holding the
-        GIL, which starved this loop's heartbeats for 2-4 s on a busy machine and got fresh workers declared
-        silent (``scheduler.worker_silence_s``) again and again. Before ``ready`` the hub allows minutes."""
-        from verifiers.v1.clients.train import ElasticRendererPool
+        rollout (shared by every later one): loading a tokenizer imports transformers, seconds of CPU mostly holding
+        the GIL, which starved this loop's heartbeats for 2-4 s on a busy machine and got fresh workers declared
+        silent (``scheduler.worker_silence_s``) again and again. Before ``ready`` the hub allows minutes. Where the
+        tokenizer allows, it is loaded without AutoTokenizer, which imports torch (renderer.py: ~200 MB)."""
+        from orchestrator.workers.renderer import warm_renderer
 
         cfg = self._client_config("http://warm-up.invalid/v1")  # the pool is keyed by the renderer, not the URL
         try:
-            await ElasticRendererPool(cfg.renderer_model_name, cfg.renderer, multiplex=cfg.multiplex).grow()
+            how = await warm_renderer(cfg.renderer_model_name, cfg.renderer, cfg.multiplex)
+            log.info("renderer of tokenizer %s built: %s; RSS %.0f MB", self.tokenizer, how, rss_mb())
         except Exception as e:  # the first rollout builds it again and fails with the reason, as data
             log.warning("could not build the renderer of tokenizer %s ahead of the first rollout: %s: %s",
                         self.tokenizer, type(e).__name__, e)
@@ -360,7 +372,7 @@ class Worker:
         key = repr((server, sorted(sampling.items())))
         ctx = self._contexts.pop(key, None)
         if ctx is None:
-            client = self._client_config(server)
+            client = self._client_config(server if self.shim is None else self.shim.url_for(server))
             ctx = vf.ModelContext(model=self.model, client=client, sampling=vf.SamplingConfig(**sampling))
         self._contexts[key] = ctx  # most recently used last
         while len(self._contexts) > CONTEXTS_KEPT:
@@ -420,7 +432,9 @@ class Worker:
         start = time.monotonic()
         try:
             ep = await loaded.env.run_slot(slot, ctx)
-            header, samples = episode_record(ep, base, round(time.monotonic() - start, 4), train)
+            trace_id = ep.traces[0].id if ep.traces and self.shim is not None else None
+            calls = self.shim.take(trace_id) if self.shim is not None and trace_id else None
+            header, samples = episode_record(ep, base, round(time.monotonic() - start, 4), train, calls)
             item = await self._columns(header, samples)
         except Exception as e:  # an env that raises fails this rollout, not the worker
             item = (RolloutHeader.failed(base, Failure.ENV, f"{type(e).__name__}: {e}",
@@ -432,6 +446,9 @@ class Worker:
         named in the header (direct), with the token filters it matched (the orchestrator cannot read them)."""
         if not samples:
             return header, []
+        header.optional = list(sample_optional(samples))
+        if "versions" in header.optional:
+            header.versions = [summary(s.versions, s.loss_mask) for s in samples if s.versions is not None]
         if self.store is None:
             return header, sample_frames(samples)[1]
         if self.setup.token_filters:
