@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import platform
 import shutil
 import subprocess
@@ -182,8 +183,11 @@ def source_root() -> Path | None:
 
 
 def plugin_ready(paths: StackPaths, root: Path) -> bool:
-    """Whether the server's venv has our ``vllm.general_plugins`` entry point, from ``root``'s sources."""
-    out = subprocess.run([str(paths.python), "-c", PLUGIN_CHECK], capture_output=True, text=True, check=False)
+    """Whether the server's venv has our ``vllm.general_plugins`` entry point, from ``root``'s sources: the venv's
+    own, without ``PYTHONPATH`` (a source tree on it, with an egg-info, would pass for the venv's)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([str(paths.python), "-c", PLUGIN_CHECK], capture_output=True, text=True, check=False,
+                         env=env, cwd=paths.venv)
     return out.returncode == 0 and "orchestrator.transfer.vllm_plugin:register" in out.stdout and \
         str(root / "src" / "orchestrator") in out.stdout
 
@@ -197,14 +201,15 @@ def ensure_plugin(paths: StackPaths, progress: Progress) -> None:
                  "servers cannot use --weight-transfer-config '{\"backend\": \"gloo\"}'")
         return
     if plugin_ready(paths, root):
-        progress("gloo weight transfer plugin: ready")
+        progress(f"gloo weight transfer plugin: ready (vLLM {paths.vllm_version})")
         return
     setup_log = paths.logs / "setup.log"
     paths.logs.mkdir(parents=True, exist_ok=True)
     installer = _installer(paths)
     target = ["--python", str(paths.python)] if installer[0].endswith("uv") else []
     _run([*installer, "install", *target, "--no-deps", "-e", str(root)],
-         "install this package into the server's venv, without dependencies (the gloo weight transfer plugin)",
+         f"install this package into the vLLM {paths.vllm_version} venv, without dependencies (the gloo weight "
+         "transfer plugin)",
          setup_log, progress)
     if not plugin_ready(paths, root):
         raise SetupError(f"the vllm.general_plugins entry point is not in {paths.venv} after installing {root}; "
