@@ -41,6 +41,7 @@ from typing import Any
 
 import orjson
 import torch
+from _machine import with_machine
 
 from orchestrator.config import load_config
 from orchestrator.contracts.checkpoints import Checkpoint
@@ -256,5 +257,5 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     opts = parse()
-    out = asyncio.run(main(opts))
+    out = with_machine(asyncio.run(main(opts)))
     print(orjson.dumps(out).decode() if opts.json else json.dumps(out, indent=2))
