@@ -5,7 +5,8 @@ Read top to bottom, ``LAYERS`` is the design (docs/architecture.md), one folder 
 and no exceptions for single modules: entry points; the job (the orchestrator and what it opens); its config; the
 data plane; the step boundary; weight sync; rollouts; the env workers' hub; the inference pool; the env worker
 process; scoring; the trainer library; delivery; the contracts every stage names (messages, wire formats, rows,
-manifests, checkpoints); the column formats; the base. Every import counts, whether at module level, inside a
+manifests, checkpoints); the column formats; the weight transfer engines (torch and vLLM only: a vLLM server's
+venv imports them); the base. Every import counts, whether at module level, inside a
 function or only for type checking. Run it alone: ``pytest tests/test_layers.py``; the failure lists every import
 that goes up, or every loop.
 """
@@ -35,6 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("delivery", ("delivery",)),
     ("contracts", ("contracts",)),
     ("columns", ("columns",)),
+    ("weight transfer engines (torch, vLLM)", ("transfer",)),
     ("base", ("errors", "configbase", "security", "background", "lagmon", "memory", "procs", "ipc", "state", "policy",
               "assets", "__init__")),
 )

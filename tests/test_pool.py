@@ -240,7 +240,7 @@ async def test_a_call_that_fails_as_its_weight_sync_is_cancelled_leaves_no_unret
 
     async def cancelled_as_the_call_fails(pool: InferencePool) -> bool:
         call: asyncio.Future[bytes] = loop.create_future()
-        sync = asyncio.ensure_future(pool._timed(call, "update_weight_version on a server"))
+        sync = asyncio.ensure_future(pool.timed(call, "update_weight_version on a server"))
         await asyncio.sleep(0)  # the sync now waits for the call
         call.set_exception(InferenceError("HTTP 404", Failure.PROVIDER))  # the call fails ...
         sync.cancel()  # ... as the sync is cancelled, before it sees the failure

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 from orchestrator.cli import main
+from orchestrator.commands.report import render_report
 from orchestrator.lagmon import LagStats
 from orchestrator.steps.outputs import StepOutputs, step_metrics
 from orchestrator.testing.steps import rollout_row
@@ -89,3 +91,20 @@ def test_report_plots_each_servers_cap_when_the_run_kept_caps(tmp_path: Path) ->
         outputs.write(rows, metrics)
     assert main(["report", str(tmp_path)]) == 0
     assert (tmp_path / "plots" / "concurrency.png").read_bytes()[:8] == PNG
+
+
+def test_report_plots_the_phases_of_weight_syncs_when_the_run_synced(tmp_path: Path) -> None:
+    rows = [{"step": 0, "phase_s": {"wait": 1.0}},
+            {"step": 1, "phase_s": {"wait": 1.0}, "weight_syncs": [
+                {"step": 1, "mode": "broadcast", "servers": 2, "failed": 0, "total_s": 0.9, "form_s": 0.1,
+                 "ask_s": 0.01, "pause_s": 0.02, "start_s": 0.01, "transfer_s": 0.6, "finish_s": 0.1,
+                 "resume_s": 0.02}]},
+            {"step": 2, "phase_s": {"wait": 1.0}, "weight_syncs": [
+                {"step": 2, "mode": "filesystem", "servers": 2, "failed": 0, "total_s": 0.5, "pause_s": 0.02,
+                 "load_s": 0.4, "resume_s": 0.02}]}]
+    (tmp_path / "metrics.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    paths = render_report(tmp_path)
+    assert tmp_path / "plots" / "weight_sync.png" in paths
+    assert (tmp_path / "plots" / "weight_sync.png").read_bytes()[:8] == PNG
+    (tmp_path / "metrics.jsonl").write_bytes(orjson.dumps(rows[0]) + b"\n")
+    assert tmp_path / "plots" / "weight_sync.png" not in render_report(tmp_path, tmp_path / "other")

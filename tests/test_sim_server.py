@@ -506,7 +506,8 @@ async def test_subprocess_server_plays_its_profile_and_reports_its_log() -> None
                                     "pause_mode": None, "finish_reason": log["generate"][0]["finish_reason"],
                                     "fault": None, "prompt_tokens": 5,
                                     "completion_tokens": log["generate"][0]["completion_tokens"],
-                                    "token_ids": None, "routed_experts": None}]  # kept with --record-replies
+                                    "token_ids": None, "routed_experts": None,
+                                    "versions": None}]  # the last three kept with --record-replies
         pid = proc.pid
     assert proc.proc.returncode == 0, f"sim server {pid} did not exit cleanly"
     async with sim_process(profile="vllm-0.33", dev_mode=False) as proc, aiohttp.ClientSession() as s:

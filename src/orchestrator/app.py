@@ -37,6 +37,7 @@ from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.contracts.rows import RolloutRow
 from orchestrator.contracts.wire import LogprobsMode
 from orchestrator.delivery.sender import Sender
+from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.engines import job_scheduler, open_engines, open_plane, open_sender, start_workers
 from orchestrator.errors import UnloadableCheckpoint
 from orchestrator.hub.hub import WorkerHub
@@ -53,7 +54,7 @@ from orchestrator.steps.boundary import StepBuilder, StepResult
 from orchestrator.steps.dump import dump_due, dump_path
 from orchestrator.steps.outputs import StepOutputs, eval_rollout_rows, format_eval_line, format_step_line
 from orchestrator.steps.phases import Built, StepPipeline
-from orchestrator.weights.sync_loop import WeightSyncLoop
+from orchestrator.weights.sync_loop import WeightSyncLoop, back_to_disk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,6 +96,7 @@ class Orchestrator:
         self.on_step: Callable[[dict[str, Any]], None] = lambda _m: None
         self.on_eval: Callable[[dict[str, Any]], None] = lambda _row: None
         self.held: dict[int, tuple[list[bytes], list[bytes]]] = {}  # rows of steps before a resume (outdir.py)
+        self.syncs: WeightSyncLoop | None = None  # weight syncs: their reports go into the step's metrics
         self.plane = open_plane(cfg.transport, cfg.security, cfg.pipeline.dump_steps, self.builder, hub, sender, sinks,
                                 self.off_loop, self.outputs.write_rows)
 
@@ -156,7 +158,8 @@ class Orchestrator:
             except (KeyError, TypeError, ValueError) as e:  # a hand-edited or foreign state file
                 raise StateError(f"{self.out / STATE_FILE}: the scheduler's saved state is unusable ({e!r}); fix the "
                                  "file or start fresh (without --resume)") from None
-            syncs = WeightSyncLoop(self.pool, sched, self.state, cfg.inference)
+            channel = self.sender if isinstance(self.sender, BatchSender) else None  # the trainer link, if ZMQ
+            syncs = self.syncs = WeightSyncLoop(self.pool, sched, self.state, cfg.inference, channel=channel)
             if refused is not None:
                 syncs.refuse(*refused)
             t = cfg.transport
@@ -193,8 +196,11 @@ class Orchestrator:
 
     async def _reload_policy(self) -> tuple[Checkpoint, UnloadableCheckpoint] | None:
         """Resumed: the servers may have restarted since; load the saved policy again. A refused one (its
-        directory gone or corrupt) is the weight sync loop's to retry, on the clock of any refusal. A fresh run
-        labels the servers' weights as policy 0, the step every token they sample until the first sync is."""
+        directory gone or corrupt) is the weight sync loop's to retry, on the clock of any refusal. With weights
+        over the wire the policy's weights are often on no disk: the run goes back to the newest synced
+        checkpoint that is (a trainer resumes from its newest checkpoint too). A fresh run labels the servers'
+        weights as policy 0, the step every token they sample until the first sync is."""
+        back_to_disk(self.state, self.cfg.inference)
         if not self.state.policy_step:
             await self.pool.label()
             return None
@@ -262,6 +268,8 @@ class OrchestratorSteps:
                  "pool": dict(orch.pool.metrics),
                  "hub": dict(orch.hub.metrics)}
         extra.update(orch.sender.metrics())  # the link's state; kind = shm: live MB and spans of the pool
+        if orch.syncs is not None and (syncs := orch.syncs.take_reports()):
+            extra["weight_syncs"] = syncs  # each sync finished since the last step: its phases' wall times
         return extra
 
     def lag(self) -> LagStats:

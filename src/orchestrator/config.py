@@ -384,6 +384,10 @@ def _cross_checks(cfg: JobConfig, source: Source) -> Iterable[str]:
         if cfg.transport.kind == "prime-rl" and env.label == "all":
             yield (f"{source(f'env[{i}].name')}: env[{i}].name: 'all' is reserved by prime-rl's trainer (its metrics "
                    "aggregate); name the environment otherwise")
+    if cfg.inference.weight_transfer == "broadcast" and cfg.transport.kind not in ("zmq", "shm"):
+        yield (f"{source('inference.weight_transfer')}: inference.weight_transfer: 'broadcast' tells the trainer "
+               f"when to send over the ZMQ trainer link (transport.kind = 'zmq' or 'shm'); kind = "
+               f"{cfg.transport.kind!r} has none: use weight_transfer = 'filesystem'")
     yield from _exposure_checks(cfg, source)
     if cfg.launch is not None:
         yield from launch_problems(cfg.launch, cfg.transport.kind, source)

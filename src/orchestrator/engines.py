@@ -81,7 +81,8 @@ async def open_engines(cfg: JobConfig, stack: contextlib.AsyncExitStack, out: Pa
         check = LogprobsCheck.of(cfg.inference, [e.sampling.temperature for e in train],
                                  prime_rl_trainer=cfg.transport.kind == "prime-rl")
         checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
-                                  model=cfg.model.name, tokenizer=tokenizer, resume=True, logprobs=check)
+                                  model=cfg.model.name, tokenizer=tokenizer, resume=True,
+                                  transfer=cfg.inference.transfer_backend, logprobs=check)
         log.info("preflight: %d inference server(s) ready (max_model_len %s)", len(checked.servers),
                  sorted({r.max_model_len or 0 for r in checked.servers}))
         logprobs_mode = checked.logprobs_mode

@@ -14,6 +14,7 @@
     │                                 steps that are gone); raised by the trainer library's ``recv``
     ├── CheckpointError               a checkpoint that cannot be loaded (no weights path; none loads for too long)
     │   └── UnloadableCheckpoint      its directory is missing, holds no weight files or a corrupt one
+    ├── TransferError                 weights over the wire cannot go on (the trainer died during a broadcast)
     ├── EnvironmentLoadError          an environment could not be loaded
     └── WorkerError                   env workers cannot serve the job (none became ready in time)
 
@@ -121,6 +122,10 @@ class UnloadableCheckpoint(CheckpointError):
         self.path = path
         self.why = why
         super().__init__(f"checkpoint {step} cannot be loaded: {path} {why}")
+
+
+class TransferError(OrchestratorError):
+    """Weights over the wire cannot go on: the message names the step, the trainer and what failed."""
 
 
 class EnvironmentLoadError(OrchestratorError):

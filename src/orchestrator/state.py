@@ -39,6 +39,8 @@ class OrchestratorState:
     acked_step: int = -1  # the last step the trainer acknowledged
     policy_step: int = 0  # the weight version servers sample with
     policy_path: str | None = None  # where its weights are, as announced (None: inference.weights_path)
+    disk_step: int = 0  # the newest synced checkpoint announced with a path (weights over the wire: most are not)
+    disk_path: str | None = None
     scheduler: dict[str, Any] = field(default_factory=dict)  # what decides what is sampled next (Scheduler.state)
     sampling: dict[str, Any] = field(default_factory=dict)  # the config's seed, step size, envs (outdir.py)
 
@@ -123,6 +125,7 @@ def load_state(directory: Path, run: str) -> OrchestratorState:
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "run": str, "next_step": int, "acked_step": int, "policy_step": int, "policy_path": (str, type(None)),
-    "scheduler": dict, "sampling": dict}
+    "disk_step": int, "disk_path": (str, type(None)), "scheduler": dict, "sampling": dict}
 _TYPE_NAMES = {"run": "a string", "policy_path": "a string or nil", "scheduler": "a map", "sampling": "a map",
-               "next_step": "an integer", "acked_step": "an integer", "policy_step": "an integer"}
+               "next_step": "an integer", "acked_step": "an integer", "policy_step": "an integer",
+               "disk_step": "an integer", "disk_path": "a string or nil"}

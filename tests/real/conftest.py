@@ -7,6 +7,9 @@ shared.
 - ``servers.moe``: one 0.32 server on the MoE model, float32, vLLM's default raw logprobs;
 - ``server_031``: one 0.31 server on the dense model, as ``servers.dense`` (started the first time a test asks).
 
+The 0.32 servers have the gloo weight transfer engine (``--weight-transfer-config '{"backend": "gloo"}'``): they take
+weights over the wire and still reload checkpoints from disk, so the jobs of both weight paths share them.
+
 Each test puts the servers it uses back in the state they started in first (``reload_base``: their model's own
 weights, an empty prefix cache): a job's weight syncs change them. Collected only with ``pytest --real-stack DIR``
 (tests/conftest.py).
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.realstack.install import StackPaths, installed
+from orchestrator.realstack.install import StackPaths, installed, plugin_ready, source_root
 from orchestrator.realstack.models import KINDS, built
 from orchestrator.realstack.server import ServeOptions, VLLMServer, start_all
 from orchestrator.testing.real_job import Servers
@@ -30,8 +33,13 @@ OLDER_VLLM = "0.31.0"
 
 
 def _checked(paths: StackPaths, models: bool) -> StackPaths:
+    """``paths``, or the test fails naming what its stack lacks; with ``models``, the tiny models and this
+    package in the venv too (the gloo weight transfer plugin the session's servers load)."""
     missing = [] if installed(paths) else [f"the vLLM {paths.vllm_version} venv in {paths.venv}"]
     missing += [f"the {k} model" for k in KINDS if models and not built(paths.model(k), k)]
+    root = source_root()
+    if models and not missing and root is not None and not plugin_ready(paths, root):
+        missing.append(f"this package in its vLLM {paths.vllm_version} venv (the gloo weight transfer plugin)")
     if missing:
         pytest.fail(f"the real stack in {paths.root} lacks {', '.join(missing)}: run bash scripts/real-stack.sh "
                     f"--dir {paths.root} --vllm {paths.vllm_version}", pytrace=False)
@@ -46,9 +54,9 @@ def stack(request: pytest.FixtureRequest) -> StackPaths:
 @pytest.fixture(scope="session")
 def servers(stack: StackPaths) -> Iterator[Servers]:
     """Started together (their starts overlap), stopped by their pids at the end of the session."""
-    dense = [VLLMServer(stack, ServeOptions(stack.model("dense"), logprobs_mode="processed_logprobs", cpus=cpus))
-             for cpus in ("0", "1")]
-    moe = VLLMServer(stack, ServeOptions(stack.model("moe"), cpus="0"))
+    dense = [VLLMServer(stack, ServeOptions(stack.model("dense"), logprobs_mode="processed_logprobs", cpus=cpus,
+                                            weight_transfer="gloo")) for cpus in ("0", "1")]
+    moe = VLLMServer(stack, ServeOptions(stack.model("moe"), cpus="0", weight_transfer="gloo"))
     every = [*dense, moe]
     try:
         asyncio.run(start_all(every))

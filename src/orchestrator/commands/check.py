@@ -79,6 +79,7 @@ async def check_servers(cfg: JobConfig) -> None:
             temperatures = [e.sampling.temperature for e in cfg.env]
             checked = await preflight([s.api for s in pool.servers], backend=cfg.inference.backend,
                                       model=cfg.model.name, tokenizer=tokenizer, resume=False,
+                                      transfer=cfg.inference.transfer_backend,
                                       logprobs=LogprobsCheck.of(cfg.inference, temperatures,
                                                                 prime_rl_trainer=cfg.transport.kind == "prime-rl"))
         except PreflightError as e:

@@ -87,7 +87,8 @@ async def demo(cfg: JobConfig, *, learn: bool = True, real_stack: Path | None = 
                    else await asyncio.to_thread(torch_learner, Path(cfg.model.tokenizer or "")))
         orch = await stack.enter_async_context(Orchestrator.open(cfg))
         trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
-                                   checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints", learner=learner)
+                                   checkpoint_dir=Path(cfg.run.output_dir) / "checkpoints", learner=learner,
+                                   broadcaster=broadcaster(cfg, learner))
         orch.on_step = progress.on_step
         with progress:
             async with asyncio.TaskGroup() as tg:
@@ -107,7 +108,7 @@ async def with_sim_servers(cfg: JobConfig) -> AsyncIterator[JobConfig]:
     """Start the ``[sim]`` table's servers (subprocesses, stopped on exit); yields ``cfg`` pointing at them."""
     from orchestrator.sim.process import sim_process
 
-    args = cfg.sim.arguments(cfg.model.name, cfg.inference.backend)
+    args = cfg.sim.arguments(cfg.model.name, cfg.inference.backend, cfg.inference.transfer_backend)
     async with contextlib.AsyncExitStack() as stack:
         servers = [await stack.enter_async_context(sim_process([*args, "--seed", str(cfg.sim.seed + i)]))
                    for i in range(cfg.sim.servers)]
@@ -132,7 +133,8 @@ async def with_real_servers(cfg: JobConfig, root: Path) -> AsyncIterator[JobConf
 
     paths = StackPaths(root)
     model = paths.model("dense")
-    servers = [VLLMServer(paths, ServeOptions(model)) for _ in range(cfg.sim.servers)]
+    servers = [VLLMServer(paths, ServeOptions(model, weight_transfer=cfg.inference.transfer_backend))
+               for _ in range(cfg.sim.servers)]
     try:
         await start_all(servers)
         yield dataclasses.replace(
@@ -140,6 +142,16 @@ async def with_real_servers(cfg: JobConfig, root: Path) -> AsyncIterator[JobConf
             model=dataclasses.replace(cfg.model, name=servers[0].options.name, tokenizer=str(model)))
     finally:
         await asyncio.gather(*(s.kill() for s in servers))
+
+
+def broadcaster(cfg: JobConfig, learner: Any) -> Any:
+    """With ``inference.weight_transfer = "broadcast"``: the trainer sends its weights over gloo (the learner's,
+    else the unchanged initial policy's); None otherwise."""
+    if cfg.inference.weight_transfer != "broadcast":
+        return None
+    from orchestrator.commands.receive import broadcaster_of
+
+    return broadcaster_of(learner, cfg.inference.broadcast.backend)
 
 
 def torch_learner(model: Path) -> Any:

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve: which logprobs vLLM reports (default: vLLM's own, raw_logprobs)")
     p.add_argument("--dtype", default="float32", help="serve: the server's dtype (default: float32, exact parity)")
     p.add_argument("--cpus", default=None, help="serve: cores the server may use, e.g. '1' (default: all)")
+    p.add_argument("--weight-transfer", choices=["gloo"], default=None,
+                   help="serve: take weights over the wire with this engine (--weight-transfer-config; the server "
+                        "still reloads checkpoints from disk); default: none")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -82,7 +85,8 @@ async def serve(paths: StackPaths, args: argparse.Namespace) -> int:
     from orchestrator.realstack.server import ServeOptions, vllm_server
 
     model = paths.model(args.model) if args.model in ("dense", "moe") else Path(args.model)
-    options = ServeOptions(model.resolve(), dtype=args.dtype, logprobs_mode=args.logprobs_mode, cpus=args.cpus)
+    options = ServeOptions(model.resolve(), dtype=args.dtype, logprobs_mode=args.logprobs_mode, cpus=args.cpus,
+                           weight_transfer=args.weight_transfer)
     _progress(f"starting vLLM {paths.vllm_version} on {model} (35-60 s; log in {paths.logs}) ...")
     async with vllm_server(paths, options, args.port or None) as server:
         print(server.url, flush=True)

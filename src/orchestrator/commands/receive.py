@@ -14,7 +14,8 @@ from orchestrator.commands.client_keys import add_key_arguments, client_keys, fi
 from orchestrator.commands.run import interruptible
 
 if TYPE_CHECKING:
-    from orchestrator.trainer.reference import Learner
+    from orchestrator.trainer.broadcast import WeightBroadcaster
+    from orchestrator.trainer.reference import BroadcastLearner
 
 HELP = "run the reference trainer: receive batches, print a line per step, announce checkpoints"
 
@@ -45,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gradient steps per batch (default: --learn 2, --torch-model 1)")
     p.add_argument("--temperature", type=float, default=None,
                    help="the sampling temperature of batches that carry none (default: 1.0)")
+    p.add_argument("--broadcast", nargs="?", const="gloo", default=None, choices=["gloo", "nccl"],
+                   help="send the weights to the inference servers when the orchestrator asks ([inference] "
+                        "weight_transfer = 'broadcast'): over gloo (default; CPUs; needs torch) or vLLM's nccl "
+                        "(GPUs; needs vLLM; not tested here): the learner's, else the unchanged initial policy")
+    p.add_argument("--save-every", type=int, default=1, metavar="K",
+                   help="write a checkpoint directory only every K steps (with --broadcast: what servers that join "
+                        "late load, and what a restarted trainer resumes from; default: every step)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -66,9 +74,18 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ImportError) as e:
         print(f"receive: {e}", file=sys.stderr)
         return 2
+    if args.save_every < 1:
+        print("receive: --save-every must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        broadcaster = broadcaster_of(learner, args.broadcast) if args.broadcast else None
+    except ImportError as e:
+        print(f"receive: {e}", file=sys.stderr)
+        return 2
     keys = client_keys(args, args.address, "trainer")
     trainer = ReferenceTrainer(args.address, args.train_s, not args.no_announce, args.steps, journal=args.journal,
-                               keys=keys, checkpoint_dir=args.checkpoint_dir, learner=learner)
+                               keys=keys, checkpoint_dir=args.checkpoint_dir, learner=learner,
+                               broadcaster=broadcaster, save_every=args.save_every)
     try:  # SIGINT/SIGTERM (scancel): the step in hand is journaled and acknowledged or not at all; exit 130
         return run_async(interruptible(trainer.run()))
     finally:
@@ -78,7 +95,24 @@ def main(args: argparse.Namespace) -> int:
         zmq.asyncio.Context.instance().term()
 
 
-def _learner(args: argparse.Namespace, given: dict[str, Any]) -> Learner:
+def broadcaster_of(learner: BroadcastLearner | None, backend: str = "gloo") -> WeightBroadcaster:
+    """The ``backend`` broadcaster of ``learner``'s weights (none: the unchanged initial policy's)."""
+    try:
+        from orchestrator.trainer.gloo_broadcast import GlooBroadcaster, as_tensor
+        from orchestrator.trainer.nccl_broadcast import NcclBroadcaster
+    except ImportError as e:
+        raise ImportError(f"--broadcast needs torch: pip install -e '.[torch]' ({e})") from None
+    if learner is not None:
+        weights = learner.weights
+    else:
+        from orchestrator.policy import Policy
+
+        initial = {k: as_tensor(v) for k, v in Policy.initial().weights.items()}
+        weights = lambda: initial  # noqa: E731
+    return NcclBroadcaster(weights) if backend == "nccl" else GlooBroadcaster(weights)
+
+
+def _learner(args: argparse.Namespace, given: dict[str, Any]) -> BroadcastLearner:
     """The learner the flags name: the tiny policy's (--learn) or a real model's (--torch-model)."""
     if args.torch_model is None:
         from orchestrator.trainer.learner import LearnConfig, PolicyLearner

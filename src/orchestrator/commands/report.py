@@ -3,9 +3,11 @@
 Writes ``reward.png`` (mean reward per environment), ``lag.png`` (loop lag p99 and max), ``rss.png``,
 ``phases.png`` (each step's phase times, stacked) and ``throughput.png`` (rollouts/s and tokens/s), all over
 steps, and with online evaluation ``eval.png`` (per eval env: mean reward, pass@1 and pass@k over the steps
-evaluated), and with ``[scheduler.concurrency]`` on ``concurrency.png`` (each server's cap and KV-cache usage),
-into ``OUTPUT_DIR/plots`` (or ``--out``). Needs matplotlib, the ``plots`` extra; renders with the Agg
-backend through matplotlib's object API (no pyplot state), so it runs in any thread.
+evaluated), with ``[scheduler.concurrency]`` on ``concurrency.png`` (each server's cap and KV-cache usage), and
+when weights were synced ``weight_sync.png`` (each sync's phases stacked: pause, load or start/transfer/finish,
+resume, and a broadcast's trainer answer and group formation), into ``OUTPUT_DIR/plots`` (or ``--out``). Needs
+matplotlib, the ``plots`` extra; renders with the Agg backend through matplotlib's object API (no pyplot state), so
+it runs in any thread.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def render_report(output_dir: Path, plots_dir: Path | None = None) -> list[Path]
     if evals:
         paths.append(_save(plots_dir / "eval.png", "online evaluation", [int(r["step"]) for r in evals], evals,
                            _eval))
+    if any(r.get("weight_syncs") for r in rows):
+        paths.append(_save(plots_dir / "weight_sync.png", "weight syncs finished during each step (phases, stacked)",
+                           [int(r["step"]) for r in rows], rows, _weight_syncs))
     if any(r.get("scheduler", {}).get("concurrency") for r in rows):
         paths.append(_save(plots_dir / "concurrency.png", "each server's cap and KV cache ([scheduler.concurrency])",
                            [int(r["step"]) for r in rows], rows, _concurrency))
@@ -148,6 +153,21 @@ def _phases(ax: Axes, steps: list[int], rows: Sequence[dict[str, Any]]) -> None:
         wait.set_ylabel("wait for rollouts (s)")
         wait.set_ylim(bottom=0)
         wait.legend(fontsize=8, loc="upper right")
+
+
+SYNC_PHASES = ("form", "ask", "pause", "start", "load", "transfer", "finish", "resume")
+
+
+def _weight_syncs(ax: Axes, steps: list[int], rows: Sequence[dict[str, Any]]) -> None:
+    """Per step, the phases of the syncs that finished during it (summed, s), stacked; broadcast and filesystem
+    alike (a phase a mode does not have is 0)."""
+    bottom = [0.0] * len(rows)
+    for name in SYNC_PHASES:
+        values = [sum(float(s.get(f"{name}_s", 0.0)) for s in r.get("weight_syncs", [])) for r in rows]
+        if any(values):
+            ax.bar(steps, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("weight sync (s, stacked)")
 
 
 def _throughput(ax: Axes, steps: list[int], rows: Sequence[dict[str, Any]]) -> None:

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which logprobs replies report, as vLLM's --logprobs-mode: raw_logprobs (the log-softmax of "
                    "the unscaled logits; vLLM's default) or processed_logprobs (those of the distribution "
                    f"sampled from) (default: {d.logprobs_mode})")
+    p.add_argument("--weight-transfer", choices=["gloo"], default=None,
+                   help="receive weights over the wire with this engine, as vLLM started with --weight-transfer-config "
+                        "does (0.31+ profiles; needs torch); default: none")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default: 0)")
     p.add_argument("--model", default="sim-model", help="model name served (default: sim-model)")
@@ -114,7 +117,7 @@ async def _serve(args: argparse.Namespace, faults: object, kv: object) -> int:
                               seed=args.seed, layers=args.layers, top_k=args.top_k, num_experts=args.num_experts,
                               faults=faults, record_replies=args.record_replies, scale_out=args.scale_out,
                               logprobs_mode=args.logprobs_mode, max_model_len=args.max_model_len, kv=kv,
-                              policy_seed=args.policy_seed) as server:
+                              policy_seed=args.policy_seed, weight_transfer=args.weight_transfer) as server:
         print(server.url, flush=True)
         if await _first_set(stop, server.engine.died) is server.engine.died:
             # the real process exits a second or three after its engine died (observed on vLLM 0.31.0); until

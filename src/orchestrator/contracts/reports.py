@@ -17,6 +17,7 @@ from typing import Annotated
 import msgspec
 
 from orchestrator.contracts.checkpoints import Checkpoint
+from orchestrator.contracts.transfer import TransferEvent
 from orchestrator.errors import WireError
 
 MAX_LOST_POOLS = 4096  # a lost step names at most one pool per env worker: far more is not a receiver's report
@@ -44,6 +45,8 @@ class TrainerReport(msgspec.Struct, frozen=True, kw_only=True):
     lost: int | None = None
     attempt: int = 0
     pools: Annotated[list[str], msgspec.Meta(max_length=MAX_LOST_POOLS)] | None = None
+    broadcast: Annotated[list[str], msgspec.Meta(max_length=16)] | None = None
+    transfer: TransferEvent | None = None
 
     def __post_init__(self) -> None:
         # msgspec turns a ValueError here into its ValidationError, so decode_report names these too

@@ -35,6 +35,11 @@ names every pool it needs anyway. A trainer that cannot map some pools of a step
 (``{"lost": N, "attempt": A, "pools": [...]}`` in its status messages): ``lost_steps()`` yields those reports,
 and ``replace(manifest)`` sends the rebuilt attempt of step N, then the steps after it again.
 
+Weights over the wire (contracts/transfer.py): ``tell_transfer`` sends the trainer holding the seat a transfer
+request (``{"ctl": "transfer", ...}``), ``transfer_event`` waits for its answers, ``broadcast_offer`` says which
+backends it can send weights with (its status messages say it), ``trainer_connected`` whether its connection is
+still there (a trainer that died mid-broadcast is named by it).
+
 Trainer -> orchestrator messages (msgpack maps): ``{"have": N, "id": ID, "name": NAME}`` (acknowledges every
 step <= N; -1 for none), with ``"hello": true`` when a receiver starts, and ``"checkpoint": K, "path": P``
 (the newest weights it announced or resumed from) when it has one. Orchestrator -> trainer: batches
@@ -63,6 +68,7 @@ from orchestrator.contracts.checkpoints import Checkpoint, CheckpointFeed, marke
 from orchestrator.contracts.link import CONTROL, ckpt_address
 from orchestrator.contracts.manifest import StepManifest, encode_manifest
 from orchestrator.contracts.reports import LostStep, TrainerReport, decode_report
+from orchestrator.contracts.transfer import TransferEvent, TransferRequest, request_message
 from orchestrator.contracts.wire import Batch, encode
 from orchestrator.delivery.seat import Peer, TrainerSeat, Verdict
 from orchestrator.delivery.sender import Sender
@@ -73,6 +79,7 @@ from orchestrator.security import ServerKeys, curve_server
 log = logging.getLogger(__name__)
 
 SEAT_GRACE_S = 2.0  # a second trainer is refused if the first is still connected this long after it appeared
+TRANSFER_EVENTS = 64  # transfer answers queued unread; more are dropped (warned): they answer nothing asked
 
 
 def _bind_pair(out: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, address: str) -> str:
@@ -138,6 +145,9 @@ class BatchSender(Sender[list[Any]]):
         self._lost: LostStep | None = None  # direct: the holder's newest report of a step it could not map
         self._lost_news = asyncio.Event()
         self._replaced = 0  # replaced steps so far: a send under way when one is replaced does not count
+        self._offers: tuple[str, ...] = ()  # the weight transfer backends the holder can send with
+        # its answers to transfer requests; bounded: a trainer answers each request once or twice, one at a time
+        self._transfer_events: asyncio.Queue[tuple[bytes, TransferEvent]] = asyncio.Queue(maxsize=TRANSFER_EVENTS)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -302,6 +312,25 @@ class BatchSender(Sender[list[Any]]):
         async for ckpt in self._checkpoints.updates():
             yield ckpt
 
+    # ------------------------------------------------------------------------------ weights over the wire
+
+    def broadcast_offer(self) -> tuple[Peer, tuple[str, ...]] | None:
+        """The trainer holding the seat and the weight transfer backends it can send with; None: no trainer."""
+        holder = self.seat.holder
+        return None if holder is None else (holder, self._offers)
+
+    def tell_transfer(self, request: TransferRequest) -> bool:
+        """Send the holder ``request``: False when no trainer holds the seat or its connection is gone."""
+        holder = self.seat.holder
+        return holder is not None and self._tell(holder.id, request_message(request))
+
+    async def transfer_event(self) -> tuple[bytes, TransferEvent]:
+        """The next answer a trainer sent to a transfer request, with its id."""
+        return await self._transfer_events.get()
+
+    def trainer_connected(self) -> bool:
+        return self._holder_connected()
+
     # --------------------------------------------------------------------------------- sends to the holder
 
     async def _send_to_holder(self) -> None:
@@ -393,8 +422,18 @@ class BatchSender(Sender[list[Any]]):
             return
         if verdict is Verdict.WAIT:
             return
-        if verdict is Verdict.ADMITTED and not self._admit(r):
-            return
+        if verdict is Verdict.ADMITTED:
+            self._offers = ()
+            if not self._admit(r):
+                return
+        if r.broadcast is not None:
+            self._offers = tuple(r.broadcast)
+        if r.transfer is not None and r.peer is not None:
+            try:
+                self._transfer_events.put_nowait((r.peer, r.transfer))
+            except asyncio.QueueFull:
+                log.warning("dropped a weight transfer answer from trainer %s (%s): %d unread", r.who,
+                            r.transfer.event, TRANSFER_EVENTS)
         if r.announced is not None:  # repeats are harmless: the feed keeps only newer ones
             self._checkpoints.offer(r.announced)
         if r.have is not None:

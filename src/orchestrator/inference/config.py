@@ -1,5 +1,6 @@
 """The inference stage's config sections: ``[model]`` (what the servers serve), ``[inference]`` (the servers) and
-``[teacher]`` (the frozen model that scores samples for on-policy distillation)."""
+``[inference.broadcast]`` (weights over the wire) and ``[teacher]`` (the frozen model that scores samples for on-policy
+distillation)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,27 @@ class ModelConfig:
     name: str = opt("sim-model", doc="model name sent to the inference servers")
     tokenizer: str | None = opt(None, doc="the model's tokenizer directory (needed with real servers; unset: "
                                 "the small built-in tokenizer of the simulated servers)")
+
+
+@dataclass(frozen=True)
+class BroadcastConfig:
+    """How weights go over the wire (``weight_transfer = "broadcast"``): docs/inference-servers.md."""
+
+    backend: Literal["gloo", "nccl"] = opt(
+        "gloo", doc="'gloo': torch.distributed's gloo over TCP, CPUs (vLLM started with --weight-transfer-config "
+        "'{\"backend\": \"gloo\"}' and this package installed in its venv); 'nccl': vLLM's own, GPUs (not tested "
+        "here: no GPU)")
+    master_address: str = opt("127.0.0.1", doc="the trainer's address as the servers' workers reach it: the trainer "
+                              "serves the rendezvous there (rank 0)")
+    master_port: int = opt(0, ge=0, le=65535, doc="its port; 0: the trainer picks a free one and says which")
+    timeout_s: float = opt(60.0, gt=0, doc="bound of a group's rendezvous and of each chunk of a broadcast on "
+                           "every rank: a peer that died (named at once) or went silent fails the transfer after it")
+    trainer_timeout_s: float = opt(600.0, gt=0, doc="how long the orchestrator waits for the trainer to answer a "
+                                   "request to join or to send (it answers between training steps); no server is "
+                                   "paused meanwhile")
+    buffer_mb: int = opt(256, ge=1, doc="chunk size (MB) of a broadcast: each chunk is one collective")
+    retry_s: float = opt(5.0, gt=0, doc="after a failed broadcast, and while servers that joined late or came back "
+                         "wait for the current weights (not on disk), a broadcast of them is tried this often")
 
 
 @dataclass(frozen=True)
@@ -57,6 +79,17 @@ class InferenceConfig:
     weight_sync_timeout_s: float = opt(600.0, gt=0, doc="timeout of each pause/load/resume call (loading a "
                                        "large model's weights takes minutes)")
     no_server_warn_interval_s: float = opt(10.0, gt=0, doc="warning interval while no server is in rotation")
+    weight_transfer: Literal["filesystem", "broadcast"] = opt(
+        "filesystem", doc="how new weights reach the servers: 'filesystem' (each server loads the checkpoint's "
+        "directory) or 'broadcast' (the trainer sends them to every server at once over the wire, "
+        "[inference.broadcast]; a server that joins late loads the newest checkpoint directory the trainer wrote, "
+        "else waits for the next broadcast)")
+    broadcast: BroadcastConfig = opt(BroadcastConfig(), doc="[inference.broadcast]: weights over the wire")
+
+    @property
+    def transfer_backend(self) -> str | None:
+        """The weight transfer engine every server must have (None: weights load from disk)."""
+        return self.broadcast.backend if self.weight_transfer == "broadcast" else None
 
     def problems(self, key: str, source: Source) -> Iterable[str]:
         # none at all is the loader's check: [launch.servers] may start them (config.py)
@@ -64,6 +97,9 @@ class InferenceConfig:
             if not url.startswith(("http://", "https://")):
                 yield (f"{source(f'{key}.servers[{i}]')}: {key}.servers[{i}]: expected an http:// or "
                        f"https:// URL, got {url!r}")
+        if self.weight_transfer == "broadcast" and self.backend != "vllm":
+            yield (f"{source(f'{key}.weight_transfer')}: {key}.weight_transfer: 'broadcast' needs vLLM's weight "
+                   f"transfer routes ({key}.backend = 'vllm'); {self.backend!r} servers load checkpoints from disk")
         if self.discover is not None:
             host = urlsplit(self.discover).hostname if self.discover.startswith(("http://", "https://")) else None
             if not host or urlsplit(self.discover).port is None:

@@ -35,6 +35,11 @@ Use (the orchestrator)::
   that, then leaves rotation, named in the log; servers out of rotation are synced by the probe before they
   rejoin, so no server serves old weights unnoticed and none is waited for while it is out. No real server
   reports which weights it serves, so ``server.version`` is what the last successful sync loaded.
+- **Weights over the wire** (``weight_transfer = "broadcast"``, weights/broadcast.py runs them): a server out of
+  rotation whose probe finds it healthy but without the current weights loads them from disk when the trainer
+  wrote them there (every K steps); otherwise it waits (``awaiting``), out of rotation, for the next broadcast,
+  whose group takes it in. ``syncing(servers)`` holds their sync locks during a broadcast; ``evict`` takes out a
+  server whose transfer failed.
 - **Servers that come and go** (``inference.discover``, discovery.py): ``add(url)`` puts a new server in the
   pool out of rotation; the probe admits it like any server out of rotation, after ``admit`` (the job's
   preflight for that one server, set by whoever ran the job's preflight) and a weight sync to the target.
@@ -54,7 +59,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -66,7 +71,7 @@ from orchestrator.inference.config import InferenceConfig
 from orchestrator.inference.discovery import Resolver, ServerDiscovery, SystemResolver
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
-from orchestrator.inference.weights import weight_sync, weights_dir
+from orchestrator.inference.weights import PAUSE_QUERY, weight_sync, weights_dir
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +96,8 @@ class Server:
     inflight: int = 0  # rollouts acquired on it
     cap: int | None = None  # rollouts it may have at once (rollouts/concurrency.py); None: no cap of its own
     failures: int = 0  # consecutive
-    version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with)
+    version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with; -1: unknown,
+    # a weight transfer to it failed part way)
     ceiling: int = 0  # the newest weights it may serve: the step of the newest sync begun on it (even one that failed)
     last_error: str = ""
     probe_failures: int = 0  # since it last left rotation
@@ -99,6 +105,7 @@ class Server:
     answers: int = 0  # successes and failures reported
     checking: bool = False  # a probe or liveness check of it is under way
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    awaiting: bool = False  # healthy, out of rotation, waiting for a broadcast of the current weights
     out_why: str = ""  # why it last left rotation
     out_since: float = 0.0  # when (loop time)
     probe_verdict: str = ""  # what its last probe found (the reason it stays out), and when
@@ -119,6 +126,7 @@ class WeightSyncResult:
     step: int
     updated: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # url -> reason
+    phases: dict[str, float] = field(default_factory=dict)  # pause, load, resume: the slowest server's (s)
 
 
 class InferencePool:
@@ -150,8 +158,11 @@ class InferencePool:
                    ) -> AsyncIterator[InferencePool]:
         """The pool over ``cfg.servers`` over HTTP, with its own session (closed on exit). With
         ``cfg.discover``, also every server its name resolves to (``resolver``, default the system's), waiting for
-        the first; ``run()`` then follows the name."""
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        the first; ``run()`` then follows the name. A connection per call: vLLM's server ends a connection after an
+        error its handlers do not catch (a failed ``collective_rpc``), and a pooled one would fail the next call
+        ("Connection reset by peer", "Server disconnected": observed on vLLM 0.31 and 0.32, even with the
+        connection marked to close, whose small reply had already given it back)."""
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True)
         key = api_key(cfg.api_key_env)
         async with aiohttp.ClientSession(connector=connector) as session:
             def connect(url: str) -> InferenceServer:
@@ -264,6 +275,18 @@ class InferencePool:
         if server.in_rotation and (evict or server.failures >= self.cfg.failures_to_evict):
             self._set_rotation(server, False, f"{server.failures} failure(s) in a row, last: {server.last_error}")
 
+    def evict(self, server: Server, why: str) -> None:
+        """A weight sync to ``server`` failed (``why``): out of rotation now, counted."""
+        self.metrics["weight_sync_failed"] += 1
+        server.last_error = why
+        if not server.in_rotation:
+            server.out_why = why
+        self._set_rotation(server, False, why)
+
+    def awaiting(self) -> list[Server]:
+        """Servers out of rotation that wait for a broadcast of the current weights."""
+        return [s for s in self.servers if s.awaiting and not s.in_rotation]
+
     def _set_rotation(self, server: Server, on: bool, why: str) -> None:
         if server.in_rotation == on:
             return
@@ -334,7 +357,7 @@ class InferencePool:
         """A 2-token generate request that must answer and parse within ``timeout_s`` (InferenceError else)."""
         body = {"model": self.model, "token_ids": CANARY_PROMPT, "cache_salt": PROBE_CACHE_SALT,
                 "sampling_params": {"max_tokens": 2, "logprobs": 1, "temperature": 1.0}}
-        raw = await self._timed(server.api.request("POST", "/inference/v1/generate", body=body),
+        raw = await self.timed(server.api.request("POST", "/inference/v1/generate", body=body),
                                 f"a 2-token generate request to {server.url}", timeout_s)
         parse_generate_reply(raw, len(CANARY_PROMPT))
 
@@ -343,7 +366,7 @@ class InferencePool:
         eviction (then at debug level: a server may stay out for hours)."""
         timeout_s = min(self.cfg.request_timeout_s, PROBE_TIMEOUT_S)
         try:
-            await self._timed(server.api.request("GET", "/health"), f"/health of {server.url}", timeout_s)
+            await self.timed(server.api.request("GET", "/health"), f"/health of {server.url}", timeout_s)
             if not server.admitted:
                 if self.admit is not None:
                     await self.admit(server.api)
@@ -352,23 +375,43 @@ class InferencePool:
                 # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped);
                 # labelled: it may have restarted, and an engine starts as "default"
                 async with server.sync_lock:
-                    await self._timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
+                    await self.timed(server.api.request("POST", "/resume"), f"resume on {server.url}", timeout_s)
                     await self.weights.label(server.api, server.version,
-                                             lambda call, what, **_: self._timed(call, what, timeout_s))
+                                             lambda call, what, **_: self.timed(call, what, timeout_s))
             while server.version != self.target.step:  # newer weights may be announced while it loads
-                await self.loadable(self.target)  # checked when announced; it may have been deleted since
+                if not await self._on_disk(server):
+                    return  # it waits for the next broadcast, out of rotation
                 await self._sync_one(server, self.target)  # ends with a resume
             if self.model is not None:
                 await self._canary(server, timeout_s)
             self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
         except (InferenceError, CheckpointError) as e:
             server.last_error = str(e)
+            server.awaiting = False  # not healthy: no broadcast waits for it
             # INFO when the reason is new (the first failure, or another cause than the last one's), else DEBUG:
             # a server may stay out for hours; the stall lines repeat the last verdict (out_of_rotation)
             level = logging.INFO if str(e) != server.probe_verdict else logging.DEBUG
             server.probe_failures += 1
             server.probe_verdict, server.probed_at = str(e), _now()
             log.log(level, "inference server %s stays out of rotation: %s", server.url, e)
+
+    async def _on_disk(self, server: Server) -> bool:
+        """Whether the target's weights load from disk (checked when announced; they may have been deleted
+        since). With weights over the wire they often are not (the trainer writes a checkpoint every K steps):
+        then ``server`` waits for the next broadcast (``awaiting``) and False; otherwise the CheckpointError."""
+        try:
+            await self.loadable(self.target)
+        except CheckpointError as e:
+            if self.cfg.weight_transfer != "broadcast":
+                raise
+            if not server.awaiting:
+                log.info("inference server %s is healthy and waits, out of rotation, for the next broadcast to bring "
+                         "it the weights of step %d (not on disk: %s)", server.url, self.target.step, e)
+            server.awaiting = True
+            server.probe_verdict = f"healthy, waiting for a broadcast of the weights of step {self.target.step}"
+            server.probed_at = _now()
+            return False
+        return True
 
     def out_of_rotation(self) -> str:
         """The servers out of rotation, in a clause for a stall line: why each left, and its last probe's
@@ -385,8 +428,8 @@ class InferencePool:
             parts.append(f"{s.url} out for {now - s.out_since:.0f} s ({s.out_why}); {probe}")
         return "; ".join(parts)
 
-    async def _timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None, *,
-                     after_failure: bool = False) -> bytes:
+    async def timed(self, call: Awaitable[bytes], what: str, timeout_s: float | None = None, *,
+                    after_failure: bool = False) -> bytes:
         """``call`` under ``timeout_s`` (default ``weight_sync_timeout_s``; ``after_failure``: at most
         RESUME_AFTER_FAILURE_S), logging every SLOW_CALL_WARN_S while it has no answer: a hung server holds a
         weight sync, and the job, for at most the timeout."""
@@ -430,7 +473,10 @@ class InferencePool:
         self.target = ckpt
         result = WeightSyncResult(ckpt.step)
         live = [s for s in self.servers if s.in_rotation]
-        outcomes = await asyncio.gather(*(self._sync_one(s, ckpt) for s in live), return_exceptions=True)
+        phases: list[dict[str, float]] = [{} for _ in live]
+        outcomes = await asyncio.gather(*(self._sync_one(s, ckpt, p) for s, p in zip(live, phases, strict=True)),
+                                        return_exceptions=True)
+        result.phases = {k: max(p.get(k, 0.0) for p in phases) for k in ("pause", "load", "resume")}
         for server, outcome in zip(live, outcomes, strict=True):
             if isinstance(outcome, InferenceError):
                 result.failed[server.url] = str(outcome)
@@ -446,12 +492,35 @@ class InferencePool:
                         len(self.servers), result.failed)
         return result
 
+    async def pause(self, server: Server) -> None:
+        """Pause ``server`` in keep mode (its in-flight requests freeze), within ``weight_sync_timeout_s``."""
+        await self.timed(server.api.request("POST", "/pause", query=PAUSE_QUERY), f"pause on {server.url}")
+
+    async def resume(self, server: Server, *, after_failure: bool = False) -> None:
+        await self.timed(server.api.request("POST", "/resume"), f"resume on {server.url}", after_failure=after_failure)
+
+    @contextlib.asynccontextmanager
+    async def syncing(self, servers: Iterable[Server]) -> AsyncIterator[None]:
+        """Hold the sync locks of ``servers`` (in a fixed order) while they take new weights together; the time
+        their requests were frozen does not count as waiting for an answer."""
+        ordered = sorted(servers, key=lambda s: s.url)
+        async with contextlib.AsyncExitStack() as stack:
+            for server in ordered:
+                await stack.enter_async_context(server.sync_lock)
+            t0 = _now()
+            try:
+                yield
+            finally:
+                for server in ordered:
+                    if server.waiting_since is not None:
+                        server.waiting_since = min(_now(), server.waiting_since + _now() - t0)
+
     async def label(self) -> None:
         """Label the weights of every server in rotation as the target's step (weights.py ``label``): at the start
         of a run that loads none, so replies name that step, not the engine's "default". A server that fails it
         leaves rotation (and is labelled before it rejoins)."""
         live = [s for s in self.servers if s.in_rotation]
-        outcomes = await asyncio.gather(*(self.weights.label(s.api, self.target.step, self._timed) for s in live),
+        outcomes = await asyncio.gather(*(self.weights.label(s.api, self.target.step, self.timed) for s in live),
                                         return_exceptions=True)
         for server, outcome in zip(live, outcomes, strict=True):
             if isinstance(outcome, InferenceError):
@@ -470,16 +539,17 @@ class InferencePool:
                 raise UnloadableCheckpoint(ckpt.step, path, why)
         return path
 
-    async def _sync_one(self, server: Server, ckpt: Checkpoint) -> None:
+    async def _sync_one(self, server: Server, ckpt: Checkpoint, phases: dict[str, float] | None = None) -> None:
         """The backend's pause / load / resume; one sync per server at a time; logged when slow."""
         path = weights_dir(ckpt, self.cfg.weights_path)
         async with server.sync_lock:
             t0 = _now()
             server.ceiling = max(server.ceiling, ckpt.step)  # before the pause: tokens of it may come from now on
             try:
-                await self.weights.sync(server.api, ckpt, path, self._timed)
+                await self.weights.sync(server.api, ckpt, path, self.timed, phases)
             finally:
                 if server.waiting_since is not None:  # the pause froze its requests: that time is not waiting
                     server.waiting_since = min(_now(), server.waiting_since + _now() - t0)
             server.version = ckpt.step
+            server.awaiting = False
             log.debug("%s loaded step %d from %s in %.1f s", server.url, ckpt.step, path, _now() - t0)

@@ -17,6 +17,8 @@ For each server, concurrently (``orchestrator run`` at start, and ``orchestrator
 6. ``GET /server_info?config_format=json`` says which logprobs it reports; with what the job states and its
    sampling temperatures, that settles the logprobs mode every batch carries (logprobs.py: servers that
    disagree, or raw logprobs at a temperature other than 1, are problems).
+7. With weights over the wire (``transfer``: the backend ``[inference.broadcast]`` names), the server has that
+   weight transfer engine (transfer.py ``configured_backend``: an init it must refuse, which changes nothing).
 
 A run first resumes each server (``resume=True``): a run killed during a weight sync leaves its servers
 paused, and a paused server holds every request.
@@ -44,6 +46,8 @@ from orchestrator.inference.config import TeacherConfig
 from orchestrator.inference.logprobs import LogprobsCheck, Settled, resolve, server_mode
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, HttpStatusError, InferenceServer, api_key
+from orchestrator.inference.server import HttpStatusError, InferenceServer
+from orchestrator.inference.transfer import configured_backend
 from orchestrator.inference.weights import PrimeRLWeights, VLLMWeights, weight_sync
 from orchestrator.workers.teacher import TeacherError, parse_prompt_logprobs, score_body
 
@@ -83,11 +87,11 @@ class Preflight:
 
 
 async def preflight(servers: list[InferenceServer], *, backend: str, model: str, tokenizer: Path,
-                    resume: bool, logprobs: LogprobsCheck | None = None) -> Preflight:
+                    resume: bool, logprobs: LogprobsCheck | None = None, transfer: str | None = None) -> Preflight:
     """Check every server and settle the logprobs mode (logprobs.py); PreflightError listing every problem
-    found (nothing is raised for a good pool)."""
+    found (nothing is raised for a good pool). ``transfer``: the weight transfer backend each must have."""
     encoded = encode_probe(tokenizer)
-    reports = await asyncio.gather(*(_check(s, backend, model, encoded, resume) for s in servers))
+    reports = await asyncio.gather(*(_check(s, backend, model, encoded, resume, transfer) for s in servers))
     settled = resolve(logprobs or LogprobsCheck(), {r.url: r.logprobs_mode for r in reports})
     for warning in settled.warnings:
         log.warning("preflight: %s", warning)
@@ -118,7 +122,7 @@ def encode_probe(tokenizer: Path) -> list[int] | None:
 
 
 async def _check(server: InferenceServer, backend: str, model: str, encoded: list[int] | None,
-                 resume: bool) -> ServerReport:
+                 resume: bool, transfer: str | None) -> ServerReport:
     problems: list[str] = []
     max_len: int | None = None
 
@@ -139,6 +143,8 @@ async def _check(server: InferenceServer, backend: str, model: str, encoded: lis
     except InferenceError as e:
         return problem(f"GET /v1/models failed ({e}); it does not look like a vLLM-compatible server")
     problems += [f"{server.url}: {p}" for p in await _admin_problems(server, backend)]
+    if transfer is not None and not problems and (wrong := await _transfer_problem(server, transfer)):
+        problems.append(f"{server.url}: {wrong}")
     if problems:
         return ServerReport(server.url, max_len, tuple(problems))
     if resume:  # a run killed during a weight sync leaves the server paused: every request would wait
@@ -225,6 +231,37 @@ async def _admin_problems(server: InferenceServer, backend: str) -> list[str]:
     if not found[sync.admin_probe]:
         return [f"no {sync.admin_probe} route, so no weight sync for backend {backend!r}: {sync.admin_fix}"]
     return []
+
+
+async def _transfer_problem(server: InferenceServer, backend: str) -> str | None:
+    """Whether the server has the weight transfer engine ``backend`` (None: it has)."""
+    flag = f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}'"
+    try:
+        found = await configured_backend(server, lambda call, what, **_: _timed(call, what))
+    except HttpStatusError as e:
+        if e.status == 404:
+            return ("no /init_weight_transfer_engine route (vLLM >= 0.31 in dev mode has it), so no weights over "
+                    "the wire: upgrade vLLM, or set inference.weight_transfer = 'filesystem'")
+        return f"cannot tell its weight transfer engine ({e})"
+    except InferenceError as e:
+        return f"cannot tell its weight transfer engine ({e})"
+    if found is None:
+        return (f"started without a weight transfer engine: restart vllm serve with {flag} (gloo: with this "
+                "package installed in the server's venv: docs/inference-servers.md), or set "
+                "inference.weight_transfer = 'filesystem'")
+    if found != backend:
+        return (f"its weight transfer engine is {found!r}, inference.broadcast.backend is {backend!r}: restart it "
+                f"with {flag}, or set the backend it has")
+    return None
+
+
+async def _timed(call: Any, what: str) -> bytes:
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            result: bytes = await call
+            return result
+    except TimeoutError:
+        raise InferenceError(f"{what} had no answer within {CALL_TIMEOUT_S:.0f} s") from None
 
 
 async def _tokenizer_mismatch(server: InferenceServer, model: str, encoded: list[int]) -> str | None:

@@ -29,6 +29,7 @@ Without dev mode these routes do not exist (404) and full weights cannot be chan
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Protocol
 
@@ -66,12 +67,17 @@ class WeightSync:
     admin_probe = ""  # a side-effect-free GET that answers 200 only where the backend's admin routes exist
     admin_fix = ""  # what to do when it does not
 
-    async def sync(self, server: InferenceServer, ckpt: Checkpoint, path: str, timed: Timed) -> None:
+    async def sync(self, server: InferenceServer, ckpt: Checkpoint, path: str, timed: Timed,
+                   phases: dict[str, float] | None = None) -> None:
         """Pause, load ``path`` as the weights of step ``ckpt.step``, resume (also after a failed load, then
-        best effort: the error raised is the one that failed the sync)."""
+        best effort: the error raised is the one that failed the sync). ``phases``: each phase's wall time."""
+        took = {} if phases is None else phases
+        t = time.monotonic()
         try:  # pause inside: a pause cut short (cancelled at shutdown) may still have paused the server
             await timed(server.request("POST", "/pause", query=PAUSE_QUERY), f"pause on {server.url}")
+            took["pause"], t = time.monotonic() - t, time.monotonic()
             await self.load(server, ckpt.step, path, timed)
+            took["load"], t = time.monotonic() - t, time.monotonic()
         except BaseException:
             # a hung server would hold the sync for a second full timeout here; one that failed leaves
             # rotation and is synced again (resumed included) before it rejoins
@@ -82,6 +88,7 @@ class WeightSync:
                 log.warning("%s (it may still be paused: it is resumed before it rejoins rotation)", e)
             raise
         await timed(server.request("POST", "/resume"), f"resume on {server.url}")
+        took["resume"] = time.monotonic() - t
 
     async def load(self, server: InferenceServer, step: int, path: str, timed: Timed) -> None:
         raise NotImplementedError

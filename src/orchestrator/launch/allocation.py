@@ -342,7 +342,8 @@ class Allocation:
 
 def sim_args(cfg: JobConfig, index: int) -> list[str]:
     """``{sim_args}``: ``orchestrator sim-inference`` flags for the job's ``[sim]`` table, seeded per server."""
-    return [*cfg.sim.arguments(cfg.model.name, cfg.inference.backend), "--seed", str(cfg.sim.seed + index)]
+    inf = cfg.inference
+    return [*cfg.sim.arguments(cfg.model.name, inf.backend, inf.transfer_backend), "--seed", str(cfg.sim.seed + index)]
 
 
 async def run_allocation(cfg: JobConfig, config_path: Path, overrides: Sequence[str], job_dir: Path) -> int:

@@ -158,7 +158,8 @@ class _Render:
         s, port = self.launch.servers, self.launch.servers.port
         index = "${HOSTNAME##*-}"  # the StatefulSet pod's ordinal
         seed = f"--seed $(({self.cfg.sim.seed} + {index}))"
-        sim = shlex.join(self.cfg.sim.arguments(self.cfg.model.name, self.cfg.inference.backend))
+        sim = shlex.join(self.cfg.sim.arguments(self.cfg.model.name, self.cfg.inference.backend,
+                                                 self.cfg.inference.transfer_backend))
         values = {"port": port, "index": index, "local_index": 0, "node": "$NODE_NAME", "host": "$POD_IP",
                   "sim_args": f"{sim} {seed}", **self._common()}
         http = {"httpGet": {"path": s.health_path, "port": port}, "periodSeconds": 10}

@@ -19,6 +19,12 @@ What is done by hand nowhere (REAL-VLLM.md):
 
 ``triton`` (1 GB, no CPU backend) is removed if a requirement brought it in. Everything is logged to
 ``DIR/logs/setup.log``; the venv gets a stamp once it works, and a second run returns after reading it.
+
+The gloo weight transfer engine (``orchestrator.transfer``) reaches the server through vLLM's
+``vllm.general_plugins`` entry point, so this package is installed into the server's venv too: without its
+dependencies, editable from this source checkout (the engine imports only torch, vLLM and the standard library;
+an edit is live at the next server start). ``ensure_plugin`` checks it on every setup (a venv made before it
+existed, or a checkout that moved, gets it in ~20 s).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import platform
 import shutil
 import subprocess
@@ -114,11 +121,17 @@ def installed(paths: StackPaths) -> bool:
 
 
 def install_server_venv(paths: StackPaths, progress: Progress) -> None:
-    """Create or repair ``paths.venv`` (nothing to do when its stamp matches). SetupError naming the failed step."""
-    version = paths.vllm_version
+    """Create or repair ``paths.venv`` (nothing to do when its stamp matches), then ``ensure_plugin``. SetupError
+    naming the failed step."""
     if installed(paths):
-        progress(f"vLLM {version} venv: ready ({paths.venv})")
-        return
+        progress(f"vLLM {paths.vllm_version} venv: ready ({paths.venv})")
+    else:
+        _install(paths, progress)
+    ensure_plugin(paths, progress)
+
+
+def _install(paths: StackPaths, progress: Progress) -> None:
+    version = paths.vllm_version
     paths.logs.mkdir(parents=True, exist_ok=True)
     setup_log = paths.logs / "setup.log"
     t0 = time.monotonic()
@@ -154,6 +167,53 @@ def install_server_venv(paths: StackPaths, progress: Progress) -> None:
 CHECK = ("import torch, transformers, vllm; from vllm.platforms import current_platform as p; "
          "assert p.device_type == 'cpu', p.device_type; print('vllm', vllm.__version__, 'torch', torch.__version__, "
          "'transformers', transformers.__version__)")
+
+
+PLUGIN_CHECK = ("import importlib.metadata as m, orchestrator; "
+                "print([e.value for e in m.entry_points(group='vllm.general_plugins') "
+                "if e.name == 'orchestrator_gloo'], orchestrator.__file__)")
+
+
+def source_root() -> Path | None:
+    """The source checkout this package runs from (its ``pyproject.toml``'s directory), None when installed."""
+    import orchestrator
+
+    root = Path(orchestrator.__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "src" / "orchestrator").is_dir() else None
+
+
+def plugin_ready(paths: StackPaths, root: Path) -> bool:
+    """Whether the server's venv has our ``vllm.general_plugins`` entry point, from ``root``'s sources: the venv's
+    own, without ``PYTHONPATH`` (a source tree on it, with an egg-info, would pass for the venv's)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([str(paths.python), "-c", PLUGIN_CHECK], capture_output=True, text=True, check=False,
+                         env=env, cwd=paths.venv)
+    return out.returncode == 0 and "orchestrator.transfer.vllm_plugin:register" in out.stdout and \
+        str(root / "src" / "orchestrator") in out.stdout
+
+
+def ensure_plugin(paths: StackPaths, progress: Progress) -> None:
+    """This package in the server's venv, without dependencies, editable from this checkout (the gloo weight
+    transfer engine; the module docstring); a no-op when it is there already."""
+    root = source_root()
+    if root is None:
+        progress("gloo weight transfer plugin: not installed (this package does not run from a source checkout); "
+                 "servers cannot use --weight-transfer-config '{\"backend\": \"gloo\"}'")
+        return
+    if plugin_ready(paths, root):
+        progress(f"gloo weight transfer plugin: ready (vLLM {paths.vllm_version})")
+        return
+    setup_log = paths.logs / "setup.log"
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    installer = _installer(paths)
+    target = ["--python", str(paths.python)] if installer[0].endswith("uv") else []
+    _run([*installer, "install", *target, "--no-deps", "-e", str(root)],
+         f"install this package into the vLLM {paths.vllm_version} venv, without dependencies (the gloo weight "
+         "transfer plugin)",
+         setup_log, progress)
+    if not plugin_ready(paths, root):
+        raise SetupError(f"the vllm.general_plugins entry point is not in {paths.venv} after installing {root}; "
+                         f"see {setup_log}")
 
 
 def _install_torch(pip: list[str], torch: str, setup_log: Path, progress: Progress) -> None:

@@ -17,7 +17,10 @@ on the same port. The command line is the one REAL-VLLM.md checked on CPUs:
   cause of a lone such failure in a CI run of the demo, after a weight sync had left the connections idle); with a
   longer server keep-alive the client always drops an idle connection first;
 - ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) and, with ``cpus``, ``taskset`` plus ``VLLM_CPU_OMP_THREADS_BIND``
-  so the server computes on those cores only (the benchmark gives it one core, everything else the other).
+  so the server computes on those cores only (the benchmark gives it one core, everything else the other);
+- with ``weight_transfer`` (``"gloo"``), ``--weight-transfer-config '{"backend": "gloo"}'``: it receives weights
+  over the wire from the trainer (``orchestrator.transfer``, installed in the server's venv by the setup), and
+  still reloads checkpoints from disk.
 
 The server runs in a session of its own (API server, engine core and worker processes), all ended by its pid's
 group; the API server is asked for SIGKILL when its parent dies, so a crashed test leaves no server behind.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -58,6 +62,7 @@ class ServeOptions:
     max_model_len: int = 2048
     kv_cache_gib: float = 1.0
     cpus: str | None = None  # e.g. "1": the cores the server may use (taskset and OpenMP binding)
+    weight_transfer: str | None = None  # e.g. "gloo": a weight transfer engine (weights over the wire)
     extra: tuple[str, ...] = ()  # more `vllm serve` arguments
     env: dict[str, str] = field(default_factory=dict)
 
@@ -66,6 +71,8 @@ class ServeOptions:
                 "--served-model-name", self.name, "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 "--enforce-eager", "--logprobs-mode", self.logprobs_mode, "--generation-config", "vllm",
                 "--enable-scale-out" if self.scale_out else "--no-enable-scale-out", *self.extra]
+        if self.weight_transfer is not None:
+            argv += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         return ["taskset", "-c", self.cpus, *argv] if self.cpus else argv
 
     def environment(self, paths: StackPaths) -> dict[str, str]:

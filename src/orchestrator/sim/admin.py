@@ -20,11 +20,15 @@ FastAPI's 404 ``{"detail": "Not Found"}``, as it does for prime-rl's missing ``/
   ``GET /weight_info`` -> ``{"weight_version"}`` (``"default"`` until set).
 - prime-rl: ``GET /liveness`` -> ``{"status": "ok"}``.
 
+- 0.31+: the weight transfer routes (``transfer.py``: ``GET /get_world_size``, ``/init_weight_transfer_engine``,
+  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``; 0.32+ ``/shutdown_weight_transfer_engine``),
+  with a gloo engine when the server is started with one, else answering "Weight transfer not configured" as a
+  server started without ``--weight-transfer-config`` does (observed). 0.26: ``/update_weights`` with an
+  ``update_info`` answers that too.
+
 A weight load that fails (a path that is not a directory, a directory without the simulator's weights file, a
 file it cannot read) answers 500 with the worker's error, as observed on vLLM 0.31.0, and breaks the engine:
-``orchestrator.sim.engine`` says what a real server does next. ``/update_weights`` with an ``update_info``
-answers 500 too: the simulator has no weight transfer engine, like a server started without
-``--weight-transfer-config``.
+``orchestrator.sim.engine`` says what a real server does next.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from orchestrator.sim.responses import (
     read_json_body,
     validation_error,
 )
+from orchestrator.sim.transfer import NOT_CONFIGURED, SimTransfer
 
 
 class AdminServer(Protocol):
@@ -61,13 +66,16 @@ class AdminServer(Protocol):
     gate: Gate
     counters: Counters
     weight_version: str
+    transfer: SimTransfer
 
     async def load(self, path: object, *, none_reloads: bool = False) -> None: ...
 
     def interrupt_generations(self) -> None: ...
 
 ADMIN_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/collective_rpc", "/update_weights",
-                         "/reset_prefix_cache", "/update_weight_version", "/weight_info"})
+                         "/reset_prefix_cache", "/update_weight_version", "/weight_info", "/get_world_size",
+                         "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
+                         "/shutdown_weight_transfer_engine"})
 
 
 def admin_routes(server: AdminServer) -> list[web.RouteDef]:
@@ -84,7 +92,12 @@ def admin_routes(server: AdminServer) -> list[web.RouteDef]:
               web.post("/reset_prefix_cache", admin.reset_prefix_cache), web.get("/server_info", admin.server_info)]
     if server.profile.weight_version_routes:
         routes += [web.post("/update_weight_version", admin.update_weight_version),
-                   web.get("/weight_info", admin.weight_info)]
+                   web.get("/weight_info", admin.weight_info), web.get("/get_world_size", admin.get_world_size),
+                   web.post("/init_weight_transfer_engine", admin.init_weight_transfer_engine),
+                   web.post("/start_weight_update", admin.start_weight_update),
+                   web.post("/finish_weight_update", admin.finish_weight_update)]
+    if server.profile.typed_admin_bodies:
+        routes.append(web.post("/shutdown_weight_transfer_engine", admin.shutdown_weight_transfer_engine))
     return routes
 
 
@@ -143,20 +156,54 @@ class _Admin:
         await self.server.load(path, none_reloads=True)
         return json_response({"results": [None]})
 
-    async def update_weights(self, request: web.Request) -> web.Response:
+    async def _embedded(self, request: web.Request, field: str) -> Any:
+        """The body's ``field`` (``{"update_info": ...}``), refused as each version refuses a missing one."""
         if self.server.profile.typed_admin_bodies:
             body = self._object(await read_json_body(request))
-            if body.get("update_info") is None:
-                raise missing(("body", "update_info"), body)
-        else:
-            try:
-                body = await read_json(request)
-            except ValueError as e:
-                raise http_error(400, "Invalid JSON format") from e
-            body = self._object(body)
-            if body.get("update_info") is None:
-                raise http_error(400, "Missing 'update_info' in request body")
-        raise engine_error(500, "Weight transfer not configured. Start the server with --weight-transfer-config.")
+            if body.get(field) is None:
+                raise missing(("body", field), body)
+            return body[field]
+        try:
+            body = await read_json(request)
+        except ValueError as e:
+            raise http_error(400, "Invalid JSON format") from e
+        body = self._object(body)
+        if body.get(field) is None:
+            raise http_error(400, f"Missing '{field}' in request body")
+        return body[field]
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        update_info = await self._embedded(request, "update_info")
+        if not self.server.profile.weight_version_routes:
+            raise engine_error(500, NOT_CONFIGURED)
+        await self.server.transfer.update(update_info)
+        return json_response({"message": "Weights updated"})
+
+    async def get_world_size(self, request: web.Request) -> web.Response:
+        parse_bool("include_dp", request.query.get("include_dp"), True)
+        return json_response({"world_size": 1})
+
+    async def init_weight_transfer_engine(self, request: web.Request) -> web.Response:
+        await self.server.transfer.init(await self._embedded(request, "init_info"))
+        return json_response({"message": "Weight transfer initialized"})
+
+    async def start_weight_update(self, _request: web.Request) -> web.Response:
+        self.server.transfer.start()
+        return json_response({"message": "Weight update started"})
+
+    async def finish_weight_update(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        body = self._object(await read_json_body(request)) if raw else {}
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            raise validation_error(("body", "weight_version"), "string_type", "Input should be a valid string",
+                                   version)
+        self.server.transfer.finish(version)
+        return json_response({"message": "Weight update finished"})
+
+    async def shutdown_weight_transfer_engine(self, _request: web.Request) -> web.Response:
+        self.server.transfer.shutdown()
+        return json_response({"message": "Weight transfer shut down"})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         parse_bool("reset_running_requests", request.query.get("reset_running_requests"), False)

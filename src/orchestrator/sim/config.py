@@ -50,9 +50,10 @@ class SimConfig:
 
         return "prime-rl" if backend == "prime-rl" else DEFAULT_PROFILE
 
-    def arguments(self, model: str, backend: str) -> list[str]:
+    def arguments(self, model: str, backend: str, transfer: str | None = None) -> list[str]:
         """``orchestrator sim-inference`` flags for every key of this table, serving ``model`` as the server
-        ``inference.backend`` names (``--seed`` left to the caller: one per server)."""
+        ``inference.backend`` names, taking weights over the wire with ``transfer`` (``inference.transfer_backend``;
+        the simulator plays gloo only) (``--seed`` left to the caller: one per server)."""
         args = ["--profile", self.server_profile(backend), "--model", model, "--layers", str(self.layers),
                 "--logprobs-mode", self.logprobs_mode, "--top-k", str(self.top_k),
                 "--num-experts", str(self.num_experts), "--latency-ms", str(self.latency_ms),
@@ -64,4 +65,6 @@ class SimConfig:
             args.append("--no-dev-mode")
         if not self.scale_out:
             args.append("--no-scale-out")
+        if transfer == "gloo":  # weights over the wire: the servers take them
+            args += ["--weight-transfer", "gloo"]
         return args

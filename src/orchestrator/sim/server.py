@@ -58,6 +58,7 @@ from orchestrator.sim.responses import (
     validation_error,
 )
 from orchestrator.sim.segments import Generation
+from orchestrator.sim.transfer import SimTransfer
 from orchestrator.sim.vocab import SimVocab
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Faults:
     drop_rate: float = 0.0  # connection closed without a reply
     down: bool = False  # every route but /sim/* answers 503 (/health with an empty body)
     hold: bool = False  # admitted generate/chat requests stay in flight (generating) until it is turned off
+    transfer_stall: bool = False  # its weight transfer engine joins groups but receives nothing: a rank gone silent
 
 
 class SimServer:
@@ -101,6 +103,8 @@ class SimServer:
     - ``kv``: a KV-cache model (kv.py): generate replies then take as long as the engine needs to decode them
       under that capacity, preempting when it is full; ``kv_time_scale`` scales its clock. None: replies are
       answered after their injected latency alone.
+    - ``weight_transfer``: ``"gloo"`` plays a server started with ``--weight-transfer-config '{"backend":
+      "gloo"}'``: it receives weights over the wire (transfer.py; needs torch); None: without one.
 
     ``weights_path``/``loads`` say what was loaded, ``log``/``counters`` what the server saw, ``gate`` its
     pause state (tests wait on ``gate.wait_until``).
@@ -110,7 +114,7 @@ class SimServer:
                  seed: int = 0, layers: int = 0, top_k: int = 0, num_experts: int = 64, max_model_len: int = 4096,
                  faults: Faults = Faults(), record_replies: bool = False, scale_out: bool = True,
                  logprobs_mode: str = "raw_logprobs", kv: KVModel | None = None, kv_time_scale: float = 1.0,
-                 policy_seed: int | None = None) -> None:
+                 policy_seed: int | None = None, weight_transfer: str | None = None) -> None:
         if (layers == 0) != (top_k == 0):
             raise ValueError("set layers and top_k both (routed experts) or neither")
         if not 1 <= num_experts <= MAX_EXPERTS or top_k > num_experts:
@@ -135,6 +139,9 @@ class SimServer:
         self.counters = Counters()
         self.engine = Engine()  # broken by a failed weight load, dead at the next request that reaches it
         self.kv = None if kv is None else KVDriver(kv, lambda: self.gate.mode == "keep", kv_time_scale)
+        if weight_transfer not in (None, "gloo"):
+            raise ValueError(f"weight_transfer must be 'gloo' or None, not {weight_transfer!r}")
+        self.transfer = SimTransfer(weight_transfer, self, sanitized=self.profile.sanitized_errors)
         self.log = SimLog()
         self._generating: set[Generation] = set()  # inside the engine, tokens not sampled yet (segments.py)
         self._fault_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
@@ -206,6 +213,7 @@ class SimServer:
             finally:
                 if server.kv is not None:
                     server.kv.stop()
+                server.transfer.close()
                 server.release_hung()
                 await runner.cleanup()
 

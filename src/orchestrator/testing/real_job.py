@@ -3,7 +3,8 @@ real model (``orchestrator.trainer.torch_learner``), the built-in environments i
 
 ``await run_real_job(RealJob(out, model_dir, urls, ...))`` writes the job's TOML (``job.toml``), runs the
 orchestrator and the trainer (a ``ReferenceTrainer`` with a ``TorchLearner``, journaling every step) until
-``steps`` steps are trained, and returns what both saw. The real-stack tests and ``bench_real_vllm.py`` use it; so
+``steps`` steps are trained, and returns what both saw; ``weight_transfer = "broadcast"``: the trainer sends its
+weights over gloo (servers started with that engine). The real-stack tests and ``bench_real_vllm.py`` use it; so
 can a user checking their own setup. ``reload_base`` puts a server back on the weights it started with.
 """
 
@@ -23,7 +24,7 @@ from orchestrator.config import load_config
 from orchestrator.realstack.install import StackPaths
 from orchestrator.realstack.server import VLLMServer
 from orchestrator.testing.jobs import Section, toml_text
-from orchestrator.trainer.reference import Learner, ReferenceTrainer, read_journal
+from orchestrator.trainer.reference import BroadcastLearner, ReferenceTrainer, read_journal
 
 RESET_TRIES = 20  # reload_base's prefix-cache resets, 0.5 s apart
 ENVS = {
@@ -68,6 +69,9 @@ class RealJob:
     pipeline: Section = field(default_factory=lambda: {"gates": []})  # [pipeline]: every finished group trains
     extra: Mapping[str, Section | Sequence[Section]] = field(default_factory=dict)  # more sections (testing.jobs)
     env_keys: Mapping[str, Section] = field(default_factory=dict)  # more keys of an env, by name (e.g. algorithm)
+    weight_transfer: str = "filesystem"  # "broadcast": the trainer sends its weights over gloo (servers with it)
+    save_every: int = 1  # the trainer writes a checkpoint directory every this many steps
+    broadcast: Section = field(default_factory=dict)  # [inference.broadcast]
 
     @property
     def trainer_address(self) -> str:
@@ -79,7 +83,8 @@ class RealJob:
             run={"name": "real", "output_dir": self.out / "out", "max_steps": self.steps, "seed": self.seed},
             model={"name": "tiny", "tokenizer": self.model},
             inference={"servers": list(self.urls), "backend": "vllm", "request_timeout_s": 120.0,
-                       "probe_interval_s": 0.5},
+                       "probe_interval_s": 0.5, "weight_transfer": self.weight_transfer,
+                       **({"broadcast": self.broadcast} if self.broadcast else {})},
             scheduler={"batch_size": self.batch_size, "max_inflight": self.max_inflight or self.batch_size,
                        "max_async_level": self.max_async_level, "max_off_policy_steps": self.max_async_level + 1,
                        "concurrency": self.concurrency},
@@ -98,7 +103,7 @@ class RealJobResult:
     orchestrator: Orchestrator | None = field(default=None, repr=False)
 
 
-async def run_real_job(job: RealJob, learner: Learner, *,
+async def run_real_job(job: RealJob, learner: BroadcastLearner, *,
                        trainer: Callable[..., ReferenceTrainer] = ReferenceTrainer,
                        during: Callable[[Orchestrator], Coroutine[Any, Any, None]] | None = None,
                        timeout_s: float = 900.0) -> RealJobResult:
@@ -109,7 +114,13 @@ async def run_real_job(job: RealJob, learner: Learner, *,
     path.write_text(job.config_text())
     cfg = load_config(path)
     journal, ckpt = job.out / "journal.jsonl", job.out / "ckpt"
-    run = trainer(job.trainer_address, journal=journal, checkpoint_dir=ckpt, learner=learner, max_steps=job.steps)
+    broadcaster = None
+    if job.weight_transfer == "broadcast":
+        from orchestrator.trainer.gloo_broadcast import GlooBroadcaster
+
+        broadcaster = GlooBroadcaster(learner.weights)
+    run = trainer(job.trainer_address, journal=journal, checkpoint_dir=ckpt, learner=learner, max_steps=job.steps,
+                  broadcaster=broadcaster, save_every=job.save_every)
     async with asyncio.timeout(timeout_s), Orchestrator.open(cfg) as orch, asyncio.TaskGroup() as tg:
         trained = tg.create_task(run.run())
         side = tg.create_task(during(orch)) if during is not None else None

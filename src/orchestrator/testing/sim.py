@@ -97,6 +97,7 @@ class SimCluster:
         self._servers[i] = self._runners[i] = None
         if server is not None:
             server.release_hung()
+            server.transfer.close()  # its gloo connections close, as a crashed process's do
         if runner is not None:
             for conn in runner.server.connections if runner.server is not None else []:
                 if conn.transport is not None:

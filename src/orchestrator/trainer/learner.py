@@ -181,6 +181,10 @@ class PolicyLearner:
         """Save the current policy into ``directory`` (the checkpoint a weight update names)."""
         return self.policy.save(directory)
 
+    def weights(self) -> dict[str, np.ndarray]:
+        """The current policy's parameters by name (what a broadcast sends: a simulated server installs them)."""
+        return self.policy.weights
+
     def resume(self, directory: Path) -> bool:
         """Go on from the policy saved in ``directory`` (False: none there)."""
         policy = Policy.load(directory)

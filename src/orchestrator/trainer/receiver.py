@@ -41,6 +41,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -52,10 +53,12 @@ import zmq.asyncio
 from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.contracts.link import CONTROL, STATUS_S, ckpt_address
 from orchestrator.contracts.manifest import PoolRef, StepManifest, decode_manifest, is_manifest
+from orchestrator.contracts.transfer import TRANSFER
 from orchestrator.contracts.wire import Batch, decode
 from orchestrator.delivery.shm import PoolNotMapped, ShmAttachment
 from orchestrator.errors import DuplicateStep, TrainerRefused, WireError
 from orchestrator.security import ClientKeys, RefusalWatch, secure_client
+from orchestrator.trainer.broadcast import TransferServer, WeightBroadcaster, Work
 from orchestrator.trainer.reader import PoolMaps, PoolsLost, StepView
 
 log = logging.getLogger(__name__)
@@ -94,7 +97,8 @@ class _ReceiverCore:
     and the messages back."""
 
     def __init__(self, address: str, last_step: int | None, auto_ack: bool, checkpoint: Checkpoint | None,
-                 name: str | None, keys: ClientKeys | None = None) -> None:
+                 name: str | None, keys: ClientKeys | None = None, broadcaster: WeightBroadcaster | None = None
+                 ) -> None:
         self.address = address
         self.id = uuid.uuid4().hex  # names this receiver to the orchestrator; its routing id too
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -115,6 +119,8 @@ class _ReceiverCore:
         self.lost = 0  # steps (attempts) reported lost
         self._report_lost = False  # a lost step to report now (and then in every status message)
         self._told_wanted: int | None = None
+        self.transfers = None if broadcaster is None else TransferServer(broadcaster)
+        self._held: deque[Sequence[Any]] = deque()  # batches read while serving transfers, for recv
 
     def _due_release(self) -> int | None:
         """The step a ``recv`` call releases first (auto_ack, shared memory): the previous batch is done."""
@@ -153,6 +159,9 @@ class _ReceiverCore:
             self.refused = str(msg.get("why", "no reason given"))
             log.error("the orchestrator at %s refused this trainer: %s", self.address, self.refused)
             self._check_refused()
+        if what == TRANSFER and self.transfers is not None:
+            self.transfers.take(msg)
+            return False
         if what == "checkpoint" and isinstance(msg.get("min"), int):
             self._wanted(msg["min"])
             return True
@@ -250,10 +259,14 @@ class _ReceiverCore:
         self.rejected[key] = self.rejected.get(key, 0) + 1
         log.error("rejected a batch: %s", str(e))  # not e: its traceback would keep the batch's views alive
 
-    def _status(self, hello: bool = False) -> bytes:
+    def _status(self, hello: bool = False, transfer: dict[str, Any] | None = None) -> bytes:
         msg: dict[str, Any] = {"have": -1 if self.acked is None else self.acked, "id": self.id, "name": self.name}
         if hello:
             msg["hello"] = True
+        if self.transfers is not None:
+            msg["broadcast"] = list(self.transfers.broadcaster.backends)
+        if transfer is not None:
+            msg["transfer"] = transfer
         if self.lost_step is not None:  # repeated until a newer attempt arrives: a report may be missed
             msg.update(lost=self.lost_step.step, attempt=self.lost_step.attempt, pools=self.lost_step.pools)
         if self.announced is not None:  # an orchestrator that restarted learns the newest weights from this
@@ -265,6 +278,33 @@ class _ReceiverCore:
     def _announcement(self, step: int, path: str | None) -> bytes:
         self.announced = Checkpoint(step, path)
         return self._status()
+
+    def _next_transfer(self) -> tuple[bytes, Work | None] | None:
+        """The status message answering the next pending transfer request now, and its blocking part (whose
+        event goes in a status message after it); None when none is pending."""
+        if self.transfers is None or not self.transfers.pending:
+            return None
+        holds = None if self.announced is None else self.announced.step
+        event, work = self.transfers.begin(self.transfers.pending.popleft(), holds)
+        return self._status(transfer=event), work
+
+    def _serving(self, step: int | None, deadline: float, timeout_s: float) -> float:
+        """``serve_transfers``' loop: how long to wait for the next message (> 0), 0 when done (taken, or no
+        group; ``step`` None: the time is up), -1 when the time is up before the weights were taken."""
+        if self.transfers is None or (step is not None and not self.transfers.waiting_for(step)):
+            return 0.0
+        left = deadline - time.monotonic()
+        if left > 0:
+            return left
+        if step is None:
+            return 0.0
+        log.warning("the orchestrator has not asked for the weights of step %d within %.0f s; training on", step,
+                    timeout_s)
+        return -1.0
+
+    def close_transfers(self) -> None:
+        if self.transfers is not None:
+            self.transfers.broadcaster.close()
 
 
 class BatchReceiver(_ReceiverCore):
@@ -286,8 +326,8 @@ class BatchReceiver(_ReceiverCore):
 
     def __init__(self, address: str, ctx: zmq.asyncio.Context | None = None, *, last_step: int | None = None,
                  auto_ack: bool = True, keys: ClientKeys | None = None, checkpoint: Checkpoint | None = None,
-                 name: str | None = None) -> None:
-        super().__init__(address, last_step, auto_ack, checkpoint, name, keys)
+                 name: str | None = None, broadcaster: WeightBroadcaster | None = None) -> None:
+        super().__init__(address, last_step, auto_ack, checkpoint, name, keys, broadcaster)
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.batches, self.push = _connect(self.ctx, address, keys, self.id)
         self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle
@@ -315,15 +355,14 @@ class BatchReceiver(_ReceiverCore):
         while True:
             if self.announced_pools:  # off the loop: the fd comes from another process's socket
                 await asyncio.to_thread(self._map_announced)
-            if not await self.batches.poll(int(STATUS_S * 1000)):
-                self.refusals.check()
-                await self.push.send(self._status())
+            frames = self._held.popleft() if self._held else await self._read(STATUS_S)
+            if frames is None:
                 continue
-            frames = await self.batches.recv_multipart(copy=False)
             answer = self._control(frames)
             if answer is not None:
                 if answer:
                     await self.push.send(self._status())
+                await self._serve_pending()
                 continue
             try:
                 item = self._accept(frames)
@@ -337,6 +376,35 @@ class BatchReceiver(_ReceiverCore):
                 if self._acks_now(got):
                     await self.ack(got.step)
                 return got
+
+    async def _read(self, wait_s: float) -> list[Any] | None:
+        """The next message's frames; None after ``wait_s`` without one (a status message is sent then)."""
+        if not await self.batches.poll(int(wait_s * 1000)):
+            self.refusals.check()
+            await self.push.send(self._status())
+            return None
+        return await self.batches.recv_multipart(copy=False)
+
+    async def _serve_pending(self) -> None:
+        while (todo := self._next_transfer()) is not None:
+            now, work = todo
+            await self.push.send(now)
+            if work is not None:  # the rendezvous or the broadcast: blocking, off the loop
+                await self.push.send(self._status(transfer=await asyncio.to_thread(work)))
+
+    async def serve_transfers(self, step: int | None, timeout_s: float = 600.0) -> bool:
+        """Weights ``step`` were just announced: serve the orchestrator's transfer requests until it has taken them
+        (sent, or answered stale or failed), at most ``timeout_s``; batches that arrive meanwhile are kept for
+        ``recv``. Returns at once when this trainer is in no group (the orchestrator loads checkpoints from disk).
+        Whether they were taken. ``step`` None: serve them for ``timeout_s`` (a trainer busy elsewhere, between
+        steps)."""
+        deadline = time.monotonic() + timeout_s
+        while (wait := self._serving(step, deadline, timeout_s)) > 0:
+            frames = await self._read(min(wait, STATUS_S))
+            if frames is not None and self._control(frames) is None:
+                self._held.append(frames)  # a batch: recv takes it
+            await self._serve_pending()
+        return wait == 0
 
     async def ack(self, step: int) -> None:
         """Tell the orchestrator that every step up to ``step`` is in hand (sent by ``recv`` with auto_ack;
@@ -354,7 +422,9 @@ class BatchReceiver(_ReceiverCore):
         await self.push.send(self._announcement(step, path))
 
     def close(self) -> None:
-        """Close the sockets and drop the pool's mapping (unmapped once no batch views it)."""
+        """Close the sockets and drop the pool's mapping (unmapped once no batch views it); leave any weight
+        transfer group."""
+        self.close_transfers()
         self.refusals.close()
         self.batches.close()
         self.push.close()
@@ -369,8 +439,9 @@ class SyncBatchReceiver(_ReceiverCore):
 
     def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None, *,
                  last_step: int | None = None, auto_ack: bool = True, keys: ClientKeys | None = None,
-                 checkpoint: Checkpoint | None = None, name: str | None = None) -> None:
-        super().__init__(address, last_step, auto_ack, checkpoint, name, keys)
+                 checkpoint: Checkpoint | None = None, name: str | None = None,
+                 broadcaster: WeightBroadcaster | None = None) -> None:
+        super().__init__(address, last_step, auto_ack, checkpoint, name, keys, broadcaster)
         self.ctx = ctx or zmq.Context.instance()
         self.batches, self.push = _connect(self.ctx, address, keys, self.id)
         self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle
@@ -399,15 +470,14 @@ class SyncBatchReceiver(_ReceiverCore):
             wait = STATUS_S if deadline is None else min(STATUS_S, deadline - time.monotonic())
             if wait <= 0:
                 raise TimeoutError(f"no batch within {timeout_s} s")
-            if not self.batches.poll(int(wait * 1000)):
-                self.refusals.check()
-                self.push.send(self._status())
+            frames = self._held.popleft() if self._held else self._read(wait)
+            if frames is None:
                 continue
-            frames = self.batches.recv_multipart(copy=False)
             answer = self._control(frames)
             if answer is not None:
                 if answer:
                     self.push.send(self._status())
+                self._serve_pending()
                 continue
             try:
                 item = self._accept(frames)
@@ -421,6 +491,30 @@ class SyncBatchReceiver(_ReceiverCore):
                     self.ack(got.step)
                 return got
 
+    def _read(self, wait_s: float) -> list[Any] | None:
+        if not self.batches.poll(int(wait_s * 1000)):
+            self.refusals.check()
+            self.push.send(self._status())
+            return None
+        return self.batches.recv_multipart(copy=False)
+
+    def _serve_pending(self) -> None:
+        while (todo := self._next_transfer()) is not None:
+            now, work = todo
+            self.push.send(now)
+            if work is not None:
+                self.push.send(self._status(transfer=work()))
+
+    def serve_transfers(self, step: int | None, timeout_s: float = 600.0) -> bool:
+        """As ``BatchReceiver.serve_transfers``."""
+        deadline = time.monotonic() + timeout_s
+        while (wait := self._serving(step, deadline, timeout_s)) > 0:
+            frames = self._read(min(wait, STATUS_S))
+            if frames is not None and self._control(frames) is None:
+                self._held.append(frames)
+            self._serve_pending()
+        return wait == 0
+
     def ack(self, step: int) -> None:
         self._set_acked(step)
         self.push.send(self._status())
@@ -432,6 +526,7 @@ class SyncBatchReceiver(_ReceiverCore):
         self.push.send(self._announcement(step, path))
 
     def close(self) -> None:
+        self.close_transfers()
         self.refusals.close()
         self.batches.close()
         self.push.close()

@@ -14,6 +14,12 @@ With a ``journal`` file it appends one JSON line per step received and, when sta
 orchestrator the last step in it and the checkpoint after it (as a real trainer restarting from its checkpoint
 would: weights ``last + 1``, the ones it trained on that step), so tests can check delivery across crashes of
 either side: every step once, in order, and no wait for weights that were announced before the crash.
+
+Weights over the wire (``broadcaster``, trainer/broadcast.py): the trainer also sends its weights to the servers
+when the orchestrator asks (broadcast mode), right after announcing them and before it trains on (it serves the
+requests until the orchestrator has taken the weights: ``serve_transfers``, at most ``transfer_wait_s``); with
+``save_every`` = K it then writes a checkpoint directory only every K steps (the announcements in between carry
+no path): what a late or restarted server loads, and what a restarted trainer resumes from (the newest one).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import errno
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,6 +42,7 @@ from orchestrator.contracts.wire import Batch
 from orchestrator.policy import FILE as POLICY_FILE
 from orchestrator.policy import Policy
 from orchestrator.security import ClientKeys
+from orchestrator.trainer.broadcast import WeightBroadcaster
 from orchestrator.trainer.receiver import BatchReceiver
 
 log = logging.getLogger(__name__)
@@ -55,6 +62,14 @@ class Learner(Protocol):
 
     def resume(self, directory: Path) -> bool:
         """Go on from the weights saved in ``directory`` (False: none there)."""
+        ...
+
+
+class BroadcastLearner(Learner, Protocol):
+    """A learner whose weights can go over the wire (``receive --broadcast``): both built-in learners are."""
+
+    def weights(self) -> Mapping[str, Any]:
+        """The current weights by name (torch tensors or numpy arrays): what a broadcast sends."""
         ...
 
 
@@ -81,10 +96,16 @@ class ReferenceTrainer:
     keys: ClientKeys | None = None  # CURVE: for an orchestrator that binds tcp:// with [security] keys
     checkpoint_dir: Path | None = None
     learner: Learner | None = None  # learn from each batch and save the weights into the checkpoint
+    broadcaster: WeightBroadcaster | None = None  # sends its weights to the servers when the orchestrator asks
+    save_every: int = 1  # write a checkpoint directory every this many steps (the others: announced without one)
+    transfer_wait_s: float = 600.0  # after announcing, wait at most this for the orchestrator to take the weights
 
     def __post_init__(self) -> None:
+        self.receiver: BatchReceiver | None = None  # while it runs (a subclass holding a step may serve transfers)
         if self.learner is not None and (self.checkpoint_dir is None or not self.announce):
             raise ValueError("a learning trainer needs a checkpoint_dir to save into and must announce checkpoints")
+        if self.save_every < 1:
+            raise ValueError(f"save_every must be >= 1, got {self.save_every}")
 
     async def run(self) -> None:
         """Consumes batches; produces checkpoint announcements. Ends after ``max_steps`` or when cancelled."""
@@ -101,7 +122,8 @@ class ReferenceTrainer:
             self._resume_policy(last + 1)
             if self.announce:  # the weights it would have resumed from: trained on step ``last``
                 resumed = Checkpoint(last + 1, await asyncio.to_thread(self._save, last + 1))
-        receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys, checkpoint=resumed)
+        receiver = self.receiver = BatchReceiver(self.address, last_step=last, auto_ack=False, keys=self.keys,
+                                                 checkpoint=resumed, broadcaster=self.broadcaster)
         # a line per step, on the loop: the reference trainer does nothing else meanwhile
         journal = open(self.journal, "ab") if self.journal else None  # noqa: SIM115, ASYNC230 - closed below
         try:
@@ -117,7 +139,8 @@ class ReferenceTrainer:
                 self.received.append(info)
                 # the checkpoint is written before the step is journaled and acknowledged: a trainer restarted
                 # after its journal's last step finds that step's policy saved
-                path = await asyncio.to_thread(self._save, batch.step + 1) if self.announce else None
+                saves = self.announce and (batch.step + 1) % self.save_every == 0
+                path = await asyncio.to_thread(self._save, batch.step + 1) if saves else None
                 if journal:
                     journal.write(orjson.dumps(asdict(info), option=orjson.OPT_APPEND_NEWLINE))
                     journal.flush()
@@ -128,16 +151,26 @@ class ReferenceTrainer:
                 await self.train(batch)
                 if self.announce:
                     await receiver.announce(batch.step + 1, path)
+                    await receiver.serve_transfers(batch.step + 1, self.transfer_wait_s)
         finally:
             receiver.close()
             if journal:
                 journal.close()
 
     def _resume_policy(self, step: int) -> None:
-        """A learner restarted after checkpoint ``step`` goes on from the policy saved in it, as a trainer would."""
-        if self.learner is not None and self.checkpoint_dir is not None and \
-                self.learner.resume(self.checkpoint_dir / f"step_{step}"):
-            log.info("trainer: learning on from the weights of checkpoint %d", step)
+        """A learner restarted after checkpoint ``step`` goes on from the policy saved in it, as a trainer would;
+        from the newest one before it that was saved when ``save_every`` skipped it (the training since is lost)."""
+        if self.learner is None or self.checkpoint_dir is None:
+            return
+        for saved in range(step, -1, -1):
+            if self.learner.resume(self.checkpoint_dir / f"step_{saved}"):
+                if saved != step:
+                    log.warning("trainer: no checkpoint of step %d saved (save_every = %d): learning on from the "
+                                "weights of checkpoint %d; what steps %d..%d taught is lost", step, self.save_every,
+                                saved, saved, step - 1)
+                else:
+                    log.info("trainer: learning on from the weights of checkpoint %d", step)
+                return
 
     async def train(self, batch: Batch) -> None:
         """Training on ``batch``, after it is acknowledged and before its weights are announced: ``train_s`` of

@@ -35,6 +35,8 @@ For each batch:
 
 ``save(dir)`` writes the weights as safetensors (``save_pretrained``), which vLLM's ``reload_weights`` reads;
 ``resume(dir)`` loads them back (a trainer restarted from its journal). The optimizer's state is not saved.
+``weights()`` are the parameters by their checkpoint names, what a broadcast to the servers sends
+(trainer/gloo_broadcast.py): the same tensors ``save`` writes, which vLLM's ``load_weights`` reads.
 """
 
 from __future__ import annotations
@@ -301,6 +303,10 @@ class TorchLearner:
     def save(self, directory: Path) -> None:
         """The weights (safetensors) and config into ``directory``: what ``reload_weights`` reads."""
         self.model.save_pretrained(directory, safe_serialization=True)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The parameters by name (tied ones once, as ``save_pretrained`` writes them)."""
+        return dict(self.model.named_parameters())
 
     def resume(self, directory: Path) -> bool:
         """Load the weights saved in ``directory`` (False: none there)."""
