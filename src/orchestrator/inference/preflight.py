@@ -46,7 +46,6 @@ from orchestrator.inference.config import TeacherConfig
 from orchestrator.inference.logprobs import LogprobsCheck, Settled, resolve, server_mode
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, HttpStatusError, InferenceServer, api_key
-from orchestrator.inference.server import HttpStatusError, InferenceServer
 from orchestrator.inference.transfer import configured_backend
 from orchestrator.inference.weights import PrimeRLWeights, VLLMWeights, weight_sync
 from orchestrator.workers.teacher import TeacherError, parse_prompt_logprobs, score_body
