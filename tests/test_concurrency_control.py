@@ -229,7 +229,7 @@ async def test_the_poller_reads_every_poll_s_and_a_read_without_an_answer_ends_a
             pool.servers[1].inflight = pool.servers[1].cap or 0
         polling.cancel()
     assert reads() == 3
-    # the first poll is at once; the hung read holds each poll poll_s, then poll_s of sleep: the third read at 4 x poll_s
+    # the first poll is at once; the hung read holds each poll poll_s, then poll_s of sleep: the third at 4 x poll_s
     assert loop.time() - t0 == pytest.approx(4 * cfg.poll_s, abs=0.01)
     assert pool.servers[0].cap == 8  # no answer: nothing to decide on
     assert pool.servers[1].cap is not None
