@@ -65,9 +65,10 @@ def servers(stack: StackPaths) -> Iterator[Servers]:
         asyncio.run(_stop(every))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server_031(stack: StackPaths) -> Iterator[VLLMServer]:
-    """One vLLM 0.31 server on the dense model (processed logprobs, float32), for the session."""
+    """One vLLM 0.31 server on the dense model (processed logprobs, float32), for its module: stopped after it, so
+    the tests after do not share two cores with a fourth server (its 1.6 GB worker polls while idle)."""
     older = _checked(stack.with_vllm(OLDER_VLLM), models=False)
     server = VLLMServer(older, ServeOptions(older.model("dense"), logprobs_mode="processed_logprobs"))
     try:
