@@ -87,12 +87,12 @@ async def test_syncs_during_long_replies_give_tokens_of_two_versions_each_named_
     reports = [row["learned"] for row in result.journal]
     checked = [r for r in reports if r["own_tokens"]]  # step 0, and later steps' rollouts begun after their sync
     assert reports[0] in checked, [r["own_tokens"] for r in reports]
-    assert len(checked) >= 2, [r["own_tokens"] for r in reports]
+    # later steps have own tokens only if some rollout began after its sync: under load none may (seen in CI)
     # the learner's own tokens over a context of its own weights: <= 1e-6 when first measured, but 1.6e-3 (a later
-    # step) and 1.5e-3 (step 0, the base weights) in two CI runs on 2026-11-28 with four and five vLLM servers on two
-    # cores; the 0.32 job of test_vllm_job (shorter replies) stayed <= 1e-4 in the same runs. Not yet explained (long
-    # replies of 192-256 tokens; batch composition under load is the first suspect): bounded here, under the gap of
-    # the tokens sampled over an older context (below)
+    # step), 1.5e-3 and 1.1e-3 (step 0, the base weights) in three CI runs on 2026-11-28 with four or five vLLM
+    # servers on two cores; the 0.32 job of test_vllm_job (shorter replies) stayed <= 1e-4 in the same runs. Not yet
+    # explained (replies of 192-256 tokens; batch composition under load is the first suspect): bounded here, under
+    # the gap of the tokens sampled over an older context (below)
     assert max(r["mismatch_max"] for r in checked) <= 1e-2, [r["mismatch_max"] for r in checked]
     mixed = [r for r in reports if r["mixed_tokens"]]
     assert mixed, "no tokens of a step's weights in a sample begun before its sync"
