@@ -160,23 +160,23 @@ async def _check(server: InferenceServer, backend: str, model: str, encoded: lis
         versions = reply.weight_versions is not None
     except MalformedReply as e:
         problems.append(f"{server.url}: env workers could not read its generate replies: {e}")
-    except HttpStatusError as e:
-        problems.append(f"{server.url}: {_scale_out_problem(e) or f'a 2-token generate request failed ({e})'}")
     except InferenceError as e:
-        problems.append(f"{server.url}: a 2-token generate request failed ({e})")
+        problems.append(f"{server.url}: {_generate_problem(e, 'a 2-token generate request')}")
     return ServerReport(server.url, max_len, tuple(problems), await server_mode(server), versions)
 
 
-def _scale_out_problem(e: HttpStatusError) -> str | None:
-    """What a vLLM >= 0.30 started without ``--enable-scale-out`` answers to a generate request, as one line:
-    0.31 has no such route (404 ``{"detail": "Not Found"}``, observed on vLLM 0.31.0), 0.32 refuses it (403
-    PermissionDeniedError "Scale-out endpoints are disabled...", observed on vLLM 0.32.0). None: another error."""
-    if e.status == 404 and b'"Not Found"' in e.body:
+def _generate_problem(e: InferenceError, what: str) -> str:
+    """One line for a generate request (``what``) that failed with ``e``. A vLLM >= 0.30 started without
+    ``--enable-scale-out`` is named with its fix: 0.31 has no such route (404 ``{"detail": "Not Found"}``, observed
+    on vLLM 0.31.0), 0.32 refuses it (403 PermissionDeniedError "Scale-out endpoints are disabled...", observed on
+    vLLM 0.32.0)."""
+    status, body = (e.status, e.body) if isinstance(e, HttpStatusError) else (0, b"")
+    if status == 404 and b'"Not Found"' in body:
         why = "is not served (HTTP 404: no such route)"
-    elif e.status == 403 and b"--enable-scale-out" in e.body:
+    elif status == 403 and b"--enable-scale-out" in body:
         why = "is refused (HTTP 403: scale-out endpoints are disabled)"
     else:
-        return None
+        return f"{what} failed ({e})"
     return (f"POST /inference/v1/generate {why}: restart vllm serve with --enable-scale-out (vLLM >= 0.30 "
             "serves it only with that flag)")
 
@@ -325,8 +325,6 @@ async def _check_teacher(server: InferenceServer, model: str, encoded: list[int]
                                           orjson.loads(score_body(model, prompt))), prompt)
     except TeacherError as e:
         problems.append(f"{where}: env workers could not read its scoring replies: {e}")
-    except HttpStatusError as e:
-        problems.append(f"{where}: {_scale_out_problem(e) or f'a scoring request (prompt_logprobs) failed ({e})'}")
     except InferenceError as e:
-        problems.append(f"{where}: a scoring request (prompt_logprobs) failed ({e})")
+        problems.append(f"{where}: {_generate_problem(e, 'a scoring request (prompt_logprobs)')}")
     return ServerReport(server.url, max_len, tuple(problems))
