@@ -38,7 +38,7 @@ from orchestrator.testing.jobs import ARITHMETIC, write_job_toml
 from orchestrator.testing.sim import FakeInferenceServer
 from orchestrator.testing.steps import synthetic_config
 from orchestrator.trainer.reader import StepView
-from orchestrator.trainer.versions import clean_context, sampled_by, version_bounds
+from orchestrator.trainer.versions import clean_context, cut_by_sync, sampled_by, version_bounds
 
 STEP = 5
 
@@ -166,11 +166,22 @@ def test_the_trainer_reads_which_weights_sampled_each_token() -> None:
     assert sampled_by(batch).tolist() == [False, False, False, False, False, True, True]
     assert sampled_by(batch, 5).tolist() == [False, True, True, False, False, False, False]
     assert clean_context(batch).tolist() == [False] * 4 + [False, True, True]  # sample 0 began under 4
+    assert not cut_by_sync(batch).any()  # no reply holds two exact versions
     pinned = Batch("r", 4, {"versions": np.array([bounded(4)], np.int32)}, np.array([0, 1]),
                    {"policy": [4], "policy_max": [4]})
     assert sampled_by(pinned).tolist() == [True]  # bounds that meet: no sync while it was in flight
     old = Batch("r", 3, {"loss_mask": np.ones(2, np.uint8)}, np.array([0, 1, 2]), {"policy": [3, 2]})
     assert sampled_by(old).tolist() == [True, False]  # an older sender: its samples' policy
+
+
+def test_the_tokens_a_sync_cut_off_from_their_replys_start_are_marked_and_no_others() -> None:
+    # sample 0: a reply of 4 then 5 (a sync cut it), a turn's prompt, a reply all of 5 (a new request);
+    # sample 1 begins right after sample 0's reply of 5 with one of 6 then 7; its second reply is bounded: unmarked
+    v = np.array([-1, 4, 4, 5, 5, -1, -1, 5, 5, 6, 6, 7, -1, bounded(5), bounded(5)], np.int32)
+    batch = Batch("r", 7, {"versions": v}, np.array([0, 9, 15]), {"policy": [4, 6], "policy_max": [7, 7]})
+    assert np.flatnonzero(cut_by_sync(batch)).tolist() == [3, 4, 11]
+    assert not cut_by_sync(Batch("r", 6, {"versions": v[:0]}, np.array([0]), {})).any()  # no tokens
+    assert not cut_by_sync(Batch("r", 6, {"loss_mask": np.ones(3, np.uint8)}, np.array([0, 3]), {})).any()
 
 
 def test_a_rollout_is_bounded_by_the_newest_sync_begun_on_its_server() -> None:

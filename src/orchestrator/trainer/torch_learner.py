@@ -20,9 +20,12 @@ For each batch:
    that names the wrong weights, or a server that did not load the weights it answered 200 for (vLLM's CPU MoE
    reload: REAL-VLLM.md). Above ``warn_mismatch`` a WARNING says so. Tokens of older weights differ by what the
    updates since changed, which is not a fault: their samples are counted (``stale``: no token of these
-   weights) and they are left out of the mismatch. Tokens these weights sampled in a sample begun under older
+   weights) and they are left out of the mismatch. Tokens these weights sampled in a reply begun under older
    ones (a sync's keep pause caught its request in flight: it went on over KV cache of the older weights) are
    reported apart (``mixed_*``): vLLM does not recompute that cache, so they differ (observed: 0.12 on average).
+   A later turn of a sample begun under older weights is in neither (its prefix may come from their cache).
+   With ``min_tokens`` in the sampling args, processed logprobs of a reply's first ``min_tokens`` tokens are of a
+   distribution without the stop tokens (vLLM masks them before sampling): they differ by ``-log(1 - p_stop)``.
    The importance ratio ``exp(recomputed - shipped)`` of the first pass (mean, min, max) is over every token. A
    batch without ``versions`` (an older sender) counts a sample's tokens as its ``policy``'s; one without
    ``policy`` scalars is taken as on-policy throughout.
@@ -53,7 +56,7 @@ from transformers import AutoModelForCausalLM
 
 from orchestrator.contracts.wire import Batch
 from orchestrator.trainer import distill
-from orchestrator.trainer.versions import clean_context, sampled_by
+from orchestrator.trainer.versions import clean_context, cut_by_sync, sampled_by
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ class TorchLearnStats:
     grad_norm: float  # before clipping, first pass
     stale: int = 0  # samples without a token of the learner's weights, left out of the mismatch
     own_tokens: int = 0  # trained tokens the mismatch is over: of its weights, in samples begun under them
-    mixed_tokens: int = 0  # trained tokens of its weights in samples begun under older ones (stale KV context)
+    mixed_tokens: int = 0  # trained tokens of its weights in replies a sync cut (KV context of older weights)
     mixed_max: float = math.nan  # max / mean |shipped - recomputed| over those (nan: none)
     mixed_mean: float = math.nan
     teacher_kl: float | None = None  # mean ℓ_t - r_t over the distilled tokens before the update (None: none)
@@ -106,7 +109,7 @@ class TorchLearnStats:
                     if math.isfinite(self.mismatch_max) else "mismatch n/a (no on-policy sample)")
         stale = f" ({self.stale} of {self.samples} samples of older policies)" if self.stale else ""
         if self.mixed_tokens:
-            stale += (f"; {self.mixed_tokens} tokens of its weights over an older context: mismatch max "
+            stale += (f"; {self.mixed_tokens} tokens of its weights in replies a sync cut: mismatch max "
                       f"{self.mixed_max:.2e} mean {self.mixed_mean:.2e}")
         kl = "" if self.teacher_kl is None else f", KL to the teacher {self.teacher_kl:.4f}"
         return (f"trained {self.tokens} tokens ({self.mode} logprobs): {mismatch}{stale}, "
@@ -125,7 +128,7 @@ class Sample:
     temperature: float
     on_policy: bool  # some of its trained tokens the weights the learner holds before this batch's update sampled
     own: torch.Tensor | None = None  # bool [P]: trained tokens those weights sampled over a context of theirs
-    mixed: torch.Tensor | None = None  # bool [P]: trained tokens those weights sampled over an older context
+    mixed: torch.Tensor | None = None  # bool [P]: trained tokens those weights sampled in a reply a sync cut
     opd_weight: float = 0.0  # the weight of the teacher's term (0: not distilled)
     reference: torch.Tensor | None = None  # float32 [P]: the teacher's logprobs it trains towards
     teacher: torch.Tensor | None = None  # float32 [P]: the teacher's logprobs as shipped (the KL report's)
@@ -151,7 +154,7 @@ class TorchLearner:
         mask = batch.columns["loss_mask"]
         ids, shipped = batch.columns["token_ids"], batch.columns["logprobs"]
         temps = batch.scalars.get("temperature") or [self.config.temperature] * batch.num_samples
-        own, clean = sampled_by(batch), clean_context(batch)
+        own, clean, cut = sampled_by(batch), clean_context(batch), cut_by_sync(batch)
         opd, teacher, trained_towards = distill.opd_weights(batch), distill.teacher_logprobs(batch), self.teacher(batch)
         out = []
         for i in range(batch.num_samples):
@@ -162,7 +165,7 @@ class TorchLearner:
             out.append(Sample(torch.from_numpy(ids[a:b].astype(np.int64)), torch.from_numpy(positions),
                               _tensor(shipped[a:b][positions]), float(batch.scalars["advantage"][i]),
                               float(temps[i]), bool(mine.any()), torch.from_numpy(mine & clean[a:b][positions]),
-                              torch.from_numpy(mine & ~clean[a:b][positions]), float(opd[i]),
+                              torch.from_numpy(mine & cut[a:b][positions]), float(opd[i]),
                               _tensor(trained_towards[a:b][positions]) if opd[i] else None,
                               _tensor(teacher[a:b][positions]) if opd[i] else None))
         return out

@@ -10,8 +10,11 @@ has only the per-sample ``policy`` scalar: its tokens count as sampled by their 
 A version is that of the forward pass that sampled the token. A request that a weight sync's keep pause caught in
 flight goes on, after the resume, over the KV cache its earlier tokens (and prompt) left, computed by the older
 weights: its later tokens are of the new version but not what those weights compute from scratch (observed on vLLM
-0.32.0: mean 0.12 off; docs/inference-servers.md). ``clean_context`` marks the tokens whose whole sample was begun
-under its token's version (the sample's ``policy``), where a recomputation must match.
+0.32.0: mean 0.12 off; docs/inference-servers.md). ``cut_by_sync`` marks those tokens: sampled by newer weights
+than their reply's first token. ``clean_context`` marks the tokens whose whole sample was begun under its token's
+version (the sample's ``policy``), where a recomputation must match. A later turn of a sample begun under older
+weights is neither: a new request, but one sent while a sync was under way carries the older ``cache_salt`` and may
+reuse prefix-cache blocks the older weights computed.
 """
 
 from __future__ import annotations
@@ -63,4 +66,21 @@ def clean_context(batch: Batch) -> np.ndarray:
         return np.ones(batch.num_tokens, bool)
     lo, hi = version_bounds(batch)
     out: np.ndarray = (lo == policy) & (hi == policy)
+    return out
+
+
+def cut_by_sync(batch: Batch) -> np.ndarray:
+    """bool per token: sampled by newer weights than the first token of its reply (a run of exactly versioned
+    tokens), so over a KV cache older weights computed: a sync's keep pause cut the reply. Without a versions
+    column: none."""
+    versions = batch.columns.get("versions")
+    if versions is None:
+        return np.zeros(batch.num_tokens, bool)
+    v = versions.astype(np.int64)
+    known = v >= 0  # exact; NOT_SAMPLED (-1) and bounds (<= -2) end a reply's run
+    begins = known & ~np.concatenate([[False], known[:-1]])
+    firsts = batch.offsets[:-1][batch.offsets[:-1] < v.size]
+    begins[firsts] = known[firsts]  # a sample's first token begins a run even after another sample's
+    start = np.maximum.accumulate(np.where(begins, np.arange(v.size), 0))
+    out: np.ndarray = known & (v != v[start])
     return out

@@ -9,8 +9,8 @@ with CURVE keys; ``pack()`` (per-rank micro-batches of at most ``seq_len``) or
 ``pack_ranks()`` (prime-rl's packing: split, padded, balanced) to lay a batch out for data-parallel ranks.
 An orchestrator on the direct data plane sends step manifests instead of batches: ``recv()`` still returns a
 ``Batch`` (gathered from the env workers' pools on this node), ``recv_view()`` a zero-copy ``StepView``.
-``version_bounds``, ``sampled_by`` and ``clean_context`` read which weights sampled each token (the ``versions``
-column, trainer/versions.py).
+``version_bounds``, ``sampled_by``, ``clean_context`` and ``cut_by_sync`` read which weights sampled each token
+(the ``versions`` column, trainer/versions.py).
 
 Orchestrator side, every sender (``BatchSender``: zmq and shm; ``FileBatchSender``; ``PrimeRLSender``) is a
 ``Sender`` over one ``DeliveryWindow`` (order, bound, acknowledgement, skip on resume, resend); the zmq and shm
@@ -31,7 +31,7 @@ from orchestrator.errors import TrainerRefused
 from orchestrator.security import ClientKeys, load_client_keys
 from orchestrator.trainer.packing import MicroBatch, Packing, RankBatches, pack
 from orchestrator.trainer.receiver import BatchReceiver, SyncBatchReceiver
-from orchestrator.trainer.versions import clean_context, sampled_by, version_bounds
+from orchestrator.trainer.versions import clean_context, cut_by_sync, sampled_by, version_bounds
 
 __all__ = ["Batch", "BatchReceiver", "BatchSender", "Checkpoint", "CheckpointFeed", "DeliveryWindow", "Sender",
            "SyncBatchReceiver", "decode", "encode", "latest_broadcast", "write_marker"]
@@ -39,4 +39,4 @@ __all__ += ["CorruptBatchFile", "FileBatchReceiver", "FileBatchSender"]
 __all__ += ["MicroBatch", "PackedMicroBatch", "Packing", "RankBatches", "balanced_partition", "pack", "pack_ranks"]
 __all__ += ["MICRO_BATCH_FIELDS", "EncodedStep", "PrimeRLSender", "encode_step"]
 __all__ += ["ClientKeys", "TrainerRefused", "TrainerSeat", "load_client_keys"]
-__all__ += ["clean_context", "sampled_by", "version_bounds"]
+__all__ += ["clean_context", "cut_by_sync", "sampled_by", "version_bounds"]
