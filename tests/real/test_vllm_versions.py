@@ -86,8 +86,9 @@ async def test_syncs_during_long_replies_give_tokens_of_two_versions_each_named_
                 np.testing.assert_array_equal(column[start:end], expand(tuple(spans), end - start),
                                               err_msg=f"step {step} sample {i} tokens {start}:{end}")
                 labels |= {v for v, _, _ in spans}
-                for v, s, e in spans[1:]:
-                    cut[step] += int(np.count_nonzero(mask[a + start + s:a + start + e])) if v == step else 0
+                for v, s, e in spans[1:]:  # after a cut: of newer weights than the reply's first span
+                    if v == step > spans[0][0]:
+                        cut[step] += int(np.count_nonzero(mask[a + start + s:a + start + e]))
             assert policies[i] <= min(labels)
             assert max(labels) <= step
             two += len(labels) > 1
