@@ -259,6 +259,28 @@ async def test_a_call_that_fails_as_its_weight_sync_is_cancelled_leaves_no_unret
     assert reported == []
 
 
+@virtual_time
+async def test_a_sync_cancelled_while_its_resume_is_on_the_way_still_resumes_the_server() -> None:
+    """Seen under load at the end of a run: the sync of the checkpoint after the last step, cancelled at shutdown
+    as its resume was on the way, left the server paused: every request of a next run on it would freeze."""
+    async with pool_of(1, probe=False) as (pool, [fake]):
+        fake.slow_paths["/resume"] = 5.0
+        sync = asyncio.ensure_future(pool.update_weights(Checkpoint(1)))
+        await wait_until(lambda: any(c[1] == "/resume" for c in fake.calls), 10, "the resume")
+        assert fake.paused
+        sync.cancel()
+        await asyncio.wait({sync})
+        assert sync.cancelled()  # the cancel still ends the sync ...
+        assert not fake.paused  # ... once the resume is answered
+        fake.slow_paths["/pause"] = 5.0  # and cut short in its pause: resumed after it
+        sync = asyncio.ensure_future(pool.update_weights(Checkpoint(2)))
+        await wait_until(lambda: fake.calls[-1][1] == "/pause", 10, "the pause")
+        sync.cancel()
+        await asyncio.wait({sync})
+        assert [c[1] for c in fake.calls[-2:]] == ["/pause", "/resume"]
+        assert not fake.paused
+
+
 def test_reply_parser_reads_what_verifiers_reads_and_names_the_fix() -> None:
     ok = {"choices": [{"token_ids": [5, 6], "finish_reason": "stop", "logprobs": {"content": [
         {"token": "token_id:5", "logprob": -1.0}, {"token": "token_id:6", "logprob": -0.5}]},

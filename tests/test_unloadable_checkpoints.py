@@ -100,7 +100,10 @@ async def test_a_corrupt_checkpoint_reaches_no_server_and_a_later_good_one_finis
     ckpt = (tmp_path / "ckpt").resolve()
     assert loads[:2] == [str(ckpt / "step_1"), str(ckpt / "step_3")], loads
     assert str(bad) not in json.dumps(log)
-    assert len([p for p, _ in admin if p == "/pause"]) == len(loads)
+    pauses = [i for i, (p, _) in enumerate(admin) if p == "/pause"]
+    # the run may end during the sync that follows its last step: cut short before its load, and still resumed
+    cut = len(pauses) == len(loads) + 1 and [p for p, _ in admin[pauses[-1]:]] == ["/pause", "/resume"]
+    assert len(pauses) == len(loads) + cut, admin
     sampled = {g["cache_salt"] for g in log["generate"] if g["status"] == 200}
     assert {"1", "3"} <= sampled  # it served policy 1 while checkpoint 2 was refused, then policy 3
 

@@ -28,10 +28,11 @@ Without dev mode these routes do not exist (404) and full weights cannot be chan
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.errors import CheckpointError, InferenceError
@@ -40,6 +41,21 @@ from orchestrator.inference.server import HttpStatusError, InferenceServer
 log = logging.getLogger(__name__)
 
 PAUSE_QUERY = {"mode": "keep", "clear_cache": "false"}
+T = TypeVar("T")
+
+
+async def uncut(call: Awaitable[T]) -> T:
+    """``call`` to its end (its own timeout bounds it) even if this task is cancelled meanwhile, then the cancel:
+    for a resume. A run that ends during a weight sync cancels it; a resume cut short there left the server
+    paused, every request it gets from then on frozen (seen under load at the end of a test's run)."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # read: cancelled, this task reports no failure of it
+        raise
 
 
 def weights_dir(ckpt: Checkpoint, template: str | None) -> str:
@@ -82,12 +98,12 @@ class WeightSync:
             # a hung server would hold the sync for a second full timeout here; one that failed leaves
             # rotation and is synced again (resumed included) before it rejoins
             try:
-                await timed(server.request("POST", "/resume"), f"resume on {server.url} after a failed sync",
-                            after_failure=True)
+                await uncut(timed(server.request("POST", "/resume"), f"resume on {server.url} after a failed sync",
+                                  after_failure=True))
             except InferenceError as e:
                 log.warning("%s (it may still be paused: it is resumed before it rejoins rotation)", e)
             raise
-        await timed(server.request("POST", "/resume"), f"resume on {server.url}")
+        await uncut(timed(server.request("POST", "/resume"), f"resume on {server.url}"))
         took["resume"] = time.monotonic() - t
 
     async def load(self, server: InferenceServer, step: int, path: str, timed: Timed) -> None:

@@ -5,7 +5,8 @@ It answers the admin routes of both backends as the real servers do (``/pause``,
 ``/health`` with an empty body, a 2-token ``/inference/v1/generate`` reply (what the pool's probe sends),
 ``/metrics`` with ``metrics_text`` (404 while it is None), and records every call in ``calls``; ``fail_with``
 makes every call raise it, ``fail_paths`` makes calls to those paths raise (before they are recorded: as if
-nothing answered), ``hang_paths`` makes calls to those paths wait until ``release()``.
+nothing answered), ``hang_paths`` makes calls to those paths wait until ``release()``, ``slow_paths`` answer calls
+to those paths after so many seconds.
 For HTTP-level fidelity use the simulated server (``orchestrator.testing.sim``).
 """
 
@@ -30,6 +31,7 @@ class FakeInferenceServer:
         self.fail_paths: dict[str, InferenceError] = {}  # path -> what a call to it raises (the call not recorded)
         self.calls: list[tuple[str, str, dict[str, str], Any]] = []  # method, path, query, body
         self.hang_paths: set[str] = set()
+        self.slow_paths: dict[str, float] = {}  # path -> seconds before a call to it is answered
         self.metrics_text: str | None = None  # what GET /metrics answers (None: 404, as a server without metrics)
         self._released = asyncio.Event()
 
@@ -48,6 +50,7 @@ class FakeInferenceServer:
         if path in self.hang_paths:
             await self._released.wait()
             raise InferenceError(f"{method} {path}: the connection was cut")
+        await asyncio.sleep(self.slow_paths.get(path, 0.0))
         if path == "/inference/v1/generate":
             n = len(body.get("token_ids") or []) if isinstance(body, dict) else 0
             return orjson.dumps({"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length",
