@@ -76,9 +76,12 @@ def _hello(push: zmq.Socket[Any], status: bytes) -> None:
         push.send(status, flags=zmq.NOBLOCK)
 
 
-def _connect(ctx: zmq.Context[_S], address: str, keys: ClientKeys | None, peer_id: str) -> tuple[_S, _S]:
+def _connect(ctx: zmq.Context[_S], address: str, keys: ClientKeys | None, peer_id: str
+             ) -> tuple[_S, _S, RefusalWatch]:
     """A receiver's sockets: a DEALER named ``peer_id`` on ``address`` (batches and control messages), a PUSH
-    to its ``.ckpt`` twin (reports, checkpoints); both CURVE clients with ``keys``."""
+    to its ``.ckpt`` twin (reports, checkpoints); both CURVE clients with ``keys``. The DEALER's refusals are
+    watched from before it connects: libzmq does not retry a key the server refused, so that one event, missed,
+    would never be told (seen under load; libzmq 4.3.5: one HANDSHAKE_FAILED_AUTH, then no reconnect)."""
     batches = ctx.socket(zmq.DEALER)
     batches.setsockopt(zmq.ROUTING_ID, peer_id.encode())
     batches.setsockopt(zmq.LINGER, 0)
@@ -87,9 +90,10 @@ def _connect(ctx: zmq.Context[_S], address: str, keys: ClientKeys | None, peer_i
     if keys is not None:
         secure_client(batches, keys)
         secure_client(push, keys)
+    refusals = RefusalWatch(batches, address, keys, "trainer")  # checked while idle
     batches.connect(address)
     push.connect(ckpt_address(address))
-    return batches, push
+    return batches, push, refusals
 
 
 class _ReceiverCore:
@@ -329,8 +333,7 @@ class BatchReceiver(_ReceiverCore):
                  name: str | None = None, broadcaster: WeightBroadcaster | None = None) -> None:
         super().__init__(address, last_step, auto_ack, checkpoint, name, keys, broadcaster)
         self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.batches, self.push = _connect(self.ctx, address, keys, self.id)
-        self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle
+        self.batches, self.push, self.refusals = _connect(self.ctx, address, keys, self.id)
         # queued until the orchestrator is there; sent on a sync view so no loop is needed yet
         _hello(zmq.Socket.shadow(self.push.underlying), self._status(hello=True))
 
@@ -443,8 +446,7 @@ class SyncBatchReceiver(_ReceiverCore):
                  broadcaster: WeightBroadcaster | None = None) -> None:
         super().__init__(address, last_step, auto_ack, checkpoint, name, keys, broadcaster)
         self.ctx = ctx or zmq.Context.instance()
-        self.batches, self.push = _connect(self.ctx, address, keys, self.id)
-        self.refusals = RefusalWatch(self.batches, address, keys, "trainer")  # checked while idle
+        self.batches, self.push, self.refusals = _connect(self.ctx, address, keys, self.id)
         _hello(self.push, self._status(hello=True))
 
     def recv(self, timeout_s: float | None = None) -> Batch:
