@@ -10,15 +10,20 @@ every trainable sample under the teacher before sending its record. The passes a
 
 Prints, for both: the orchestrator process's own CPU per rollout (this process's CPU time over the steps, start-up
 excluded: env workers and servers are other processes), its loop lag (sampled every ``--lag-interval-s``; the
-worst step's p99 and max), rollouts/s; then ``orch_cpu_ratio`` (with / without; target <= 1.1: the teacher's bytes
-and requests live in the env workers, the orchestrator sees the same headers), ``lag_p99_delta_ms`` and
-``lag_max_delta_ms`` (with - without; target: no growth beyond the run's noise) and ``with_teacher_to_without``
-(rollouts/s; no target on 2 cores, where the teacher's prefills share the CPU with everything else).
+worst step's p99 and max), rollouts/s; then ``orch_cpu_ratio`` (with / without: the teacher's bytes and requests
+live in the env workers, the orchestrator sees the same headers; ``orch_cpu_ratio_net`` below is the target's),
+``lag_p99_delta_ms`` and ``lag_max_delta_ms`` (with - without; target: no growth beyond the run's noise) and
+``with_teacher_to_without`` (rollouts/s; no target on 2 cores, where the teacher's prefills share the CPU with
+everything else).
 ``--data-plane direct`` keeps every column, the teacher's too, out of the orchestrator (default: through).
 
 Read ``orch_cpu_ratio`` with ``cpu_ms_per_s`` (the orchestrator's CPU per second of wall time): part of its CPU is
 paid per second, not per rollout (the loop-lag sampler at ``--lag-interval-s``, timers, polls), and with the
-teacher's prefills on the same 2 cores a pass takes longer, so that part lands on fewer rollouts per second.
+teacher's prefills on the same 2 cores a pass takes longer, so that part lands on fewer rollouts per second. So
+before each pair of passes an idle pass measures that part (``idle_cpu_ms_per_s``: the same job against a third
+simulated server that answers nothing within the pass, over ``--idle-s`` once its groups are admitted), and
+``orch_cpu_ratio_net`` (target <= 1.1) compares the CPU per rollout net of it: ``cpu_ms_per_rollout -
+idle_cpu_ms_per_s / rollouts_per_s``, medians.
 Smoke runs (``--rollouts 200 --repeats 1``, load 6-14 from other work, 2026-11-28): 1.16, 1.19 and 1.24 through,
 1.62 direct, where the pass with the teacher ran at 0.29 x the rollouts/s: not a figure; the lead's run on a
 quiet machine, at the default sizes, is. Also the
@@ -38,27 +43,32 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from _machine import with_machine
+from _running import running
 
 from orchestrator.cli import run_async
-from orchestrator.procs import terminate
 from orchestrator.sim.process import sim_process
 
+if TYPE_CHECKING:
+    from orchestrator.config import JobConfig
+
 STEPS = 10
+STALL_S = 600.0  # the stalled server's latency: no reply within an idle pass
+IDLE_SETTLE_S = 3.0  # after the workers are ready: the groups admitted, the requests sent
 
 
-async def one_pass(policy: str, teacher: str | None, rollouts: int, out: Path, lag_interval_s: float,
-                   data_plane: str) -> dict[str, Any]:
-    from orchestrator.app import Orchestrator
+def job(policy: str, teacher: str | None, rollouts: int, out: Path, lag_interval_s: float, data_plane: str, *,
+        preflight: bool = True) -> JobConfig:
+    """The job of a pass: ``rollouts`` over STEPS steps; with ``teacher``, every sample scored under it."""
     from orchestrator.config import load_config
     from orchestrator.testing.jobs import toml_text
 
-    out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - set-up before anything is measured
+    out.mkdir(parents=True, exist_ok=True)
     sections: dict[str, Any] = {
         "run": {"name": "bench", "output_dir": out / "run", "max_steps": STEPS},
-        "inference": {"servers": [policy], "request_timeout_s": 120.0},
+        "inference": {"servers": [policy], "request_timeout_s": 120.0, "preflight": preflight},
         "scheduler": {"batch_size": rollouts // STEPS, "max_inflight": 64, "max_async_level": STEPS,
                       "max_off_policy_steps": STEPS},
         "pipeline": {"gates": []},  # every group trains: the same work in both passes
@@ -72,26 +82,32 @@ async def one_pass(policy: str, teacher: str | None, rollouts: int, out: Path, l
         sections["teacher"] = {"servers": [teacher], "model": "teacher", "request_timeout_s": 120.0}
     cfg_path = out / "bench.toml"
     cfg_path.write_text(toml_text(**sections))
-    cfg = load_config(cfg_path)
-    async with Orchestrator.open(cfg) as orch:
-        trainer = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "receive", orch.sender.address,
-            "--no-announce")
-        try:
-            orch.on_step = lambda m: None
-            run = asyncio.ensure_future(orch.run())
-            await orch.hub.wait_ready(2, 300, cfg.monitor.stall_warn_s)
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            summary = await run
-            cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-        finally:
-            await terminate(trainer, 5)
+    return load_config(cfg_path)
+
+
+async def one_pass(policy: str, teacher: str | None, rollouts: int, out: Path, lag_interval_s: float,
+                   data_plane: str) -> dict[str, Any]:
+    async with running(job(policy, teacher, rollouts, out, lag_interval_s, data_plane)) as (_, run):
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        summary = await run
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     done = sum(m["rollouts"] for m in summary.metrics)
     failed = sum(m["failed"] for m in summary.metrics)
     return {"rollouts": done, "failed": failed, "rollouts_per_s": done / wall, "cpu_ms_per_rollout": cpu * 1e3 / done,
             "cpu_ms_per_s": cpu * 1e3 / wall,
             "lag_p99_ms": max(m["lag"]["p99"] for m in summary.metrics),
             "lag_max_ms": max(m["lag"]["max"] for m in summary.metrics)}
+
+
+async def idle_pass(stalled: str, out: Path, lag_interval_s: float, data_plane: str, window_s: float) -> float:
+    """The orchestrator's CPU per second of wall time while no rollout completes (``stalled``: a policy server
+    that answers nothing within the pass): what it pays per second whatever the rollouts (lag sampler, timers,
+    polls, the workers' heartbeats), measured over ``window_s`` once its groups are admitted."""
+    async with running(job(stalled, None, 800, out, lag_interval_s, data_plane, preflight=False)):
+        await asyncio.sleep(IDLE_SETTLE_S)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.sleep(window_s)
+        return (time.process_time() - cpu0) * 1e3 / (time.perf_counter() - t0)
 
 
 def median(passes: list[dict[str, Any]], key: str) -> float:
@@ -101,14 +117,19 @@ def median(passes: list[dict[str, Any]], key: str) -> float:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     load_start = os.getloadavg()
     runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
+    idle: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["HOME"] = tmp  # verifiers writes ~/.cache/verifiers
         async with sim_process(["--seed", "0"]) as policy, \
                 sim_process(["--seed", "1", "--model", "teacher", "--policy-seed", "1", "--max-model-len", "4097"]
-                            ) as teacher:
-            for server in (policy, teacher):  # they stand in for GPU servers on other hosts
+                            ) as teacher, \
+                sim_process(["--seed", "0", "--latency-ms", str(int(STALL_S * 1000))]) as stalled:
+            for server in (policy, teacher, stalled):  # they stand in for GPU servers on other hosts
                 os.setpriority(os.PRIO_PROCESS, server.pid, 5)
             for i in range(args.repeats):
+                idle.append(await idle_pass(stalled.url, Path(tmp) / f"idle-{i}", args.lag_interval_s,
+                                            args.data_plane, args.idle_s))
+                print(f"pass {i} idle: {idle[-1]:.3f} ms CPU a second", file=sys.stderr, flush=True)
                 for name in ("without", "with"):
                     result = await one_pass(policy.url, teacher.url if name == "with" else None, args.rollouts,
                                             Path(tmp) / f"{name}-{i}", args.lag_interval_s, args.data_plane)
@@ -122,6 +143,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             out[f"{key}_{name}"] = median(passes, key)
         out[f"failed_{name}"] = sum(p["failed"] for p in passes)
     out["orch_cpu_ratio"] = round(out["cpu_ms_per_rollout_with"] / out["cpu_ms_per_rollout_without"], 3)
+    out["idle_cpu_ms_per_s"] = round(float(statistics.median(idle)), 3)
+    net = {name: out[f"cpu_ms_per_rollout_{name}"] - out["idle_cpu_ms_per_s"] / out[f"rollouts_per_s_{name}"]
+           for name in runs}
+    out["orch_cpu_ratio_net"] = round(net["with"] / net["without"], 3)
     out["lag_p99_delta_ms"] = round(out["lag_p99_ms_with"] - out["lag_p99_ms_without"], 3)
     out["lag_max_delta_ms"] = round(out["lag_max_ms_with"] - out["lag_max_ms_without"], 3)
     out["with_teacher_to_without"] = round(out["rollouts_per_s_with"] / out["rollouts_per_s_without"], 3)
@@ -137,6 +162,7 @@ def main() -> None:
     p.add_argument("--data-plane", choices=("through", "direct"), default="through",
                    help="through (default): column bytes, the teacher's too, pass the orchestrator; direct: not")
     p.add_argument("--lag-interval-s", type=float, default=0.01, help="loop-lag sampling interval")
+    p.add_argument("--idle-s", type=float, default=10.0, help="the window of each idle pass")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args()
     result = run_async(main_async(args))

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import with_machine
+from _running import running
 
 from orchestrator.assets import tokenizer_dir
 from orchestrator.cli import run_async
@@ -80,7 +81,6 @@ def free_port() -> int:
 
 
 async def ours(url: str, rollouts: int, out: Path, lag_interval_s: float, probe: bool = False) -> dict[str, Any]:
-    from orchestrator.app import Orchestrator
     from orchestrator.config import load_config
     from orchestrator.testing.jobs import toml_text
 
@@ -95,20 +95,10 @@ async def ours(url: str, rollouts: int, out: Path, lag_interval_s: float, probe:
                  "lag_error_ms": 10000.0},
         env=[{"taskset": "orchestrator-arithmetic", "group_size": 8, "workers": 2, "sampling": {"max_tokens": 8}}]))
     cfg = load_config(cfg_path)
-    async with Orchestrator.open(cfg) as orch:
-        trainer = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "receive", orch.sender.address,
-            "--no-announce")
-        try:
-            orch.on_step = lambda m: None
-            run = asyncio.ensure_future(orch.run())
-            await orch.hub.wait_ready(2, 300, cfg.monitor.stall_warn_s)
-            async with lag_probe(probe) as idle_lag:
-                cpu0, t0 = time.process_time(), time.perf_counter()
-                summary = await run
-                cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-        finally:
-            await terminate(trainer, 5)
+    async with running(cfg) as (_, run), lag_probe(probe) as idle_lag:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        summary = await run
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     done = sum(m["rollouts"] for m in summary.metrics)
     worst = max((m["lag"] for m in summary.metrics), key=lambda lag: lag["max"])
     return {"rollouts": done, "rollouts_per_s": round(done / wall, 1),
