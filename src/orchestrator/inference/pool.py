@@ -71,7 +71,7 @@ from orchestrator.inference.config import InferenceConfig
 from orchestrator.inference.discovery import Resolver, ServerDiscovery, SystemResolver
 from orchestrator.inference.replies import parse_generate_reply
 from orchestrator.inference.server import HttpInferenceServer, InferenceServer, api_key
-from orchestrator.inference.weights import PAUSE_QUERY, uncut, weight_sync, weights_dir
+from orchestrator.inference.weights import PAUSE_QUERY, resume, weight_sync, weights_dir
 
 log = logging.getLogger(__name__)
 
@@ -375,10 +375,10 @@ class InferencePool:
                 # resumed: a pause may have reached it after the resume of a failed sync (e.g. it was stopped);
                 # labelled: it may have restarted, and an engine starts as "default"
                 async with server.sync_lock:
-                    await uncut(self.timed(server.api.request("POST", "/resume"), f"resume on {server.url}",
-                                           timeout_s))
-                    await self.weights.label(server.api, server.version,
-                                             lambda call, what, **_: self.timed(call, what, timeout_s))
+                    def timed(call: Awaitable[bytes], what: str, **_: bool) -> Awaitable[bytes]:
+                        return self.timed(call, what, timeout_s)
+                    await resume(server.api, timed)
+                    await self.weights.label(server.api, server.version, timed)
             while server.version != self.target.step:  # newer weights may be announced while it loads
                 if not await self._on_disk(server):
                     return  # it waits for the next broadcast, out of rotation
@@ -498,8 +498,7 @@ class InferencePool:
         await self.timed(server.api.request("POST", "/pause", query=PAUSE_QUERY), f"pause on {server.url}")
 
     async def resume(self, server: Server, *, after_failure: bool = False) -> None:
-        await uncut(self.timed(server.api.request("POST", "/resume"), f"resume on {server.url}",
-                               after_failure=after_failure))
+        await resume(server.api, self.timed, after_failure=after_failure)
 
     @contextlib.asynccontextmanager
     async def syncing(self, servers: Iterable[Server]) -> AsyncIterator[None]:

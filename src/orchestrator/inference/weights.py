@@ -44,10 +44,16 @@ PAUSE_QUERY = {"mode": "keep", "clear_cache": "false"}
 T = TypeVar("T")
 
 
-async def uncut(call: Awaitable[T]) -> T:
-    """``call`` to its end (its own timeout bounds it) even if this task is cancelled meanwhile, then the cancel:
-    for a resume. A run that ends during a weight sync cancels it; a resume cut short there left the server
-    paused, every request it gets from then on frozen (seen under load at the end of a test's run)."""
+async def resume(server: InferenceServer, timed: Timed, *, after_failure: bool = False) -> None:
+    """``POST /resume`` on ``server`` within ``timed``, seen to its end even if this task is cancelled meanwhile
+    (then the cancel): a run that ends during a weight sync cancels it, and a resume cut short there left the
+    server paused, every request it gets from then on frozen (seen under load at the end of a test's run)."""
+    what = f"resume on {server.url}" + (" after a failed sync" if after_failure else "")
+    await _uncut(timed(server.request("POST", "/resume"), what, after_failure=after_failure))
+
+
+async def _uncut(call: Awaitable[T]) -> T:
+    """``call`` to its end (its own timeout bounds it) even if this task is cancelled meanwhile, then the cancel."""
     task = asyncio.ensure_future(call)
     try:
         return await asyncio.shield(task)
@@ -98,12 +104,11 @@ class WeightSync:
             # a hung server would hold the sync for a second full timeout here; one that failed leaves
             # rotation and is synced again (resumed included) before it rejoins
             try:
-                await uncut(timed(server.request("POST", "/resume"), f"resume on {server.url} after a failed sync",
-                                  after_failure=True))
+                await resume(server, timed, after_failure=True)
             except InferenceError as e:
                 log.warning("%s (it may still be paused: it is resumed before it rejoins rotation)", e)
             raise
-        await uncut(timed(server.request("POST", "/resume"), f"resume on {server.url}"))
+        await resume(server, timed)
         took["resume"] = time.monotonic() - t
 
     async def load(self, server: InferenceServer, step: int, path: str, timed: Timed) -> None:

@@ -77,7 +77,7 @@ def cut_by_sync(batch: Batch) -> np.ndarray:
     if versions is None:
         return np.zeros(batch.num_tokens, bool)
     v = versions.astype(np.int64)
-    known = v >= 0  # exact; NOT_SAMPLED (-1) and bounds (<= -2) end a reply's run
+    known = exact(v)  # NOT_SAMPLED and bounded tokens end a reply's run
     begins = known & ~np.concatenate([[False], known[:-1]])
     firsts = batch.offsets[:-1][batch.offsets[:-1] < v.size]
     begins[firsts] = known[firsts]  # a sample's first token begins a run even after another sample's
