@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from orchestrator.testing.keys import KeySet, make_key_set
 from orchestrator.testing.procs import orchestrator_process, wait_until
 from orchestrator.testing.steps import synthetic_config
 from orchestrator.trainer.reference import read_journal
-from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver
+from orchestrator.transport import Batch, BatchReceiver, BatchSender, SyncBatchReceiver, TrainerRefused
 
 TIMEOUT_S = 60.0  # a hang guard: every wait ends on an event (a message, a failed handshake)
 
@@ -59,14 +60,26 @@ def refused(keys: KeySet, which: str) -> ClientKeys | None:
             "wrong-server-key": keys.wrong_server("trainer")}[which]
 
 
+FOR_GOOD = {"no-keys", "unlisted-key"}  # refusals libzmq does not retry: the client's connection is gone
+
+
+async def forge(intruder: BatchReceiver, which: str) -> None:
+    """Send what a forger would: queued, then dropped by the failed handshake; or, when the handshake failed
+    first and for good, refused here (no connection is left to queue them in)."""
+    try:
+        await asyncio.wait_for(intruder.ack(5), TIMEOUT_S)  # "the trainer has steps up to 5": 0-5 would be skipped
+        await asyncio.wait_for(intruder.announce(42), TIMEOUT_S)  # forged weights: step 42 would be loaded
+    except TrainerRefused:
+        assert which in FOR_GOOD
+
+
 @pytest.mark.parametrize("which", ["no-keys", "unlisted-key", "wrong-server-key"])
 async def test_only_the_authorized_trainer_gets_batches_and_is_heard(keys: KeySet, which: str) -> None:
     async with tcp_sender(keys.server()) as sender:
         with failed_handshakes(sender.router) as to_push, failed_handshakes(sender.pull) as to_pull:
             intruder = BatchReceiver(sender.address, keys=refused(keys, which), auto_ack=False)
             try:
-                await intruder.ack(5)  # a forged "the trainer has steps up to 5": the sender would skip 0-5
-                await intruder.announce(42)  # forged weights: the orchestrator would load step 42
+                await forge(intruder, which)
                 await to_push.next(TIMEOUT_S)
                 await to_pull.next(TIMEOUT_S)
                 trainer = BatchReceiver(sender.address, keys=keys.client("trainer"), auto_ack=False)
@@ -110,10 +123,16 @@ async def test_a_refused_trainer_says_why_once(keys: KeySet, which: str, says: s
         receiving = asyncio.ensure_future(receiver.recv())
         try:
             await wait_until(lambda: said() > 0, TIMEOUT_S, f"a warning saying {says!r}")
-            assert not receiving.done()  # it goes on waiting
+            if which in FOR_GOOD:  # no connection is made again: recv says so instead of waiting for ever
+                with pytest.raises(TrainerRefused, match=re.escape(says)):
+                    await asyncio.wait_for(receiving, TIMEOUT_S)
+                with pytest.raises(TrainerRefused, match=re.escape(says)):
+                    await asyncio.wait_for(receiver.ack(0), TIMEOUT_S)
+            else:
+                assert not receiving.done()  # it goes on retrying
         finally:
             receiving.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, TrainerRefused):
                 await receiving
             receiver.close()
     assert said() == 1

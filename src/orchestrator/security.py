@@ -269,6 +269,9 @@ class RefusalWatch:
 
     def __init__(self, sock: zmq.Socket[Any], address: str, keys: ClientKeys | None, who: str) -> None:
         self.address, self.keys, self.who = address, keys, who
+        # why, once the server refused for good: libzmq 4.3.5 does not reconnect after a refused key or a missing
+        # one (a protocol error ends the session), so the socket has no pipe left and a send would block for ever
+        self.final: str | None = None
         # unique: not id(sock), which a socket made after this one closed may get while libzmq still unbinds this
         # monitor's endpoint (its IO thread does that later): EADDRINUSE, seen on a loaded machine
         endpoint = f"inproc://refusals.{uuid.uuid4().hex}"
@@ -284,7 +287,10 @@ class RefusalWatch:
                 frames = self._events.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            why = self._why(int(parse_monitor_message(frames)["event"]))
+            event = int(parse_monitor_message(frames)["event"])
+            why = self._why(event)
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH or self.keys is None:
+                self.final = why
             if why not in self._told:
                 self._told.add(why)
                 log.warning("%s", why)

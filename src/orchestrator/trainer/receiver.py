@@ -100,6 +100,8 @@ class _ReceiverCore:
     """What both receivers share: validation, ordering, counts, the shared-memory mapping, control messages
     and the messages back."""
 
+    refusals: RefusalWatch  # the DEALER's failed handshakes (set by the subclass that makes the sockets)
+
     def __init__(self, address: str, last_step: int | None, auto_ack: bool, checkpoint: Checkpoint | None,
                  name: str | None, keys: ClientKeys | None = None, broadcaster: WeightBroadcaster | None = None
                  ) -> None:
@@ -145,8 +147,13 @@ class _ReceiverCore:
             self._unreleased = None
 
     def _check_refused(self) -> None:
+        """TrainerRefused once the orchestrator refused this trainer, or its server refused this trainer's keys
+        for good (no connection is made again: see ``RefusalWatch.final``; the error says what to fix)."""
         if self.refused is not None:
             raise TrainerRefused(f"the orchestrator at {self.address} refused this trainer: {self.refused}")
+        self.refusals.check()
+        if self.refusals.final is not None:
+            raise TrainerRefused(self.refusals.final)
 
     def _control(self, frames: Sequence[Any]) -> bool | None:
         """None if ``frames`` is not a control message; else whether to answer with a status message.
@@ -364,7 +371,7 @@ class BatchReceiver(_ReceiverCore):
             answer = self._control(frames)
             if answer is not None:
                 if answer:
-                    await self.push.send(self._status())
+                    await self._say(self._status())
                 await self._serve_pending()
                 continue
             try:
@@ -374,7 +381,7 @@ class BatchReceiver(_ReceiverCore):
             got: Received | None = item if not isinstance(item, StepManifest) else (
                 await asyncio.to_thread(self._view, item) if self.pools.missing(item) else self._view(item))
             if (report := self._due_lost_report()) is not None:
-                await self.push.send(report)
+                await self._say(report)
             if got is not None:
                 if self._acks_now(got):
                     await self.ack(got.step)
@@ -383,17 +390,25 @@ class BatchReceiver(_ReceiverCore):
     async def _read(self, wait_s: float) -> list[Any] | None:
         """The next message's frames; None after ``wait_s`` without one (a status message is sent then)."""
         if not await self.batches.poll(int(wait_s * 1000)):
-            self.refusals.check()
-            await self.push.send(self._status())
+            self._check_refused()
+            await self._say(self._status())
             return None
         return await self.batches.recv_multipart(copy=False)
+
+    async def _say(self, msg: bytes) -> None:
+        """Send ``msg`` on the trainer channel; while there is no room (an orchestrator gone so long that its
+        queue is full), wait. TrainerRefused if the server refused this trainer's keys: nothing is queued then."""
+        self._check_refused()
+        while not await self.push.poll(int(STATUS_S * 1000), zmq.POLLOUT):
+            self._check_refused()
+        await self.push.send(msg)
 
     async def _serve_pending(self) -> None:
         while (todo := self._next_transfer()) is not None:
             now, work = todo
-            await self.push.send(now)
+            await self._say(now)
             if work is not None:  # the rendezvous or the broadcast: blocking, off the loop
-                await self.push.send(self._status(transfer=await asyncio.to_thread(work)))
+                await self._say(self._status(transfer=await asyncio.to_thread(work)))
 
     async def serve_transfers(self, step: int | None, timeout_s: float = 600.0) -> bool:
         """Weights ``step`` were just announced: serve the orchestrator's transfer requests until it has taken them
@@ -414,7 +429,7 @@ class BatchReceiver(_ReceiverCore):
         without it, call this once the step is safe, e.g. trained or journalled). Shared memory: this
         releases those steps' arrays."""
         self._set_acked(step)
-        await self.push.send(self._status())
+        await self._say(self._status())
 
     async def release(self, batch: Batch) -> None:
         """Done with ``batch`` (and every earlier one): ``ack(batch.step)``."""
@@ -422,7 +437,7 @@ class BatchReceiver(_ReceiverCore):
 
     async def announce(self, step: int, path: str | None = None) -> None:
         """Tell the orchestrator that weights ``step`` are ready to load (repeated in later status messages)."""
-        await self.push.send(self._announcement(step, path))
+        await self._say(self._announcement(step, path))
 
     def close(self) -> None:
         """Close the sockets and drop the pool's mapping (unmapped once no batch views it); leave any weight
@@ -478,7 +493,7 @@ class SyncBatchReceiver(_ReceiverCore):
             answer = self._control(frames)
             if answer is not None:
                 if answer:
-                    self.push.send(self._status())
+                    self._say(self._status())
                 self._serve_pending()
                 continue
             try:
@@ -487,7 +502,7 @@ class SyncBatchReceiver(_ReceiverCore):
                 item = self._accept(frames) if self._fetch(need) else None
             got = self._view(item) if isinstance(item, StepManifest) else item
             if (report := self._due_lost_report()) is not None:
-                self.push.send(report)
+                self._say(report)
             if got is not None:
                 if self._acks_now(got):
                     self.ack(got.step)
@@ -495,17 +510,24 @@ class SyncBatchReceiver(_ReceiverCore):
 
     def _read(self, wait_s: float) -> list[Any] | None:
         if not self.batches.poll(int(wait_s * 1000)):
-            self.refusals.check()
-            self.push.send(self._status())
+            self._check_refused()
+            self._say(self._status())
             return None
         return self.batches.recv_multipart(copy=False)
+
+    def _say(self, msg: bytes) -> None:
+        """As ``BatchReceiver._say``."""
+        self._check_refused()
+        while not self.push.poll(int(STATUS_S * 1000), zmq.POLLOUT):
+            self._check_refused()
+        self.push.send(msg)
 
     def _serve_pending(self) -> None:
         while (todo := self._next_transfer()) is not None:
             now, work = todo
-            self.push.send(now)
+            self._say(now)
             if work is not None:
-                self.push.send(self._status(transfer=work()))
+                self._say(self._status(transfer=work()))
 
     def serve_transfers(self, step: int | None, timeout_s: float = 600.0) -> bool:
         """As ``BatchReceiver.serve_transfers``."""
@@ -519,13 +541,13 @@ class SyncBatchReceiver(_ReceiverCore):
 
     def ack(self, step: int) -> None:
         self._set_acked(step)
-        self.push.send(self._status())
+        self._say(self._status())
 
     def release(self, batch: Batch) -> None:
         self.ack(batch.step)
 
     def announce(self, step: int, path: str | None = None) -> None:
-        self.push.send(self._announcement(step, path))
+        self._say(self._announcement(step, path))
 
     def close(self) -> None:
         self.close_transfers()
