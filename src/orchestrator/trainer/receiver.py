@@ -399,7 +399,8 @@ class BatchReceiver(_ReceiverCore):
         """Send ``msg`` on the trainer channel; while there is no room (an orchestrator gone so long that its
         queue is full), wait. TrainerRefused if the server refused this trainer's keys: nothing is queued then."""
         self._check_refused()
-        while not await self.push.poll(int(STATUS_S * 1000), zmq.POLLOUT):
+        # pyzmq's stub for the asyncio socket's poll lacks the flags its code takes (zmq/_future.py)
+        while not await self.push.poll(int(STATUS_S * 1000), zmq.POLLOUT):  # type: ignore[call-arg]
             self._check_refused()
         await self.push.send(msg)
 
