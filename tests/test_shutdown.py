@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.testing.procs import (
+    env_workers,
     logged,
     orchestrator_process,
     process_state,
@@ -61,11 +62,11 @@ async def test_one_signal_during_start_up_exits_130_within_the_bound(tmp_path: P
     async with sim_process() as server:
         cfg, out = write_job(tmp_path, server.url, 1000, "startup-signal", workers=2)
         async with orchestrator_process("run", str(cfg), log_level="INFO", log=log) as run:
-            await wait_until(lambda: len(processes_mentioning(f"{out}/workers.sock")) == 2, HANG_GUARD_S,
+            await wait_until(lambda: len(env_workers(f"{out}/workers.sock")) == 2, HANG_GUARD_S,
                              "both env workers started", alive=run, poll_s=0.02)
             run.send_signal(signal.SIGINT)
             code = await asyncio.wait_for(run.wait(), HANG_GUARD_S)
-        # what the test is about: no worker had finished starting (importing verifiers alone takes seconds)
+        # what the test is about: no worker had finished starting (loading its environments takes a second)
         ready = [line for line in logged(log, " ready (") if "env worker" in line]
         assert not ready, ready
         assert code == 130, "\n".join(logged(log, ""))  # cleanup finished within SHUTDOWN_S (past it: 124)
@@ -85,7 +86,7 @@ async def test_a_sigkilled_run_leaves_no_worker_behind_even_a_stopped_one(tmp_pa
             # ready: it asked for its parent-death signal long before (the first thing its command line does)
             await wait_until(lambda: bool(logged(log, "env worker local-0 ready")), START_S, "the worker ready",
                              alive=run)
-            [worker] = processes_mentioning(f"{out}/workers.sock")
+            [worker] = env_workers(f"{out}/workers.sock")
             os.kill(worker, signal.SIGSTOP)
             # stopped, not just signalled: a SIGTERM that came before the stop took effect would still end it
             await wait_until(lambda: process_state(worker) == "T", HANG_GUARD_S, "the worker stopped", poll_s=0.01)

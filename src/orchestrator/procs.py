@@ -10,11 +10,13 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 PARENT_ENV = "ORCHESTRATOR_PARENT_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PR_SET_NAME = 15
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -42,6 +44,13 @@ def die_with_parent() -> None:
         raise SystemExit(f"parent process {parent} is gone; exiting")
 
 
+def name_process(name: str) -> None:
+    """This process's name as ps, top and /proc/PID/comm show it (Linux; at most 15 bytes): an env worker and the
+    hub's warm one share a command line (workers/zygote.py)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15])
+
+
 STOPPED = ("T", "t")  # process_state of a process stopped by a signal (SIGSTOP) or by a debugger
 
 
@@ -64,7 +73,21 @@ def process_activity(pid: int) -> tuple[str, int] | None:
     return fields[0], majflt + utime + stime
 
 
-async def terminate(proc: asyncio.subprocess.Process, timeout_s: float = 10.0, *, signal_first: bool = True) -> None:
+class Stoppable(Protocol):
+    """What ``terminate`` needs of a process: an ``asyncio.subprocess.Process``, or a worker the hub's warm process
+    forked (hub/forks.py)."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
+
+
+async def terminate(proc: Stoppable, timeout_s: float = 10.0, *, signal_first: bool = True) -> None:
     """Stop a child we started: SIGTERM (unless ``signal_first`` is False), then SIGKILL after ``timeout_s``."""
     if proc.returncode is not None:
         return

@@ -14,6 +14,8 @@ import socket
 
 from orchestrator.cli import run_async
 from orchestrator.commands.client_keys import add_key_arguments, client_keys, zmq_address
+from orchestrator.procs import name_process
+from orchestrator.workers.zygote import WORKER_NAME
 
 HELP = "run an env worker (verifiers environments) for an orchestrator"
 
@@ -40,16 +42,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. tcp://10.0.0.2:5700 (CURVE with --client-key when the orchestrator has [security] "
                         "keys; otherwise loopback only)")
     add_key_arguments(p, "env worker")
+    # the hub's warm process (workers/zygote.py): imports once, then forks each local worker on request on this fd
+    p.add_argument("--forks", type=int, default=None, metavar="FD", help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:
     from orchestrator.workers.quiet import quiet_libraries
 
+    name_process(WORKER_NAME)  # for ps and top: its command line is the interpreter's
     quiet_libraries()  # before verifiers (and transformers) are imported, below
+    if args.nice:
+        os.nice(args.nice)
+    if args.forks is not None:
+        from orchestrator.workers.zygote import serve
+
+        parser = argparse.ArgumentParser(prog="orchestrator env-worker")
+        add_arguments(parser)
+        # returns in each forked worker, with its own command line (its niceness is this process's)
+        args = parser.parse_args(serve(args.forks))
     from orchestrator.workers.process import Worker
 
     keys = client_keys(args, args.connect, "env worker")
-    if args.nice:
-        os.nice(args.nice)
     worker_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
     return run_async(Worker(args.connect, worker_id, keys, span_address=args.span_address).run())

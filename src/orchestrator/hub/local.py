@@ -24,9 +24,11 @@ import signal
 import sys
 from collections.abc import Collection
 
+from orchestrator.hub.forks import Forked, Forks
 from orchestrator.procs import STOPPED, child_env, process_activity, process_state, terminate
 
 log = logging.getLogger(__name__)
+Child = asyncio.subprocess.Process | Forked  # a worker started on its own, or forked from the warm process
 
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # local restarts after consecutive failures
 STOP_GRACE_S = 5.0  # every local worker stopping exits within this (all at once), or is killed
@@ -41,7 +43,10 @@ class LocalWorkers:
         self.env_vars = env_vars
         self.nice = nice
         self.span_address = span_address  # direct mode: each worker's span server binds here (tcp://HOST:0)
-        self.procs: dict[str, asyncio.subprocess.Process] = {}  # by name: the current process of each slot
+        self._span = [] if span_address is None else ["--span-address", span_address]
+        # imports verifiers once and forks the workers (hub/forks.py); its command line names the address
+        self.forks = Forks(["--connect", address, "--nice", str(nice), *self._span], env_vars, STARTUP_S)
+        self.procs: dict[str, Child] = {}  # by name: the current process of each slot
         self.restarts = 0
         self._restart_at: dict[str, float] = {}  # slots waiting to be restarted -> when (loop time)
         self._became_ready: set[str] = set()  # slots whose current process reached ready
@@ -52,15 +57,16 @@ class LocalWorkers:
         self._activity: dict[str, int] = {}  # slot -> its process's activity count at the last ``at_work``
 
     async def spawn(self, name: str | None = None) -> str:
-        """Start a worker process (a new slot, or ``name``'s again); its name."""
+        """Start a worker process (a new slot, or ``name``'s again), forked from the warm process when it can
+        (hub/forks.py), else on its own; its name."""
         if name is None:
             name = f"local-{self._spawned}"
             self._spawned += 1
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect", self.address,
-            "--id", name, "--nice", str(self.nice),
-            *([] if self.span_address is None else ["--span-address", self.span_address]), env=child_env(self.env_vars),
-        )
+        proc: Child | None = await self.forks.spawn(["--connect", self.address, "--id", name, *self._span])
+        if proc is None:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect",
+                self.address, "--id", name, "--nice", str(self.nice), *self._span, env=child_env(self.env_vars))
         self.procs[name] = proc
         self._became_ready.discard(name)
         self._activity.pop(name, None)
@@ -182,6 +188,7 @@ class LocalWorkers:
         async with asyncio.TaskGroup() as tg:
             for name, proc in self.procs.items():
                 tg.create_task(terminate(proc, STOP_GRACE_S, signal_first=name not in asked))
+        await self.forks.close()
 
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items()}

@@ -19,6 +19,7 @@ from typing import Any
 
 from orchestrator.procs import process_state
 from orchestrator.testing.jobs import ARITHMETIC, Section, toml_text
+from orchestrator.workers.zygote import NAME as WARM_NAME
 
 __all__ = ["logged", "orchestrator_process", "process_state", "processes_mentioning", "python_process",
            "unix_connections", "wait_until", "write_job"]
@@ -77,6 +78,19 @@ def logged(log: Path, text: str) -> list[str]:
     except FileNotFoundError:
         return []
     return [line for line in lines if text in line]
+
+
+def env_workers(text: str) -> list[int]:
+    """Pids of the env workers whose command line contains ``text`` (e.g. a run's worker socket path): those of
+    ``processes_mentioning``, but the hub's warm process, which forks them with the same command line."""
+    return [pid for pid in processes_mentioning(text) if _comm(pid) != WARM_NAME]
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 def processes_mentioning(text: str) -> list[int]:
