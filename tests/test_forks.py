@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.hub.forks import KILLED_WITH_IT, Forks
+from orchestrator.hub.forks import KILLED_WITH_IT, Forked, Forks
 from orchestrator.procs import process_state, terminate
 from orchestrator.testing.procs import wait_until
 from orchestrator.workers.zygote import NAME, WORKER_NAME
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-STARTUP_S = 120.0  # a hang guard: warming up imports verifiers (seconds)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+STARTUP_S = 300.0  # a hang guard: a warm-up imports verifiers (seconds; minutes on a loaded machine)
 
 
 def parent_of(pid: int) -> int:
@@ -31,16 +31,21 @@ def gone(pid: int) -> bool:
     return process_state(pid) in (None, "Z")
 
 
+async def forked(forks: Forks, address: str, name: str) -> Forked:
+    child = await forks.spawn(["--connect", address, "--id", name])
+    assert child is not None, f"the warm process forked no {name}"
+    return child
+
+
 async def test_workers_fork_from_one_warm_process_which_reports_their_exits_and_is_replaced_when_it_dies(
         tmp_path: Path) -> None:
     address = f"ipc://{tmp_path}/workers.sock"  # nobody binds it: the workers wait for their hub, alive
     forks = Forks(["--connect", address], {}, STARTUP_S)
     try:
-        a = await forks.spawn(["--connect", address, "--id", "a"])
-        b = await forks.spawn(["--connect", address, "--id", "b"])
-        assert a is not None and b is not None
+        a, b = await forked(forks, address, "a"), await forked(forks, address, "b")
         warm = forks.pid
-        assert warm is not None and parent_of(a.pid) == parent_of(b.pid) == warm
+        assert warm is not None
+        assert parent_of(a.pid) == parent_of(b.pid) == warm
         assert name_of(warm) == NAME
         # each names itself first thing after the fork (ps and top tell them apart)
         await wait_until(lambda: name_of(a.pid) == name_of(b.pid) == WORKER_NAME, 30, "the workers named")
@@ -49,21 +54,25 @@ async def test_workers_fork_from_one_warm_process_which_reports_their_exits_and_
         assert await a.wait() == -signal.SIGKILL  # the status asyncio would report for a child of ours
         await terminate(b, STARTUP_S)
         assert b.returncode == -signal.SIGTERM
-        assert gone(a.pid) and gone(b.pid)
+        assert gone(a.pid)
+        assert gone(b.pid)
 
-        c = await forks.spawn(["--connect", address, "--id", "c"])
-        assert c is not None and forks.pid == warm and forks.starts == 1  # the same warm process forks again
+        c = await forked(forks, address, "c")
+        assert (forks.pid, forks.starts) == (warm, 1)  # the same warm process forks again
         os.kill(warm, signal.SIGKILL)
         assert await c.wait() == KILLED_WITH_IT
         await wait_until(lambda: gone(c.pid), 30, "the worker to die with its warm process")
 
-        d = await forks.spawn(["--connect", address, "--id", "d"])  # a new warm process
-        assert d is not None and forks.starts == 2 and forks.pid not in (None, warm)
+        d = await forked(forks, address, "d")  # from a new warm process
+        assert forks.starts == 2
+        assert forks.pid not in (None, warm)
         assert parent_of(d.pid) == forks.pid
     finally:
         await forks.close()
-    assert d.returncode == KILLED_WITH_IT and forks.pid is None
+    assert not forks.usable
+    assert await d.wait() == KILLED_WITH_IT
     await wait_until(lambda: gone(d.pid) and gone(warm), 30, "the warm process and its worker to end")
+    assert await forks.spawn(["--connect", address, "--id", "e"]) is None  # closed: nothing more is forked
 
 
 async def test_a_warm_process_that_cannot_start_leaves_each_worker_to_start_on_its_own(
@@ -77,4 +86,5 @@ async def test_a_warm_process_that_cannot_start_leaves_each_worker_to_start_on_i
             assert forks.starts == 1  # not started again
         finally:
             await forks.close()
-    assert "the warm process exited (status 2) before it forked one; each worker starts on its own" in caplog.text
+    assert ("env workers: the warm process exited (status 2) before it forked one; each worker starts on its own "
+            "from now on") in caplog.text

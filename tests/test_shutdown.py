@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.testing.jobs import ARITHMETIC
 from orchestrator.testing.procs import (
     env_workers,
     logged,
@@ -60,13 +61,15 @@ async def test_one_signal_during_start_up_exits_130_within_the_bound(tmp_path: P
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     log = tmp_path / "run.log"
     async with sim_process() as server:
-        cfg, out = write_job(tmp_path, server.url, 1000, "startup-signal", workers=2)
+        # its workers stay loading (as with a download): forked from a warm process, they would be ready at once
+        loading = {**ARITHMETIC, "taskset": "orchestrator-faulty", "args": {"fail_in": "hold_load", "hold_s": 600}}
+        cfg, out = write_job(tmp_path, server.url, 1000, "startup-signal", workers=2, env=loading)
         async with orchestrator_process("run", str(cfg), log_level="INFO", log=log) as run:
-            await wait_until(lambda: len(env_workers(f"{out}/workers.sock")) == 2, HANG_GUARD_S,
+            await wait_until(lambda: len(env_workers(f"{out}/workers.sock")) == 2, START_S,
                              "both env workers started", alive=run, poll_s=0.02)
             run.send_signal(signal.SIGINT)
             code = await asyncio.wait_for(run.wait(), HANG_GUARD_S)
-        # what the test is about: no worker had finished starting (loading its environments takes a second)
+        # what the test is about: no worker had finished starting
         ready = [line for line in logged(log, " ready (") if "env worker" in line]
         assert not ready, ready
         assert code == 130, "\n".join(logged(log, ""))  # cleanup finished within SHUTDOWN_S (past it: 124)

@@ -11,7 +11,8 @@
     │   └── DuplicateStep             a step already received (or out of order)
     ├── TransportError                the transport cannot start or go on as configured
     │   └── TrainerRefused            the orchestrator refused this trainer (another holds the link, or it lacks
-    │                                 steps that are gone); raised by the trainer library's ``recv``
+    │                                 steps that are gone), or its CURVE key for good; raised by the trainer
+    │                                 library's ``recv`` (and ``ack``, ``announce``)
     ├── CheckpointError               a checkpoint that cannot be loaded (no weights path; none loads for too long)
     │   └── UnloadableCheckpoint      its directory is missing, holds no weight files or a corrupt one
     ├── TransferError                 weights over the wire cannot go on (the trainer died during a broadcast)

@@ -18,10 +18,11 @@ Client: ``secure_client(sock, ClientKeys(...))`` before ``connect``.
 
 What a peer that cannot authenticate sees (no keys, a key not in the authorized directory, or the wrong
 server key): the handshake fails and ZMQ closes the connection. It never receives a message, and nothing it
-sends reaches the server's sockets: to the server it is as if it had never connected (a PUSH waits for a
-peer as usual). A refused client key is logged once on the server; ``RefusalWatch`` logs the cause once on
-the client. libzmq does not retry a connection refused for its key or for having none (only one that
-failed for a wrong server key), so such a client must be restarted once its key is authorized. All traffic
+sends reaches the server's sockets: to the server it is as if it had never connected. A refused client key is
+logged once on the server; ``RefusalWatch`` logs the cause once on the client. libzmq does not retry a
+connection refused for its key or for having none (only one that failed for a wrong server key): the client's
+sockets are left without a connection (a PUSH would wait for ever; the trainer library raises TrainerRefused),
+so such a client must be restarted once its key is authorized. All traffic
 of an accepted connection is encrypted.
 
 ipc:// sockets are not covered: a Unix socket is reachable only by processes on the same host that may
@@ -264,8 +265,9 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
 
 class RefusalWatch:
     """Logs, once per kind, why a client socket's handshakes fail, so a client the server refuses does not wait
-    in silence; the warning says whether it must be restarted (see the module docstring). ``check()`` does
-    not block: call it when idle. ``close()`` before the socket's context is terminated."""
+    in silence; the warning says whether it must be restarted (see the module docstring), and ``final`` keeps
+    that reason when libzmq will not connect again. ``check()`` does not block: call it when idle. ``close()``
+    before the socket's context is terminated."""
 
     def __init__(self, sock: zmq.Socket[Any], address: str, keys: ClientKeys | None, who: str) -> None:
         self.address, self.keys, self.who = address, keys, who
@@ -289,7 +291,8 @@ class RefusalWatch:
                 return
             event = int(parse_monitor_message(frames)["event"])
             why = self._why(event)
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH or self.keys is None:
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH or (
+                    self.keys is None and event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):  # not NO_DETAIL: retried
                 self.final = why
             if why not in self._told:
                 self._told.add(why)

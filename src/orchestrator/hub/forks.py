@@ -2,11 +2,12 @@
 
 ``Forks.spawn(argv)`` returns a ``Forked`` (what ``LocalWorkers`` needs of an ``asyncio.subprocess.Process``:
 ``pid``, ``returncode``, ``wait``, ``send_signal``, ``kill``), or None when the warm process cannot fork one: it
-exited or did not answer within ``STARTUP_S`` (a broken install, a process stopped or killed from outside).
-The caller then starts that worker on its own, as a plain process, so every failure keeps the path (and the
-error messages) of a worker that cannot start. A warm process that fails before it ever forked is not started
-again (each worker starts on its own from then on); one that dies later (its workers die with it, and are
-restarted like any other) is started again at the next spawn, up to ``MAX_STARTS`` times in a run.
+exited, or did not answer in time (``startup_s`` while it warms up, FORK_S after: a broken install, a process
+stopped or killed from outside). The caller then starts that worker on its own, as a plain process, so every
+failure keeps the path (and the error messages) of a worker that cannot start. A warm process that fails before
+it ever forked is not started again (each worker starts on its own from then on); one that dies later (its
+workers die with it, and are restarted like any other) is started again at the next spawn, up to MAX_STARTS
+times in a run. While the first fork waits for the warm-up, a WARNING every WARN_S names the wait.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ import signal
 import socket
 import sys
 
-import orjson
+import msgspec
 
+from orchestrator.contracts.forks import Born, Fork, encode, replies
 from orchestrator.procs import child_env, terminate
 
 log = logging.getLogger(__name__)
 
 MAX_STARTS = 3  # warm processes a run starts at most; then workers start on their own
+FORK_S = 10.0  # a fork of a warm process that is ready takes milliseconds; past this it is stuck
+WARN_S = 30.0  # the warm-up's wait is named this often
 KILLED_WITH_IT = -signal.SIGKILL  # the status of a worker whose warm process died (its parent-death signal)
 
 
@@ -56,26 +60,56 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
+class _Warm:
+    """One warm process: its process, its socket, the workers it forked, and its replies in order."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.proc, self.reader, self.writer = proc, reader, writer
+        self.forked: dict[int, Forked] = {}
+        self.born: asyncio.Queue[Forked | None] = asyncio.Queue()  # None: it ended
+        self.ever_forked = False
+        self.listening = asyncio.create_task(self._listen())  # owned: awaited by Forks.close
+
+    async def _listen(self) -> None:
+        """Read the replies until the process ends; then every worker it forked is ended (they died with it)."""
+        try:
+            while line := await self.reader.readline():
+                reply = replies.decode(line)
+                if isinstance(reply, Born):  # registered here: its Ended may be in the same read
+                    self.ever_forked = True
+                    self.forked[reply.pid] = child = Forked(reply.pid)
+                    self.born.put_nowait(child)
+                elif (gone := self.forked.pop(reply.pid, None)) is not None:
+                    gone.ended(reply.status)
+        except (ConnectionError, msgspec.DecodeError) as e:
+            log.warning("env workers: the warm process (pid %d) said something unreadable (%s); killed", self.proc.pid,
+                        e)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()  # whatever ended the socket: its workers go with it, and are restarted
+            await self.proc.wait()
+            for child in self.forked.values():
+                child.ended(KILLED_WITH_IT)
+            self.born.put_nowait(None)
+
+
 class Forks:
     """The warm process of one hub (see the module docstring). ``argv``: the ``env-worker`` arguments it is started
     with (``--connect``...: its command line names the run's worker address, as a worker's does); ``env``: the
-    workers' environment variables; ``startup_s``: how long a fork may take, warm-up included."""
+    workers' environment variables; ``startup_s``: how long the first fork may take, warm-up included."""
 
     def __init__(self, argv: list[str], env: dict[str, str], startup_s: float) -> None:
         self.argv, self.env, self.startup_s = argv, env, startup_s
         self.starts = 0
-        self.usable = True
-        self._proc: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._forked: dict[int, Forked] = {}
-        self._pids: asyncio.Queue[int] = asyncio.Queue()  # the warm process's fork replies, in request order
-        self._listening: asyncio.Task[None] | None = None
+        self.usable = True  # False once it failed for good, or was closed
+        self._warm: _Warm | None = None
         self._lock = asyncio.Lock()  # one request at a time: replies come in order
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None or self._proc.returncode is not None else self._proc.pid
+        w = self._warm
+        return None if w is None or w.proc.returncode is not None else w.proc.pid
 
     async def spawn(self, argv: list[str]) -> Forked | None:
         """A worker forked with ``argv``, or None (see the module docstring)."""
@@ -84,79 +118,71 @@ class Forks:
                 return None
             if self.pid is None and not await self._start():
                 return None
-            assert self._writer is not None
-            self._writer.write(orjson.dumps({"argv": argv}) + b"\n")
+            w = self._warm
+            assert w is not None
+            w.writer.write(encode(Fork(argv)) + b"\n")
+            child = await self._born(w)
+            if child is None and w.ever_forked and self.usable:
+                log.warning("env workers: the warm process (pid %d) ended (status %s); the next worker starts "
+                            "another", w.proc.pid, w.proc.returncode)
+            return child
+
+    async def _born(self, w: _Warm) -> Forked | None:
+        """The reply to the request just sent; None (and, past its time, the warm process killed) if none."""
+        limit = FORK_S if w.ever_forked else self.startup_s
+        waited = 0.0
+        while waited < limit:
+            step = min(WARN_S, limit - waited)
             try:
-                async with asyncio.timeout(self.startup_s):
-                    pid = await self._pids.get()
+                async with asyncio.timeout(step):
+                    child = await w.born.get()
             except TimeoutError:
-                log.warning("env workers: the warm process (pid %s) forked none within %.0f s; killed, each worker "
-                            "starts on its own", self.pid, self.startup_s)
-                self.usable = False
-                await self.close()
-                return None
-            if pid < 0:  # the warm process ended before it forked this one
-                self._gave_up(-pid)
-                return None
-            self._forked[pid] = forked = Forked(pid)
-            return forked
+                waited += step
+                if waited < limit:
+                    log.warning("env workers: the warm process (pid %d) has forked none after %.0f s (it imports "
+                                "verifiers first: slower on a busy machine)", w.proc.pid, waited)
+                continue
+            if child is None and not w.ever_forked:
+                self._give_up(f"exited (status {w.proc.returncode}) before it forked one")
+            return child
+        self._give_up(f"forked none within {limit:.0f} s; killed")
+        await self.close()
+        return None
 
     async def _start(self) -> bool:
         if self.starts >= MAX_STARTS:
-            log.warning("env workers: the warm process ended %d times; each worker starts on its own", self.starts)
-            self.usable = False
+            self._give_up(f"ended {self.starts} times")
             return False
         self.starts += 1
-        if self._writer is not None:  # the last one's socket
-            self._writer.close()
+        if self._warm is not None:  # the last one's socket
+            self._warm.writer.close()
         ours, theirs = socket.socketpair()
         try:
-            self._proc = await asyncio.create_subprocess_exec(
+            proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", *self.argv,
                 "--forks", str(theirs.fileno()), env=child_env(self.env), pass_fds=(theirs.fileno(),))
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+        except OSError as e:
+            ours.close()
+            self._give_up(f"could not be started ({e})")
+            return False
         finally:
             theirs.close()
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=ours)
-        self._pids = asyncio.Queue()  # not a reply of the last one
-        self._listening = asyncio.create_task(self._listen(self._proc, self._reader, self._pids))
-        log.info("env workers: forked from a warm process (pid %d) that imports verifiers once", self._proc.pid)
+        self._warm = _Warm(proc, reader, writer)
+        log.info("env workers: a warm process (pid %d) imports verifiers once, then forks them", proc.pid)
         return True
 
-    async def _listen(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
-                      pids: asyncio.Queue[int]) -> None:
-        """Read the warm process's replies until it ends; then every worker it forked is ended (they died with it)
-        and a request waiting for a fork gets the process's status (as a negative pid)."""
-        forked_any = False
-        with contextlib.suppress(ConnectionError):
-            while line := await reader.readline():
-                msg = orjson.loads(line)
-                if "pid" in msg:
-                    forked_any = True
-                    pids.put_nowait(int(msg["pid"]))
-                elif (child := self._forked.pop(int(msg["exit"]), None)) is not None:
-                    child.ended(int(msg["status"]))
-        status = await proc.wait()
-        for child in self._forked.values():
-            child.ended(KILLED_WITH_IT)
-        self._forked.clear()
-        if not forked_any:
-            self.usable = False
-        pids.put_nowait(-(abs(status) or 1))
-
-    def _gave_up(self, status: int) -> None:
-        if not self.usable:
-            log.warning("env workers: the warm process exited (status %d) before it forked one; each worker starts "
-                        "on its own (its errors follow)", status)
-        else:
-            log.warning("env workers: the warm process exited (status %d); starting another", status)
+    def _give_up(self, why: str) -> None:
+        self.usable = False
+        log.warning("env workers: the warm process %s; each worker starts on its own from now on", why)
 
     async def close(self, grace_s: float = 5.0) -> None:
-        """End the warm process (its workers were stopped first): SIGTERM (it saves nothing; one still importing
-        reads no socket), then SIGKILL after ``grace_s``."""
-        if self._writer is not None:
-            self._writer.close()
-        if self._proc is not None:
-            await terminate(self._proc, grace_s)
-        if self._listening is not None:
-            await self._listening
-        self._proc = self._reader = self._writer = self._listening = None
+        """End the warm process (its workers were stopped first; any left die with it): SIGTERM (it saves
+        nothing; one still importing reads no socket), then SIGKILL after ``grace_s``. No fork after this."""
+        self.usable = False
+        w, self._warm = self._warm, None
+        if w is None:
+            return
+        w.writer.close()
+        await terminate(w.proc, grace_s)
+        await w.listening

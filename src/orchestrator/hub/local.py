@@ -1,15 +1,16 @@
 """The env worker processes a hub starts on this host: spawn, restart with back-off, kill, stop, by pid.
 
-``LocalWorkers`` owns the ``asyncio.subprocess.Process`` of every local worker slot (named ``local-<n>``), and
+``LocalWorkers`` owns the process of every local worker slot (named ``local-<n>``): forked from the run's warm
+process (hub/forks.py), or an ``asyncio.subprocess.Process`` when that cannot fork it; and
 nothing else: which worker is ready, lost or holding rollouts is the hub's (hub.py). The hub calls
 ``exited()`` and ``restart_due()`` from its supervision loop every HEARTBEAT_S: a slot whose process exited
 is restarted under the same name, at once when that process had become ready (it was serving, then died or
 froze), else after RESTART_BACKOFF_S[failures in a row] (a worker that keeps failing to start does not spin).
 ``kill`` is SIGKILL by pid (it also ends a stopped process); ``stop`` ends every process at once, within
-STOP_GRACE_S in all (the run's shutdown has 8 s: commands/run.py).
+STOP_GRACE_S in all, the warm process a second later (the run's shutdown has 8 s: commands/run.py).
 
-Before a worker is ready it sends nothing the hub could miss: it imports and loads its environments in
-blocking calls (seconds: verifiers alone takes ~6 s, a download far longer). So while it starts its process
+Before a worker is ready it sends nothing the hub could miss: it loads its environments in blocking calls
+(seconds, a download far longer; started on its own, it imports verifiers first: ~6 s). So while it starts its process
 is watched instead (``starting``, every HEARTBEAT_S): stopped (SIGSTOP, a debugger: /proc says so) for the
 hub's silence bound, or not connected within STARTUP_S of its start, it is to be killed and restarted.
 """
@@ -185,10 +186,12 @@ class LocalWorkers:
         environments, they read no message until ready, which may take many seconds). Any still there after
         STOP_GRACE_S is killed. One after another, two workers that had not connected took 10 s, past the
         run's shutdown bound."""
-        async with asyncio.TaskGroup() as tg:
-            for name, proc in self.procs.items():
-                tg.create_task(terminate(proc, STOP_GRACE_S, signal_first=name not in asked))
-        await self.forks.close()
+        # a forked worker's end is heard from the warm process: if that is stopped (SIGSTOP), killing it ends them
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_GRACE_S + 1), asyncio.TaskGroup() as tg:
+                for name, proc in self.procs.items():
+                    tg.create_task(terminate(proc, STOP_GRACE_S, signal_first=name not in asked))
+        await self.forks.close(grace_s=1.0)
 
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items()}

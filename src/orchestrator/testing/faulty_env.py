@@ -20,6 +20,7 @@ environments are registered). It is the arithmetic environment plus one injected
 - ``"hold_cpu"`` / ``"hold_sleep"``: the first rollout each worker process scores holds the process's event loop
   for ``hold_s`` seconds, spinning on the CPU (environment code doing heavy work inline) or asleep in a blocking
   call (a synchronous request that hangs); nothing fails. ``rate`` does not apply.
+- ``"hold_load"``: ``load()`` sleeps ``hold_s`` seconds first (a dataset download), so its worker stays loading.
 
 The share is spread evenly and deterministically, not drawn at random: with ``rate = 0.5`` every second
 rollout of each task fails (counted per worker process; ``rollout``, ``scoring``, ``nan_reward``) and every
@@ -44,7 +45,7 @@ from orchestrator.envs.harness import ChatHarness
 
 __all__ = ["FaultyHarness", "FaultyTaskset"]
 
-FaultSite = Literal["none", "load", "rollout", "scoring", "nan_reward", "data", "hold_cpu", "hold_sleep"]
+FaultSite = Literal["none", "load", "rollout", "scoring", "nan_reward", "data", "hold_cpu", "hold_sleep", "hold_load"]
 
 
 class InjectedFault(RuntimeError):
@@ -125,6 +126,8 @@ class FaultyTaskset(vf.Taskset[FaultyTask, FaultyTasksetConfig]):
             raise ValueError(f"rate must be within 0..1, got {cfg.rate}")
         if cfg.fail_in == "load":
             raise InjectedFault("injected fault in load: this taskset cannot load its tasks")
+        if cfg.fail_in == "hold_load":
+            time.sleep(cfg.hold_s)
         rng = random.Random(cfg.seed)
         for i in range(cfg.num_tasks):
             a, b = rng.randint(0, cfg.max_operand), rng.randint(0, cfg.max_operand)

@@ -121,15 +121,15 @@ def unix_connections(path: str | Path) -> int:
 
 
 def write_job(directory: Path, url: str, steps: int, name: str, data_plane: str = "through", *, workers: int = 1,
-              **more: Section | Sequence[Section]) -> tuple[Path, Path]:
-    """A small job (arithmetic, ``workers`` env workers, 8 rollouts a step) for runs as real processes: writes
-    ``directory/job.toml`` (``testing.jobs``); returns it and the run's output directory. ``data_plane``: its
-    ``transport.data_plane`` (the transport is kind = "zmq", keep_acked = 0, so both apply); ``more``: more
-    sections (``monitor={...}``)."""
+              env: Section = ARITHMETIC, **more: Section | Sequence[Section]) -> tuple[Path, Path]:
+    """A small job (``env``: arithmetic unless said, ``workers`` env workers, 8 rollouts a step) for runs as real
+    processes: writes ``directory/job.toml`` (``testing.jobs``); returns it and the run's output directory.
+    ``data_plane``: its ``transport.data_plane`` (the transport is kind = "zmq", keep_acked = 0, so both apply);
+    ``more``: more sections (``monitor={...}``)."""
     out, cfg = directory / "out", directory / "job.toml"
     cfg.write_text(toml_text(
         run={"name": name, "output_dir": out, "max_steps": steps}, inference={"servers": [url]},
         scheduler={"batch_size": 8, "max_inflight": 8},
         pipeline={"gates": []},  # every finished group trains: gates are not what this test is about
-        transport={"data_plane": data_plane}, env=[{**ARITHMETIC, "workers": workers}], **more))
+        transport={"data_plane": data_plane}, env=[{**env, "workers": workers}], **more))
     return cfg, out

@@ -7,10 +7,9 @@ local workers all import the same, so the hub starts one warm process (``orchest
 ADDRESS --forks FD``) that imports it once and forks each worker from it: a worker, or a restart, is ready in
 the time its environments take to load, and the imported pages are shared until written.
 
-The protocol, one JSON object a line on the socket ``FD`` (the hub's end: hub/forks.py): the hub sends
-``{"argv": [...]}`` (an ``env-worker`` command line for this worker: ``--id``, ``--nice``...), the warm process
-answers ``{"pid": N}`` once it has forked it, and ``{"exit": N, "status": S}`` when worker N ends (S as asyncio
-reports a child's: its exit code, or minus the signal that ended it). It stops when the hub closes the socket.
+The protocol is contracts/forks.py, on the socket ``FD`` (the hub's end: hub/forks.py): a ``Fork`` (an
+``env-worker`` command line for one worker) is answered by ``Born`` once forked, and ``Ended`` when that worker
+ends. It stops when the hub closes the socket.
 
 The warm process dies with the hub's process and each worker with the warm process (``die_with_parent``: a
 SIGKILLed run leaves nothing behind). It ignores SIGINT (a Ctrl-C in a terminal reaches the whole process group:
@@ -27,8 +26,7 @@ import signal
 import socket
 from collections.abc import Iterator
 
-import orjson
-
+from orchestrator.contracts.forks import Born, Ended, encode, requests
 from orchestrator.procs import PARENT_ENV, die_with_parent, name_process
 
 NAME, WORKER_NAME = "env-worker-warm", "env-worker"  # what ps and top show (its command line is the workers')
@@ -54,54 +52,54 @@ def serve(fd: int) -> list[str]:
     warm()
     wake_r, wake_w = socket.socketpair()
     wake_w.setblocking(False)
-    signal.set_wakeup_fd(wake_w.fileno())
+    signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of every exit
     sel = selectors.DefaultSelector()
     sel.register(conn, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
+    me = os.getpid()
     buf = b""
     while True:
         for key, _ in sel.select():
             if key.fileobj is wake_r:
                 wake_r.recv(4096)
-                _report_exits(conn)
+                for pid, status in _reaped():
+                    _send(conn, encode(Ended(pid, status)))
                 continue
-            data = conn.recv(65536)
+            try:
+                data = conn.recv(65536)
+            except OSError:  # reset: the hub closed its end with replies unread
+                data = b""
             if not data:  # the hub closed its end: done (a worker still running dies with this process)
                 raise SystemExit(0)
             buf += data
             *lines, buf = buf.split(b"\n")
             for line in lines:
-                argv = [str(a) for a in orjson.loads(line)["argv"]]
+                argv = requests.decode(line).argv
                 pid = os.fork()
                 if pid == 0:
+                    _as_a_worker(me)
                     sel.close()
                     for s in (conn, wake_r, wake_w):
                         s.close()
-                    _as_a_worker()
                     return argv
-                _send(conn, {"pid": pid})
+                _send(conn, encode(Born(pid)))
 
 
-def _as_a_worker() -> None:
-    """In a forked worker: its name, the signal handling of a process started on its own, and death with the warm
-    one."""
+def _as_a_worker(warm_pid: int) -> None:
+    """In a forked worker, first thing: death with the warm process (if it died already, exit), its name, and
+    the signal handling of a process started on its own."""
+    os.environ[PARENT_ENV] = str(warm_pid)  # not getppid(): that is init's once the warm process has died
+    die_with_parent()
     name_process(WORKER_NAME)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.environ[PARENT_ENV] = str(os.getppid())
-    die_with_parent()
 
 
-def _report_exits(conn: socket.socket) -> None:
-    for pid, status in _reaped():
-        _send(conn, {"exit": pid, "status": status})
-
-
-def _send(conn: socket.socket, msg: dict[str, int]) -> None:
+def _send(conn: socket.socket, line: bytes) -> None:
     try:
-        conn.sendall(orjson.dumps(msg) + b"\n")
+        conn.sendall(line + b"\n")
     except OSError:  # the hub's end is gone: so is the hub (this process dies with it in a moment)
         raise SystemExit(0) from None
 
