@@ -21,7 +21,7 @@ from orchestrator.procs import process_state
 from orchestrator.testing.jobs import ARITHMETIC, Section, toml_text
 from orchestrator.workers.zygote import NAME as WARM_NAME
 
-__all__ = ["logged", "orchestrator_process", "process_state", "processes_mentioning", "python_process",
+__all__ = ["env_workers", "logged", "orchestrator_process", "process_state", "processes_mentioning", "python_process",
            "unix_connections", "wait_until", "write_job"]
 
 Process = asyncio.subprocess.Process
