@@ -238,7 +238,7 @@ async def test_local_workers_stopped_as_they_start_are_named_then_killed_and_res
 
         @contextlib.asynccontextmanager
         async def stopped_as_they_start(orch: Orchestrator) -> AsyncIterator[None]:
-            facts["stopped"] = pids = dict(orch.hub.local_pids())  # started by open(), importing still
+            facts["stopped"] = pids = dict(orch.hub.local_pids())  # started by open(), loading still
             with pidfds(list(pids.values())) as fds:
                 signal_all(fds, signal.SIGSTOP)
                 yield
