@@ -234,7 +234,10 @@ async def test_local_workers_stopped_as_they_start_are_named_then_killed_and_res
     warn_s = 1.0
     facts: dict[str, Any] = {}
     async with sim_cluster(1) as cluster:
-        cfg = job(tmp_path, cluster.urls, data_plane, steps=2, workers=2, monitor={"stall_warn_s": warn_s})
+        # each worker takes 3 s to load (forked from the warm process, it would otherwise be ready at once)
+        loading = {**ARITHMETIC, "taskset": "orchestrator-faulty", "args": {"fail_in": "hold_load", "hold_s": 3.0}}
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=2, workers=2, monitor={"stall_warn_s": warn_s},
+                  env=loading)
 
         @contextlib.asynccontextmanager
         async def stopped_as_they_start(orch: Orchestrator) -> AsyncIterator[None]:
