@@ -1,7 +1,7 @@
 """Worker-RSS soak: how much memory an env worker starts with, and whether it grows with the rollouts it runs.
 
 At ready: the job opened with its worker hub alone running (nothing scheduled), once every worker has reported
-ready, the RSS of each env worker process (``VmRSS`` of this process's ``env-worker`` children, by ``--id``).
+ready, the RSS of each env worker process (``VmRSS`` of the hub's local workers, by name).
 ``--ready-only`` stops there (~15 s: what ``regress.py`` runs; with ``--config`` another job's workers, its
 inference servers replaced by simulated ones as for every config here). Otherwise it then opens the job anew (whose
 workers get rollouts the moment they are ready) and runs it (``--config``, default configs/demo.toml: simulated
@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -46,27 +45,24 @@ TARGET_READY_MB = 300.0
 READY_TIMEOUT_S = 300.0
 
 
-def worker_rss_mb() -> dict[str, float]:
-    """RSS (MB) of this process's env worker children now, by their ``--id`` (Linux ``/proc``)."""
+def worker_rss_mb(pids: dict[str, int]) -> dict[str, float]:
+    """RSS (MB) of the env workers ``pids`` (name -> pid: the hub's ``local_pids()``) now (Linux ``/proc``). A
+    worker forked from the hub's warm process counts the pages it shares with it, as one started on its own."""
     rss: dict[str, float] = {}
-    me = str(os.getpid())
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for name, pid in pids.items():
         try:
-            if stat.read_text().rsplit(")", 1)[1].split()[1] != me:  # field 4, after the command in parentheses
-                continue
-            argv = (stat.parent / "cmdline").read_bytes().decode().split("\0")
-            status = (stat.parent / "status").read_text()
-        except (OSError, IndexError):
-            continue  # gone meanwhile, or not readable
-        if "env-worker" in argv and "--id" in argv:
-            kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-            rss[argv[argv.index("--id") + 1]] = round(kb / 1024, 1)
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+        rss[name] = round(kb / 1024, 1)
     return dict(sorted(rss.items()))
 
 
 async def at_ready(args: argparse.Namespace) -> dict[str, Any]:
     """Open the job, run its worker hub alone (nothing is scheduled) until every worker is ready, read their RSS.
-    Only long-standing names (``hub.run``, ``hub.workers``): ``regress.py`` runs this against older commits too."""
+    Only long-standing names (``hub.run``, ``hub.workers``, ``hub.local_pids``): ``regress.py`` runs this against
+    older commits too."""
     from orchestrator.app import Orchestrator
     from orchestrator.commands.demo import with_sim_servers
 
@@ -82,7 +78,7 @@ async def at_ready(args: argparse.Namespace) -> dict[str, Any]:
                         await asyncio.wait([run], timeout=0.05)  # a hub that fails raises here
                         if run.done():
                             run.result()
-                return ready_fields(worker_rss_mb())
+                return ready_fields(worker_rss_mb(hub.local_pids()))
             finally:
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
