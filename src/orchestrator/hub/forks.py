@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 MAX_STARTS = 3  # warm processes a run starts at most; then workers start on their own
 FORK_S = 10.0  # a fork of a warm process that is ready takes milliseconds; past this it is stuck
 WARN_S = 30.0  # the warm-up's wait is named this often
+EXIT_S = 5.0  # a warm process whose socket ended has exited within this, or is killed
 KILLED_WITH_IT = -signal.SIGKILL  # the status of a worker whose warm process died (its parent-death signal)
 
 
@@ -74,21 +75,25 @@ class _Warm:
     async def _listen(self) -> None:
         """Read the replies until the process ends; then every worker it forked is ended (they died with it)."""
         try:
-            while line := await self.reader.readline():
-                reply = replies.decode(line)
-                if isinstance(reply, Born):  # registered here: its Ended may be in the same read
-                    self.ever_forked = True
-                    self.forked[reply.pid] = child = Forked(reply.pid)
-                    self.born.put_nowait(child)
-                elif (gone := self.forked.pop(reply.pid, None)) is not None:
-                    gone.ended(reply.status)
-        except (ConnectionError, msgspec.DecodeError) as e:
+            with contextlib.suppress(ConnectionError):  # reset: it exited with our requests unread
+                while line := await self.reader.readline():
+                    reply = replies.decode(line)
+                    if isinstance(reply, Born):  # registered here: its Ended may be in the same read
+                        self.ever_forked = True
+                        self.forked[reply.pid] = child = Forked(reply.pid)
+                        self.born.put_nowait(child)
+                    elif (gone := self.forked.pop(reply.pid, None)) is not None:
+                        gone.ended(reply.status)
+        except msgspec.DecodeError as e:
             log.warning("env workers: the warm process (pid %d) said something unreadable (%s); killed", self.proc.pid,
                         e)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()  # whatever ended the socket: its workers go with it, and are restarted
-            await self.proc.wait()
+            try:  # its socket ended: it is exiting (its status is kept), or it is killed now
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), EXIT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
             for child in self.forked.values():
                 child.ended(KILLED_WITH_IT)
             self.born.put_nowait(None)
