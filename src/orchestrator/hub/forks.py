@@ -34,6 +34,11 @@ EXIT_S = 5.0  # a warm process whose socket ended has exited within this, or is 
 KILLED_WITH_IT = -signal.SIGKILL  # the status of a worker whose warm process died (its parent-death signal)
 
 
+def env_worker_command(*args: str) -> list[str]:
+    """The command line of a local env worker (or of the warm process) with ``args``."""
+    return [sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", *args]
+
+
 class Forked:
     """A worker forked by the warm process. Its exit is learnt from the warm process (which reaps it), or, if that
     died first, is the SIGKILL it died of."""
@@ -164,8 +169,8 @@ class Forks:
         ours, theirs = socket.socketpair()
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", *self.argv,
-                "--forks", str(theirs.fileno()), env=child_env(self.env), pass_fds=(theirs.fileno(),))
+                *env_worker_command(*self.argv, "--forks", str(theirs.fileno())), env=child_env(self.env),
+                pass_fds=(theirs.fileno(),))
             reader, writer = await asyncio.open_unix_connection(sock=ours)
         except OSError as e:
             ours.close()

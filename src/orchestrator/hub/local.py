@@ -22,10 +22,9 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 from collections.abc import Collection
 
-from orchestrator.hub.forks import Forked, Forks
+from orchestrator.hub.forks import Forked, Forks, env_worker_command
 from orchestrator.procs import STOPPED, child_env, process_activity, process_state, terminate
 
 log = logging.getLogger(__name__)
@@ -63,11 +62,11 @@ class LocalWorkers:
         if name is None:
             name = f"local-{self._spawned}"
             self._spawned += 1
-        proc: Child | None = await self.forks.spawn(["--connect", self.address, "--id", name, *self._span])
+        args = ["--connect", self.address, "--id", name, *self._span]
+        proc: Child | None = await self.forks.spawn(args)  # its niceness is the warm process's
         if proc is None:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "orchestrator", "--log-level", "WARNING", "env-worker", "--connect",
-                self.address, "--id", name, "--nice", str(self.nice), *self._span, env=child_env(self.env_vars))
+            proc = await asyncio.create_subprocess_exec(*env_worker_command(*args, "--nice", str(self.nice)),
+                                                        env=child_env(self.env_vars))
         self.procs[name] = proc
         self._became_ready.discard(name)
         self._activity.pop(name, None)

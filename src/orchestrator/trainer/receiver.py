@@ -390,8 +390,7 @@ class BatchReceiver(_ReceiverCore):
     async def _read(self, wait_s: float) -> list[Any] | None:
         """The next message's frames; None after ``wait_s`` without one (a status message is sent then)."""
         if not await self.batches.poll(int(wait_s * 1000)):
-            self._check_refused()
-            await self._say(self._status())
+            await self._say(self._status())  # which says first if the server refused this trainer for good
             return None
         return await self.batches.recv_multipart(copy=False)
 
@@ -511,8 +510,7 @@ class SyncBatchReceiver(_ReceiverCore):
 
     def _read(self, wait_s: float) -> list[Any] | None:
         if not self.batches.poll(int(wait_s * 1000)):
-            self._check_refused()
-            self._say(self._status())
+            self._say(self._status())  # which says first if the server refused this trainer for good
             return None
         return self.batches.recv_multipart(copy=False)
 
