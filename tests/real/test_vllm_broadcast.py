@@ -87,7 +87,11 @@ async def test_a_killed_server_waits_for_a_broadcast_of_the_current_weights_then
                         await self.receiver.serve_transfers(None, 0.5)
 
     async def kill_and_restart(orch: Orchestrator) -> None:
-        await wait_until(lambda: orch.summary.steps >= kill_after, REJOIN_TIMEOUT_S, f"step {kill_after}")
+        # after the weights of step kill_after are on both servers: killed during their group's forming, the
+        # victim would leave the broadcast of step 1 unformed (60 s), and rejoin on the weights of step 0 (seen in CI)
+        await wait_until(lambda: orch.summary.steps >= kill_after
+                         and all(s.version >= kill_after for s in orch.pool.servers), REJOIN_TIMEOUT_S,
+                         f"the weights of step {kill_after} on every server")
         await victim.kill()
         await victim.start()
         server = next(s for s in orch.pool.servers if s.url == victim.url)
