@@ -5,13 +5,18 @@ are in flight (the sim's keep pause cuts them in two, as a real vLLM does: sim/s
   it (the sim's own record of each reply's spans), and ``max_token_lag`` masks the older ones out of the loss;
 - vLLM 0.31 (no versions in replies): every sampled token is bounded, and the truth lies within its bounds.
 
-Timing decides which replies a sync cuts; the assertions hold for any timing (each token, each sample), and each
-run needs only one cut among its many long replies in flight at three syncs.
+Timing decides which replies a sync cuts; the assertions hold for any timing (each token, each sample). That some
+reply is cut is made sure of, not left to timing (under load every reply could end before the next sync: seen with
+two busy processes beside the suite): the requests that reach the server while the trainer learns a step are held
+(``Faults.hold``) until the next weights are loaded and the server resumes, and the trainer waits (bounded) until
+one is held, so the next sync's keep pause finds it generating.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +30,7 @@ from orchestrator.app import Orchestrator
 from orchestrator.contracts.wire import Batch
 from orchestrator.sim.log import GenerateCall
 from orchestrator.sim.profiles import ProfileName
+from orchestrator.sim.server import SimServer
 from orchestrator.testing.jobs import ARITHMETIC, job_config
 from orchestrator.testing.sim import Faults, sim_servers, weights_dir
 from orchestrator.trainer.reference import ReferenceTrainer
@@ -33,6 +39,7 @@ from orchestrator.trainer.versions import version_bounds
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_home")]
 STEPS = 4
 JOB_GUARD_S = 300
+HELD_WAIT_S = 5.0
 
 
 @dataclass
@@ -46,13 +53,51 @@ class Seen:
     bounds: tuple[np.ndarray, np.ndarray]
 
 
+class Cutter:
+    """Holds the requests that reach ``server`` from the start of the trainer's step ``s`` until the weights of step
+    ``s + 1`` are loaded and it resumes (so that sync cuts them); ``learning(s)``, from the trainer's thread, returns
+    once one is held, or after HELD_WAIT_S (when no rollout may start before that sync)."""
+
+    def __init__(self, server: SimServer, loop: asyncio.AbstractEventLoop) -> None:
+        self.server, self.loop = server, loop
+        self.releases: set[asyncio.Task[None]] = set()
+
+    def learning(self, step: int) -> None:
+        if step < STEPS - 1:  # a sync follows
+            asyncio.run_coroutine_threadsafe(self._hold(step), self.loop).result(HELD_WAIT_S + 5)
+
+    async def _hold(self, step: int) -> None:
+        gate = self.server.gate
+        self.server.faults = dataclasses.replace(self.server.faults, hold=True)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(HELD_WAIT_S):
+                await gate.wait_until(lambda st: st.running > 0)
+        task = asyncio.create_task(self._release(step + 1))
+        self.releases.add(task)
+        task.add_done_callback(self.releases.discard)
+
+    async def _release(self, step: int) -> None:
+        with contextlib.suppress(TimeoutError):  # the run may end before that sync
+            async with asyncio.timeout(JOB_GUARD_S):
+                await self.server.gate.wait_until(
+                    lambda st: st.mode is None and (self.server.weights_path or "").endswith(f"step_{step}"))
+        self.server.faults = dataclasses.replace(self.server.faults, hold=False)
+
+    def close(self) -> None:
+        for task in self.releases:
+            task.cancel()
+        self.server.faults = dataclasses.replace(self.server.faults, hold=False)
+
+
 class Recorder:
     """A trainer's learner that keeps what it got and saves the servers' initial policy as every checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, cutter: Cutter) -> None:
         self.seen: list[Seen] = []
+        self.cutter = cutter
 
     def update(self, batch: Batch) -> None:
+        self.cutter.learning(batch.step)
         c = batch.columns
         none = np.zeros(0, np.int32)  # a step whose every sample max_token_lag dropped has no columns to speak of
         self.seen.append(Seen(batch.step, c["token_ids"].copy(), c["loss_mask"].copy(), c.get("versions", none).copy(),
@@ -80,13 +125,17 @@ async def run(tmp_path: Path, profile: ProfileName, data_plane: str, *, async_le
                          scheduler={"batch_size": 8, "max_inflight": 16, "max_async_level": async_level,
                                     "max_off_policy_steps": async_level + 1, "max_buffered_rollouts": 64},
                          transport={"data_plane": data_plane}, env=[env])
-        recorder = Recorder()
-        async with Orchestrator.open(cfg) as orch:
-            trainer = ReferenceTrainer(orch.sender.address, max_steps=STEPS, checkpoint_dir=tmp_path / "ckpt",
-                                       learner=recorder)
-            async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
-                tg.create_task(trainer.run())
-                await orch.run()
+        cutter = Cutter(srv, asyncio.get_running_loop())
+        recorder = Recorder(cutter)
+        try:
+            async with Orchestrator.open(cfg) as orch:
+                trainer = ReferenceTrainer(orch.sender.address, max_steps=STEPS, checkpoint_dir=tmp_path / "ckpt",
+                                           learner=recorder)
+                async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
+                    tg.create_task(trainer.run())
+                    await orch.run()
+        finally:
+            cutter.close()
         calls = [c for c in srv.log.generate if c.status == 200 and c.token_ids is not None]
     metrics = [orjson.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_bytes().splitlines()]
     return recorder, calls, metrics
