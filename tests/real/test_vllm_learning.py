@@ -40,7 +40,7 @@ async def reward_gain(servers: Servers, out: Path, learner_class: type[TorchLear
     for s in servers.dense:
         await reload_base(s.url, model)
     job = RealJob(out, model, tuple(s.url for s in servers.dense), steps=STEPS, envs=("arith",), batch_size=128,
-                  group_size=16, max_tokens=1, workers=2)
+                  group_size=16, max_tokens=1, workers=2, pipeline={"gates": []})  # groups that teach nothing filtered
     result = await run_real_job(job, learner_class(model, TorchLearnConfig(lr=1e-2)), timeout_s=1100)
     rewards = [m["reward_mean"]["arith"] for m in result.summary.metrics]
     return float(np.mean(rewards[-EDGE:]) - np.mean(rewards[:EDGE])), rewards

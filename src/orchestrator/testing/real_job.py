@@ -66,7 +66,10 @@ class RealJob:
     # more keys of each env's sampling table, e.g. {"extra_body": {"ignore_eos": True}}; env_sampling: per env
     sampling: Section = field(default_factory=dict)
     env_sampling: Mapping[str, Section] = field(default_factory=dict)
-    pipeline: Section = field(default_factory=lambda: {"gates": []})  # [pipeline]: every finished group trains
+    # [pipeline]: every finished rollout trains, so every step has tokens for the trainer's parity check (with the
+    # zero_advantage filter a tiny model's step whose every group scored alike is empty: the 0.31 job's learner once
+    # got a batch without a versions column); a rollout of zero advantage adds no gradient
+    pipeline: Section = field(default_factory=lambda: {"gates": [], "filters": []})
     extra: Mapping[str, Section | Sequence[Section]] = field(default_factory=dict)  # more sections (testing.jobs)
     env_keys: Mapping[str, Section] = field(default_factory=dict)  # more keys of an env, by name (e.g. algorithm)
     weight_transfer: str = "filesystem"  # "broadcast": the trainer sends its weights over gloo (servers with it)
