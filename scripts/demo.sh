@@ -4,5 +4,6 @@
 # go to `orchestrator demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # cache compiled modules: scripts/setup.sh says why
 bash scripts/setup.sh
 exec .venv/bin/orchestrator demo "$@"

@@ -4,5 +4,6 @@
 # takes seconds. Extra arguments go to `orchestrator real-stack setup` (e.g. --dir DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # cache compiled modules: scripts/setup.sh says why
 EXTRAS=dev,torch bash scripts/setup.sh
 exec .venv/bin/orchestrator real-stack setup "$@"

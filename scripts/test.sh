@@ -14,6 +14,7 @@
 # servers within one session, so they run in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # cache compiled modules: scripts/setup.sh says why
 
 SUMMARY=()  # one line per stage run: name, wall time, exit status
 START=$SECONDS

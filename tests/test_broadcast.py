@@ -142,7 +142,9 @@ async def test_a_server_that_comes_back_gets_the_current_weights_and_the_job_goe
     facts: dict[str, int] = {}
 
     async def kill_and_restart(orch: Orchestrator, _t: Trainer) -> None:
-        await wait_until(lambda: orch.summary.steps >= 1, JOB_GUARD_S, "step 1")
+        # after the weights of step 1 are on both: killed during their sync, it could rejoin on step 0's
+        await wait_until(lambda: orch.summary.steps >= 1 and all(s.version >= 1 for s in orch.pool.servers),
+                         JOB_GUARD_S, "the weights of step 1 on every server")
         await cluster.kill(1)
         server = orch.pool.servers[1]
         await wait_until(lambda: not server.in_rotation, JOB_GUARD_S, "the killed server to leave rotation")

@@ -10,6 +10,7 @@ rollouts. Each test announces checkpoints as a trainer does and watches what rea
 - a server gone silent mid-broadcast fails the update within the timeout; the servers it failed wait, paused,
   until a broadcast brings them the weights;
 - a server that joins late waits out of rotation and gets the current weights by a broadcast;
+- a trainer waiting to be asked for its last weights stops when the run ends;
 - preflight names a server started without the engine, or with another one.
 """
 
@@ -321,6 +322,38 @@ async def test_a_server_that_joins_late_waits_out_of_rotation_and_a_broadcast_br
             await r.policy(2)
             await stop(run)
             assert [cluster[i].weight_version for i in range(2)] == ["2", "2"]
+
+
+async def test_a_trainer_waiting_to_be_asked_for_its_last_weights_stops_when_the_run_ends(tmp_path: Path) -> None:
+    """The run ends before it asks for the weights announced after its last step (seen on the real stack: the
+    trainer then waited out its 600 s): the orchestrator says so, and ``serve_transfers`` returns at once."""
+    async with sim_cluster(1, weight_transfer="gloo") as cluster:
+        cfg = config(tmp_path, cluster.urls)
+        weights = Weights()
+        async with InferencePool.open(cfg.inference, cfg.model.name) as pool, \
+                BatchSender.open(f"ipc://{tmp_path}/t.sock") as sender:
+            receiver = BatchReceiver(sender.address, broadcaster=GlooBroadcaster(weights))
+            r = Rig(cfg, pool, sender, receiver, weights)
+            prober = asyncio.ensure_future(pool.run())
+            try:
+                run = started(r)
+                serving = asyncio.ensure_future(receiver.serve_transfers(None, WAIT_S))
+                await r.announce(1)
+                await r.policy(1)  # the group formed, and step 1 went over it
+                serving.cancel()
+                await asyncio.gather(serving, return_exceptions=True)
+                await stop(run)  # the run is over: nothing asks for the next weights
+                await r.announce(2)
+                assert not receiver.run_ended
+                sender.run_finished()
+                async with asyncio.timeout(WAIT_S):  # a hang guard: without the word it waits its whole timeout_s
+                    taken = await receiver.serve_transfers(2, timeout_s=10 * WAIT_S)
+                assert taken is False
+                assert receiver.run_ended
+            finally:
+                prober.cancel()
+                await asyncio.gather(prober, return_exceptions=True)
+                receiver.close()
 
 
 async def test_preflight_names_a_server_without_the_engine_or_with_another(tmp_path: Path) -> None:

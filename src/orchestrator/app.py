@@ -178,6 +178,7 @@ class Orchestrator:
             await self._flush()
             for task in background:
                 task.cancel()
+        self.sender.run_finished()  # a trainer waiting to be asked for its last weights stops waiting
         return self.summary
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -122,6 +122,10 @@ class Sender(abc.ABC, Generic[P]):
         where the link can, and say where checkpoints come from (a clause for the orchestrator's stall line)."""
         return f"checkpoints come from the trainer at {self.address}"
 
+    def run_finished(self) -> None:
+        """The run has trained its last step and asks nothing more: a link that can tells the trainer (one that
+        serves weight transfers stops waiting for a request)."""
+
     def metrics(self) -> dict[str, Any]:
         """Added to each step's metrics: the link's state after the step's send."""
         return {"transport": {"kind": self.kind, "acked": self.acked, "unacked": len(self.window.unacked),

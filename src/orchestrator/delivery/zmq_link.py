@@ -45,7 +45,8 @@ step <= N; -1 for none), with ``"hello": true`` when a receiver starts, and ``"c
 (the newest weights it announced or resumed from) when it has one. Orchestrator -> trainer: batches
 (``wire.encode``), and control messages ``[b"ctl", msgpack map]``: ``{"ctl": "refused", "why": ...}``,
 ``{"ctl": "checkpoint", "min": N}``, ``{"ctl": "ping"}``, ``{"ctl": "pool", "worker", "id", "size", "host",
-"path"}``. See docs/wire-format.md; contracts/reports.py decodes the trainer's messages.
+"path"}``, ``{"ctl": "end"}`` (``run_finished``: the run trained its last step and will ask nothing more). See
+docs/wire-format.md; contracts/reports.py decodes the trainer's messages.
 """
 
 from __future__ import annotations
@@ -224,6 +225,10 @@ class BatchSender(Sender[list[Any]]):
     def holder(self) -> Peer | None:
         """The trainer this link feeds (None: none yet, or it was refused)."""
         return self.seat.holder
+
+    def run_finished(self) -> None:
+        if (holder := self.seat.holder) is not None:
+            self._tell(holder.id, {"ctl": "end"})  # the socket's linger (2 s) delivers it as the run closes
 
     def checkpoint_wanted(self, policy: int) -> str:
         holder = self.seat.holder

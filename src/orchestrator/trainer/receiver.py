@@ -115,6 +115,7 @@ class _ReceiverCore:
         self.rejected: dict[str, int] = {}
         self.refused: str | None = None  # why the orchestrator refused this trainer, once it did
         self.checkpoint_wanted: int | None = None  # the orchestrator waits for weights of step >= this
+        self.run_ended = False  # the orchestrator said its run trained its last step: it asks nothing more
         self.shm = ShmAttachment(address)  # maps the sender's pool when a shared-memory batch arrives
         # direct: the workers' pools, mapped when announced or first named (or fetched from their span servers when
         # on other hosts, as a CURVE client with this trainer's key pair)
@@ -171,8 +172,12 @@ class _ReceiverCore:
             log.error("the orchestrator at %s refused this trainer: %s", self.address, self.refused)
             self._check_refused()
         if what == TRANSFER and self.transfers is not None:
+            self.run_ended = False  # an orchestrator resumed past its end
             self.transfers.take(msg)
             return False
+        if what == "end":
+            self.run_ended = True
+            log.info("the orchestrator at %s has finished its run", self.address)
         if what == "checkpoint" and isinstance(msg.get("min"), int):
             self._wanted(msg["min"])
             return True
@@ -208,6 +213,7 @@ class _ReceiverCore:
         except WireError as e:
             self._reject(e)
             return None
+        self.run_ended = False  # an orchestrator resumed past its end sends steps again
         if isinstance(item, Batch):
             self.last_step = item.step
         return item
@@ -301,9 +307,14 @@ class _ReceiverCore:
 
     def _serving(self, step: int | None, deadline: float, timeout_s: float) -> float:
         """``serve_transfers``' loop: how long to wait for the next message (> 0), 0 when done (taken, or no
-        group; ``step`` None: the time is up), -1 when the time is up before the weights were taken."""
+        group; ``step`` None: the time is up), -1 when the time is up, or the run ended, before the weights were
+        taken."""
         if self.transfers is None or (step is not None and not self.transfers.waiting_for(step)):
             return 0.0
+        if self.run_ended:  # nothing more will be asked
+            if step is not None:
+                log.info("the orchestrator finished its run without taking the weights of step %d", step)
+            return 0.0 if step is None else -1.0
         left = deadline - time.monotonic()
         if left > 0:
             return left
