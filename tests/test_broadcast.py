@@ -21,6 +21,7 @@ import pytest
 
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig
+from orchestrator.contracts.wire import Batch
 from orchestrator.policy import Policy
 from orchestrator.sim.server import SimServer
 from orchestrator.sim.transfer import BROADCAST, PARTLY
@@ -85,6 +86,33 @@ async def run(cfg: JobConfig, make: Callable[[Orchestrator], ReferenceTrainer],
             if side is not None and not side.done():
                 side.cancel()
     return orch, t
+
+
+async def test_a_trainer_whose_last_weights_the_run_never_asks_for_stops_when_the_run_ends(tmp_path: Path) -> None:
+    """The trainer announces its last weights after the run has ended (its last step's training outlasts it), so
+    nothing asks for them: it stops serving when the orchestrator says the run has ended, not after
+    ``transfer_wait_s`` (600 s, longer than this test's guard: seen on the real stack)."""
+    ended = asyncio.Event()
+
+    class Late(Trainer):
+        async def train(self, batch: Batch) -> None:
+            if batch.step == cfg.run.max_steps - 1:
+                await ended.wait()
+
+    async with sim_cluster(1, weight_transfer="gloo") as cluster:
+        cfg = job(tmp_path, cluster.urls, steps=2)
+        learner = PolicyLearner()
+        async with Orchestrator.open(cfg) as orch:
+            t = Late(orch.sender.address, max_steps=cfg.run.max_steps, learner=learner,
+                     checkpoint_dir=Path(cfg.run.output_dir) / "ckpt", broadcaster=GlooBroadcaster(learner.weights))
+            assert t.transfer_wait_s > JOB_GUARD_S
+            async with asyncio.timeout(JOB_GUARD_S), asyncio.TaskGroup() as tg:
+                tg.create_task(t.run())
+                await orch.run()
+                ended.set()
+        assert [r.step for r in t.received] == [0, 1]
+        assert t.receiver is not None
+        assert t.receiver.run_ended
 
 
 def same_weights(server: SimServer, learner: PolicyLearner) -> bool:

@@ -190,6 +190,28 @@ async def test_a_server_rejoins_only_after_it_was_synced_to_the_current_weights(
 
 
 @virtual_time
+async def test_a_server_whose_canary_outlasts_the_start_of_a_sync_is_synced_before_it_rejoins() -> None:
+    """The sync began while the server was out (so it does not sync it); the probe, done with the canary, finds
+    newer weights announced and syncs it before it rejoins: it never serves the older weights in rotation (seen
+    in a broadcast job: it rejoined on step 1 while the others served step 2)."""
+    cfg = config(2, backend="prime-rl")
+    fakes = [FakeInferenceServer(url) for url in cfg.servers]
+    pool = InferencePool(cfg, fakes, model="m")
+    async with asyncio.TaskGroup() as tg:
+        prober = tg.create_task(pool.run())
+        fakes[1].fail_with = InferenceError("refused")
+        assert list((await pool.update_weights(Checkpoint(4))).failed) == [fakes[1].url]
+        fakes[1].slow_paths["/inference/v1/generate"] = 3.0  # the probe's canary, within its bound
+        fakes[1].fail_with = None
+        await wait_until(lambda: pool.servers[1].version == 4, WAIT_S, "the probe to sync it to step 4")
+        result = await pool.update_weights(Checkpoint(5))  # while its canary runs
+        assert result.updated == [fakes[0].url]
+        await wait_until(lambda: pool.servers[1].in_rotation, WAIT_S, "the probe to bring it back")
+        assert (pool.servers[1].version, fakes[1].weights_path) == (5, "/ckpt/step_5")
+        prober.cancel()
+
+
+@virtual_time
 async def test_failures_evict_and_waiters_share_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     async with pool_of(1, failures_to_evict=2) as (pool, [fake]):
         server = pool.servers[0]

@@ -60,33 +60,37 @@ class Cutter:
 
     def __init__(self, server: SimServer, loop: asyncio.AbstractEventLoop) -> None:
         self.server, self.loop = server, loop
-        self.releases: set[asyncio.Task[None]] = set()
+        self.until = -1  # the hold lasts until the weights of this step are loaded (the newest window's)
+        self.releases: list[asyncio.Task[None]] = []
 
     def learning(self, step: int) -> None:
         if step < STEPS - 1:  # a sync follows
             asyncio.run_coroutine_threadsafe(self._hold(step), self.loop).result(HELD_WAIT_S + 5)
 
     async def _hold(self, step: int) -> None:
-        gate = self.server.gate
+        self.until = step + 1  # an earlier window's release, still pending, leaves this one's hold on
         self.server.faults = dataclasses.replace(self.server.faults, hold=True)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(HELD_WAIT_S):
-                await gate.wait_until(lambda st: st.running > 0)
-        task = asyncio.create_task(self._release(step + 1))
-        self.releases.add(task)
-        task.add_done_callback(self.releases.discard)
+                await self.server.gate.wait_until(lambda st: st.running > 0)
+        self.releases.append(asyncio.create_task(self._release(step + 1)))
 
     async def _release(self, step: int) -> None:
         with contextlib.suppress(TimeoutError):  # the run may end before that sync
             async with asyncio.timeout(JOB_GUARD_S):
                 await self.server.gate.wait_until(
                     lambda st: st.mode is None and (self.server.weights_path or "").endswith(f"step_{step}"))
-        self.server.faults = dataclasses.replace(self.server.faults, hold=False)
+        if self.until == step:
+            self.server.faults = dataclasses.replace(self.server.faults, hold=False)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Release what it holds; a release that failed raises here."""
         for task in self.releases:
             task.cancel()
         self.server.faults = dataclasses.replace(self.server.faults, hold=False)
+        for outcome in await asyncio.gather(*self.releases, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                raise outcome
 
 
 class Recorder:
@@ -135,7 +139,7 @@ async def run(tmp_path: Path, profile: ProfileName, data_plane: str, *, async_le
                     tg.create_task(trainer.run())
                     await orch.run()
         finally:
-            cutter.close()
+            await cutter.close()
         calls = [c for c in srv.log.generate if c.status == 200 and c.token_ids is not None]
     metrics = [orjson.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_bytes().splitlines()]
     return recorder, calls, metrics

@@ -98,7 +98,8 @@ async def orchestrator_pass(url: str, model: Path, root: Path, args: argparse.Na
     out = Path(tempfile.mkdtemp(prefix="orch-", dir=root))
     job = RealJob(out, model, (url,), steps=args.steps, envs=("arith",), batch_size=args.batch_size,
                   max_inflight=args.inflight, group_size=args.group_size, max_tokens=args.max_tokens, workers=2,
-                  max_async_level=args.steps, sampling={"extra_body": {"ignore_eos": True}})
+                  max_async_level=args.steps, sampling={"extra_body": {"ignore_eos": True}},
+                  pipeline={"gates": []})  # as recorded: groups of equal rewards are filtered
     path = out / "job.toml"
     path.write_text(job.config_text())
     cpu0 = _children_cpu_s()

@@ -136,7 +136,7 @@ class Orchestrator:
         After a crash, steps past the last one the trainer acknowledged are generated again (their rollouts
         died with the process); the sender skips any of them the trainer turns out to have, so the trainer
         sees every step once, in order. At the end it waits up to FLUSH_TIMEOUT_S for the trainer to
-        acknowledge the last steps and names any it did not."""
+        acknowledge the last steps and names any it did not, then tells the trainer the run has ended."""
         switch = sys.getswitchinterval()
         sys.setswitchinterval(self.cfg.run.gil_switch_ms / 1e3)  # the loop's worst wait for the GIL; restored after
         try:

@@ -227,8 +227,13 @@ class BatchSender(Sender[list[Any]]):
         return self.seat.holder
 
     def run_finished(self) -> None:
-        if (holder := self.seat.holder) is not None:
-            self._tell(holder.id, {"ctl": "end"})  # the socket's linger (2 s) delivers it as the run closes
+        if (holder := self.seat.holder) is None:
+            return
+        if self._tell(holder.id, {"ctl": "end"}):  # the socket's linger (2 s) delivers it as the run closes
+            log.info("told trainer %s that the run has ended", holder.name)
+        else:
+            log.warning("could not tell trainer %s that the run has ended (not connected): one waiting to be asked "
+                        "for its weights waits out its own bound", holder.name)
 
     def checkpoint_wanted(self, policy: int) -> str:
         holder = self.seat.holder

@@ -379,12 +379,16 @@ class InferencePool:
                         return self.timed(call, what, timeout_s)
                     await resume(server.api, timed)
                     await self.weights.label(server.api, server.version, timed)
-            while server.version != self.target.step:  # newer weights may be announced while it loads
-                if not await self._on_disk(server):
-                    return  # it waits for the next broadcast, out of rotation
-                await self._sync_one(server, self.target)  # ends with a resume
-            if self.model is not None:
-                await self._canary(server, timeout_s)
+            while True:
+                while server.version != self.target.step:  # newer weights may be announced while it loads
+                    if not await self._on_disk(server):
+                        return  # it waits for the next broadcast, out of rotation
+                    await self._sync_one(server, self.target)  # ends with a resume
+                if self.model is not None:
+                    await self._canary(server, timeout_s)
+                # a sync that began during the canary left it out (not in rotation then): sync it first
+                if server.version == self.target.step:
+                    break
             self._set_rotation(server, True, f"healthy on probe, weights of step {server.version}")
         except (InferenceError, CheckpointError) as e:
             server.last_error = str(e)

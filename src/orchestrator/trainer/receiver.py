@@ -14,9 +14,11 @@ From the orchestrator come control messages besides batches: ``refused`` (anothe
 or this one lacks steps that are gone) makes ``recv`` raise ``TrainerRefused`` with the reason, now and on
 every later call; ``checkpoint`` (the orchestrator waits for weights of step >= N) is answered with a status
 message, and logged once when this trainer has announced nothing that new (``checkpoint_wanted`` holds N, for a
-trainer that wants to react); ``ping`` is ignored. Shared-memory batches are mapped on arrival (see the
-receivers' docstrings for when they are released). ``keys`` (``ClientKeys``) makes both sockets CURVE clients,
-for an orchestrator that binds tcp:// with keys. Importable without verifiers.
+trainer that wants to react); ``end`` (the run trained its last step) sets ``run_ended``, and a
+``serve_transfers`` waiting for weights no request will ask for returns; ``ping`` is ignored. Shared-memory
+batches are mapped on arrival (see the receivers' docstrings for when they are released). ``keys``
+(``ClientKeys``) makes both sockets CURVE clients, for an orchestrator that binds tcp:// with keys. Importable
+without verifiers.
 
 Step manifests (the orchestrator runs the direct data plane, docs/data-plane.md): the columns are in the
 env workers' pools on this node, which the receiver maps (``trainer.reader.PoolMaps``: when a ``pool``
@@ -178,6 +180,7 @@ class _ReceiverCore:
         if what == "end":
             self.run_ended = True
             log.info("the orchestrator at %s has finished its run", self.address)
+            return False
         if what == "checkpoint" and isinstance(msg.get("min"), int):
             self._wanted(msg["min"])
             return True
@@ -311,10 +314,9 @@ class _ReceiverCore:
         taken."""
         if self.transfers is None or (step is not None and not self.transfers.waiting_for(step)):
             return 0.0
-        if self.run_ended:  # nothing more will be asked
-            if step is not None:
-                log.info("the orchestrator finished its run without taking the weights of step %d", step)
-            return 0.0 if step is None else -1.0
+        if self.run_ended and step is not None:  # nothing more will be asked
+            log.info("the orchestrator finished its run without taking the weights of step %d", step)
+            return -1.0
         left = deadline - time.monotonic()
         if left > 0:
             return left

@@ -17,7 +17,8 @@ either side: every step once, in order, and no wait for weights that were announ
 
 Weights over the wire (``broadcaster``, trainer/broadcast.py): the trainer also sends its weights to the servers
 when the orchestrator asks (broadcast mode), right after announcing them and before it trains on (it serves the
-requests until the orchestrator has taken the weights: ``serve_transfers``, at most ``transfer_wait_s``); with
+requests until the orchestrator has taken the weights: ``serve_transfers``, at most ``transfer_wait_s``, or until the
+orchestrator says its run has ended); with
 ``save_every`` = K it then writes a checkpoint directory only every K steps (the announcements in between carry
 no path): what a late or restarted server loads, and what a restarted trainer resumes from (the newest one).
 """
