@@ -25,5 +25,7 @@ async def test_the_demo_runs_on_the_real_stack(stack: StackPaths, tmp_path: Path
     assert "real vLLM servers on the tiny dense model" in stdout.decode()
     metrics = [orjson.loads(line) for line in (out / "metrics.jsonl").read_bytes().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
-    assert all(m["failed"] == 0 for m in metrics)
+    failures = [(r["step"], r["failure"], r.get("error")) for r in
+                (orjson.loads(line) for line in (out / "rollouts.jsonl").read_bytes().splitlines()) if r["failure"]]
+    assert all(m["failed"] == 0 for m in metrics), failures
     assert list((out / "checkpoints" / "step_1").glob("*.safetensors"))  # the PyTorch trainer's checkpoint

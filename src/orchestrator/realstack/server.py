@@ -22,8 +22,13 @@ on the same port. The command line is the one REAL-VLLM.md checked on CPUs:
   over the wire from the trainer (``orchestrator.transfer``, installed in the server's venv by the setup), and
   still reloads checkpoints from disk.
 
-The server runs in a session of its own (API server, engine core and worker processes), all ended by its pid's
-group; the API server is asked for SIGKILL when its parent dies, so a crashed test leaves no server behind.
+The server runs in a process group of its own (API server, engine core and worker processes), all ended by its
+pid's group; the API server is asked for SIGKILL when its parent dies, so a crashed test leaves no server behind.
+It stays in its starter's session and runs at nice NICE: a GPU server does not compute on the orchestrator's cores,
+and a CPU one that does should not starve it. In a session of its own (``setsid``) it was a scheduling group of its
+own where the kernel groups by session (``kernel.sched_autogroup_enabled``, on in our CI machines), which took half
+the CPUs whatever the orchestrator needed: its event loop waited up to 4.5 s for a core
+(tests/real/test_vllm_concurrency.py, where timely polls and dispatch are the subject).
 Its output goes to ``DIR/logs/vllm-PORT.log``.
 """
 
@@ -46,6 +51,7 @@ import aiohttp
 from orchestrator.procs import PR_SET_PDEATHSIG
 from orchestrator.realstack.install import SetupError, StackPaths
 
+NICE = 5  # the server's niceness: the job's own processes come first
 START_TIMEOUT_S = 300.0  # a cold start on a loaded 2-core machine; a warm one takes 35-60 s
 SERVED_NAME = "tiny"
 
@@ -129,8 +135,8 @@ class VLLMServer:
         with open(self.log_path, "ab") as out:
             out.write(f"\n=== start {self.starts + 1}: {' '.join(argv)}\n".encode())
             out.flush()
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=self.options.environment(self.paths), preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, process_group=0,
+                                         env=self.options.environment(self.paths), preexec_fn=_in_child)
         self.starts += 1
 
     async def _wait_healthy(self, timeout_s: float) -> None:
@@ -199,9 +205,11 @@ def free_port() -> int:
         return port
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the process that started it dies (Linux)."""
+def _in_child() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies (Linux), and a lower priority than
+    the job's own processes (NICE)."""
     import ctypes
 
+    os.nice(NICE)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
