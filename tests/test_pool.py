@@ -190,6 +190,27 @@ async def test_a_server_rejoins_only_after_it_was_synced_to_the_current_weights(
 
 
 @virtual_time
+async def test_a_server_that_left_failing_requests_is_synced_again_before_it_rejoins() -> None:
+    """It may have restarted on the weights it started with, so the step it last loaded no longer says what it
+    serves (a sim restarted in a broadcast job rejoined labelled step 1 on step 0's weights). At step 0 a restart
+    holds the target's weights: it rejoins without a load."""
+    async with pool_of(2, backend="prime-rl") as (pool, fakes):
+        server = pool.servers[1]
+        for _ in range(2):  # at step 0
+            pool.report_failure(server, Failure.PROVIDER, "Connection error.")
+        await wait_until(lambda: server.in_rotation, WAIT_S, "the probe to bring it back at step 0")
+        assert "/update_weights" not in [c[1] for c in fakes[1].calls]
+        assert not (await pool.update_weights(Checkpoint(3))).failed
+        for _ in range(2):
+            pool.report_failure(server, Failure.PROVIDER, "Connection error.")
+        assert not server.in_rotation
+        fakes[1].calls.clear()  # as if restarted on the weights it started with: it must load step 3's
+        await wait_until(lambda: server.in_rotation, WAIT_S, "the probe to bring it back")
+        assert (fakes[1].weights_path, server.version) == ("/ckpt/step_3", 3)
+        assert [c[1] for c in fakes[1].calls if c[1] != "/health"] == ["/pause", "/update_weights", "/resume"]
+
+
+@virtual_time
 async def test_a_server_whose_canary_outlasts_the_start_of_a_sync_is_synced_before_it_rejoins() -> None:
     """The sync began while the server was out (so it does not sync it); the probe, done with the canary, finds
     newer weights announced and syncs it before it rejoins: it never serves the older weights in rotation (seen

@@ -34,7 +34,9 @@ Use (the orchestrator)::
   server holds one sync (and the new policy, which waits for it) for at most ``weight_sync_timeout_s`` +
   that, then leaves rotation, named in the log; servers out of rotation are synced by the probe before they
   rejoin, so no server serves old weights unnoticed and none is waited for while it is out. No real server
-  reports which weights it serves, so ``server.version`` is what the last successful sync loaded.
+  reports which weights it serves, so ``server.version`` is what the last successful sync loaded, and unknown
+  once a server left rotation failing requests after step 0 (it may have restarted on the weights it started
+  with): it is synced again before it rejoins.
 - **Weights over the wire** (``weight_transfer = "broadcast"``, weights/broadcast.py runs them): a server out of
   rotation whose probe finds it healthy but without the current weights loads them from disk when the trainer
   wrote them there (every K steps); otherwise it waits (``awaiting``), out of rotation, for the next broadcast,
@@ -97,7 +99,7 @@ class Server:
     cap: int | None = None  # rollouts it may have at once (rollouts/concurrency.py); None: no cap of its own
     failures: int = 0  # consecutive
     version: int = 0  # the checkpoint step its last successful sync loaded (0: what it started with; -1: unknown,
-    # a weight transfer to it failed part way)
+    # a weight transfer to it failed part way, or it left rotation failing requests and may have restarted)
     ceiling: int = 0  # the newest weights it may serve: the step of the newest sync begun on it (even one that failed)
     last_error: str = ""
     probe_failures: int = 0  # since it last left rotation
@@ -274,6 +276,11 @@ class InferencePool:
         self.metrics[f"failed:{kind}"] += 1
         if server.in_rotation and (evict or server.failures >= self.cfg.failures_to_evict):
             self._set_rotation(server, False, f"{server.failures} failure(s) in a row, last: {server.last_error}")
+            if self.target.step > 0:
+                # it may have restarted on the weights it started with (a test's sim did, and rejoined labelled
+                # with the step it had before, and the next broadcast failed on its new engine): synced again
+                # before it rejoins. At step 0 a restart holds the target's weights.
+                server.version = -1
 
     def evict(self, server: Server, why: str) -> None:
         """A weight sync to ``server`` failed (``why``): out of rotation now, counted."""
