@@ -22,6 +22,7 @@ import pytest
 from orchestrator.app import Orchestrator
 from orchestrator.config import JobConfig
 from orchestrator.contracts.wire import Batch
+from orchestrator.inference.pool import Server
 from orchestrator.policy import Policy
 from orchestrator.sim.server import SimServer
 from orchestrator.sim.transfer import BROADCAST, PARTLY
@@ -162,10 +163,11 @@ async def test_every_update_goes_over_the_wire_and_the_servers_sample_from_what_
 
 @pytest.mark.parametrize("save_every", [1, 1000], ids=["on-disk", "not-on-disk"])
 async def test_a_server_that_comes_back_gets_the_current_weights_and_the_job_goes_on(
-        tmp_path: Path, save_every: int) -> None:
+        tmp_path: Path, save_every: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Killed after step 1 and started again (with the weights it started with): out of rotation, it is healthy;
     the current weights come from disk when the trainer wrote them there (every step), else by a broadcast whose
-    re-formed group takes it in. Only then does it rejoin, and it serves rollouts again."""
+    re-formed group takes it in. Only then does it rejoin, and it serves rollouts again; the next broadcasts
+    reach it (its new engine joins a group formed again)."""
     steps = 6
     facts: dict[str, int] = {}
 
@@ -173,15 +175,21 @@ async def test_a_server_that_comes_back_gets_the_current_weights_and_the_job_goe
         # after the weights of step 1 are on both: killed during their sync, it could rejoin on step 0's
         await wait_until(lambda: orch.summary.steps >= 1 and all(s.version >= 1 for s in orch.pool.servers),
                          JOB_GUARD_S, "the weights of step 1 on every server")
+        server, pool = orch.pool.servers[1], orch.pool
+        rotate = pool._set_rotation
+
+        def rejoins(s: Server, on: bool, why: str) -> None:  # what it serves at the moment it rejoins
+            if s is server and on and not s.in_rotation and "rejoined_at" not in facts:
+                facts.update(rejoined_at=orch.summary.steps, target=pool.target.step,
+                             version=int(cluster[1].weight_version))
+            rotate(s, on, why)
+
+        monkeypatch.setattr(pool, "_set_rotation", rejoins)
         await cluster.kill(1)
-        server = orch.pool.servers[1]
         await wait_until(lambda: not server.in_rotation, JOB_GUARD_S, "the killed server to leave rotation")
-        restarted = await cluster.restart(1)
+        await cluster.restart(1)
         facts["restarted_at"] = orch.summary.steps
-        await wait_until(lambda: server.in_rotation, JOB_GUARD_S, "the restarted server to rejoin")
-        facts["rejoined_at"] = orch.summary.steps
-        facts["target"] = orch.pool.target.step
-        facts["version"] = int(restarted.weight_version)  # what it said it serves when it rejoined
+        await wait_until(lambda: "rejoined_at" in facts, JOB_GUARD_S, "the restarted server to rejoin")
 
     async with sim_cluster(2, weight_transfer="gloo") as cluster:
         cfg = job(tmp_path, cluster.urls, steps=steps)
@@ -201,4 +209,5 @@ async def test_a_server_that_comes_back_gets_the_current_weights_and_the_job_goe
         assert served  # it served rollouts after it rejoined
         assert all(g["weights_path"] != PARTLY for g in log["generate"])
         assert back.weight_version == cluster[0].weight_version  # the syncs since reached both
+        assert "weight transfer not initialized" not in caplog.text  # no broadcast went to its new engine ungrouped
     assert [r.step for r in t.received] == list(range(steps))  # nothing lost, nothing twice

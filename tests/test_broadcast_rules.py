@@ -10,6 +10,7 @@ rollouts. Each test announces checkpoints as a trainer does and watches what rea
 - a server gone silent mid-broadcast fails the update within the timeout; the servers it failed wait, paused,
   until a broadcast brings them the weights;
 - a server that joins late waits out of rotation and gets the current weights by a broadcast;
+- a member that restarts between two broadcasts is taken into a group formed again;
 - a trainer waiting to be asked for its last weights stops when the run ends;
 - preflight names a server started without the engine, or with another one.
 """
@@ -35,7 +36,7 @@ from orchestrator.contracts.checkpoints import Checkpoint
 from orchestrator.contracts.transfer import JoinGroup, Params, SendWeights
 from orchestrator.delivery.zmq_link import BatchSender
 from orchestrator.engines import job_scheduler
-from orchestrator.errors import ConfigError, TransferError
+from orchestrator.errors import ConfigError, Failure, TransferError
 from orchestrator.inference.pool import InferencePool
 from orchestrator.inference.preflight import PreflightError, preflight
 from orchestrator.policy import Policy
@@ -322,6 +323,31 @@ async def test_a_server_that_joins_late_waits_out_of_rotation_and_a_broadcast_br
             await r.policy(2)
             await stop(run)
             assert [cluster[i].weight_version for i in range(2)] == ["2", "2"]
+
+
+async def test_a_member_that_restarts_is_taken_into_a_group_formed_again(tmp_path: Path) -> None:
+    """Crashed and restarted between two broadcasts, a member loads the current weights from disk and rejoins;
+    its new engine is in no group, so the next broadcast forms the group again (seen in a whole job: it went to
+    the old group, and failed on every member)."""
+    async with sim_cluster(2, weight_transfer="gloo") as cluster, rig(tmp_path, cluster) as r:
+        run = started(r)
+        await r.announce(1, str(r.weights.policy.save(tmp_path / "step_1").parent))  # also written to disk
+        await r.policy(1)
+        server = r.pool.servers[1]
+        await cluster.kill(1)
+        for _ in range(r.pool.cfg.failures_to_evict):  # its requests fail: it leaves rotation
+            r.pool.report_failure(server, Failure.PROVIDER, "Connection error.")
+        back = await cluster.restart(1)
+        await wait_until(lambda: server.in_rotation, WAIT_S, "it to rejoin", poll_s=0.01)
+        assert back.weight_version == "1"
+        assert [c["path"] for c in back.log_json()["admin"]].count("/collective_rpc") == 1  # from disk
+        await r.announce(2)
+        await r.policy(2)
+        await stop(run)
+        assert [cluster[i].weight_version for i in range(2)] == ["2", "2"]
+        assert len(admin(cluster, 1, "/init_weight_transfer_engine")) == 1  # its new engine joined a group
+        assert [x.get("formed", False) for x in r.loop.take_reports()] == [True, True]
+        assert r.pool.metrics["weight_sync_failed"] == 0
 
 
 async def test_a_trainer_waiting_to_be_asked_for_its_last_weights_stops_when_the_run_ends(tmp_path: Path) -> None:

@@ -109,6 +109,7 @@ class Server:
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     awaiting: bool = False  # healthy, out of rotation, waiting for a broadcast of the current weights
     out_why: str = ""  # why it last left rotation
+    left: int = 0  # times it left rotation (it may have restarted behind any of them: a new engine)
     out_since: float = 0.0  # when (loop time)
     probe_verdict: str = ""  # what its last probe found (the reason it stays out), and when
     probed_at: float | None = None
@@ -306,6 +307,7 @@ class InferencePool:
             log.info("inference server %s rejoins rotation (%s)", server.url, why)
         else:
             server.out_why, server.out_since, server.probe_verdict, server.probed_at = why, _now(), "", None
+            server.left += 1
             log.warning("inference server %s leaves rotation: %s", server.url, why)
         self._changed.set()
 

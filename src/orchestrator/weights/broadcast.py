@@ -5,7 +5,8 @@ docs/inference-servers.md, "Weights over the wire").
 ``BroadcastSync(pool, channel, cfg).update(ckpt, servers)`` puts checkpoint ``ckpt`` on ``servers``:
 
 1. **The group.** Formed again when its members, their world sizes or the trainer differ from the group formed
-   last, or its last update failed. Each member's ranks (``GET /get_world_size``) follow the trainer's (rank 0):
+   last, a member left rotation since (it may have restarted: a new engine is in no group), or its last update
+   failed. Each member's ranks (``GET /get_world_size``) follow the trainer's (rank 0):
    ``rank_offset = 1 + the world sizes of the members before it``. The trainer is told to join (``JoinGroup``
    over the trainer link): it serves the rendezvous and answers ``listening`` with its port; then every
    member's ``/init_weight_transfer_engine`` and the trainer's ``joined`` (with the tensors it sends) complete
@@ -99,6 +100,7 @@ class Group:
     trainer: bytes
     sizes: dict[str, int]  # member url -> world size, in rank order
     params: Params
+    left: dict[str, int]  # member url -> how often it had left rotation when the group formed (Server.left)
 
 
 @dataclass
@@ -193,7 +195,10 @@ class BroadcastSync:
 
     def _reform(self, peer: Peer, servers: Sequence[Server]) -> bool:
         g = self.group
-        return g is None or g.trainer != peer.id or list(g.sizes) != [s.url for s in servers]
+        # a member that left rotation since may have restarted: its new engine is in no group (a restarted server
+        # rejoined by a load from disk, and the next broadcast failed on every member)
+        return (g is None or g.trainer != peer.id or list(g.sizes) != [s.url for s in servers]
+                or any(g.left[s.url] != s.left for s in servers))
 
     async def _form(self, peer: Peer, servers: Sequence[Server], report: SyncReport) -> None:
         self.group = None
@@ -241,7 +246,7 @@ class BroadcastSync:
             why = (joined.why if isinstance(joined, TransferEvent) else str(joined)) or "no tensors"
             raise Failed(f"weight transfer group {name} did not form within {c.timeout_s:g} s: the trainer: {why}; "
                          f"the servers: {[str(e) for _, e in failed] or 'joined'}")
-        self.group = Group(name, peer.id, sizes, joined.params)
+        self.group = Group(name, peer.id, sizes, joined.params, {s.url: s.left for s in members})
         log.info("weight transfer group %s formed: trainer %s and %d server(s), %d ranks, %d tensors (%.1f MB)",
                  name, peer.name, len(members), world, len(joined.params.names), joined.params.nbytes / 2**20)
 
