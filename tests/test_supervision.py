@@ -322,6 +322,9 @@ def written_rows(orch: Orchestrator) -> list[dict[str, Any]]:
     return [orjson.loads(x) for x in data[:data.rfind(b"\n") + 1].splitlines()]
 
 
+GROUP_TIMEOUT_S = 120.0  # far above the request timeout in the hung-server test: that one must fire
+
+
 def probe_hangs(server: SimServer) -> int:
     return sum(g.fault == "hang" and g.cache_salt == PROBE_CACHE_SALT for g in server.log.generate)
 
@@ -344,7 +347,7 @@ async def test_a_hung_server_times_out_its_rollouts_leaves_rotation_and_the_run_
         cfg = job(tmp_path, cluster.urls, data_plane, steps=100, silence_s=30.0,  # stopped once the server is back
                   inference={"request_timeout_s": REQUEST_TIMEOUT_S, "weight_sync_timeout_s": 30.0},
                   # the group timeout far above the request timeout: that one must fire
-                  scheduler={"group_timeout_s": 120.0, "max_off_policy_steps": off_policy_steps})
+                  scheduler={"group_timeout_s": GROUP_TIMEOUT_S, "max_off_policy_steps": off_policy_steps})
 
         async def hang_then_recover(orch: Orchestrator, watch: Steps, _trainer: ReferenceTrainer) -> None:
             await watch.reached(0)
@@ -364,9 +367,10 @@ async def test_a_hung_server_times_out_its_rollouts_leaves_rotation_and_the_run_
                                          for g in list(cluster[0].log.generate)[served:]), WAIT_S,
                              "rollouts served by it again", poll_s=0.02)
             if off_policy_steps == 100:  # a timed-out rollout's row is written when its group ends, which a sibling
-                # still queued for a connection to the hung server delays (seen under load): wait for one
-                await wait_until(lambda: any(r["failure"] == "timeout" for r in written_rows(orch)), WAIT_S,
-                                 "a timed-out rollout's row", poll_s=0.1)
+                # still queued for a connection to the hung server delays (seen under load) up to the group's
+                # timeout (a fresh-clone CI run waited 120 s and saw none: its group began before the hang)
+                await wait_until(lambda: any(r["failure"] == "timeout" for r in written_rows(orch)),
+                                 GROUP_TIMEOUT_S + WAIT_S, "a timed-out rollout's row", poll_s=0.1)
 
         with caplog.at_level(logging.INFO, logger="orchestrator"):
             _, rows = await run_job(cfg, hang_then_recover, stop_after_chaos=True)
