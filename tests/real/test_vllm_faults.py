@@ -109,5 +109,6 @@ async def test_a_checkpoint_without_weights_is_refused_and_the_servers_are_unhar
     assert result.orchestrator is not None
     assert result.orchestrator.pool.metrics["evictions"] == 0
     assert max(row["learned"]["mismatch_max"] for row in result.journal) <= 1e-4  # BAD's weights, once written
-    for s in servers.dense:
-        assert (await get_json(s.root + "/weight_info"))["weight_version"] == str(BAD + 1)
+    for s in servers.dense:  # past the refused checkpoint: BAD + 1's weights, or the next ones if the sync that
+        # follows the last step ended before the run did (a fresh-clone CI run saw BAD + 2)
+        assert int((await get_json(s.root + "/weight_info"))["weight_version"]) in (BAD + 1, BAD + 2)
