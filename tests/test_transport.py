@@ -381,3 +381,31 @@ async def test_a_wait_warns_on_time_while_the_trainer_keeps_reporting(tmp_path: 
             assert await asyncio.wait_for(held, HANG_GUARD_S) is True
         finally:
             receiver.close()
+
+
+@pytest.mark.parametrize("acked", [True, False], ids=["every-step-acked", "a-step-unacked"])
+async def test_a_trainer_gone_at_the_end_is_a_warning_only_if_it_left_steps_unacknowledged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, acked: bool) -> None:
+    """A trainer given max_steps acknowledges its last step and leaves before the run ends (the demo's does):
+    that is the usual end, not worth a warning; one that left with a step unacknowledged is."""
+    caplog.set_level(logging.INFO, logger="orchestrator.delivery.zmq_link")
+    async with BatchSender.open(f"ipc://{tmp_path}/t.sock", hwm=2) as sender:
+        receiver = BatchReceiver(sender.address, auto_ack=False)
+        try:
+            await asyncio.wait_for(send_all(sender, range(2)), 5)
+            for step in range(2):
+                assert (await asyncio.wait_for(receiver.recv(), 5)).step == step
+            await receiver.ack(1 if acked else 0)
+            await wait_until(lambda: sender.acked == (1 if acked else 0), 5, "the acknowledgement", poll_s=0.01)
+        finally:
+            receiver.close()
+        await wait_until(lambda: not sender.trainer_connected(), 5, "the trainer to disconnect", poll_s=0.01)
+        assert sender.holder is not None
+        name = sender.holder.name
+        sender.run_finished()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "has left" in r.getMessage()
+            or "could not tell" in r.getMessage()]
+    if acked:
+        assert said == [(logging.INFO, f"trainer {name} acknowledged every step and has left")]
+    else:
+        assert [level for level, _ in said] == [logging.WARNING]

@@ -15,7 +15,8 @@ rollouts/s of the rollouts trained (rollouts.jsonl's ok rows of those steps over
 controller cancelled is work lost, counted as ``cancelled``), and the preemption rate: the server's
 ``vllm:num_preemptions_total`` over the window (read every 0.2 s from its ``/metrics``) per generate request
 (the rows' turns), and how full the setting kept the cache (``kv_usage_mean`` and ``kv_usage_p90`` of the same
-readings). Prints ``adaptive_to_best_static`` and ``adaptive_to_worst_static`` (tokens/s ratios;
+readings), and how busy the machine's CPUs were (``cpu_busy``, /proc/stat: near 1, the cores set the pace, not the
+cache). Prints ``adaptive_to_best_static`` and ``adaptive_to_worst_static`` (tokens/s ratios;
 targets >= 0.85 and >= 1.5), ``adaptive_to_best_unpreempted_static`` (against the best static cap whose
 preemption rate kept within PREEMPTION_BUDGET; target >= 0.95), ``steady_preemption_rate`` (adaptive; target
 <= 0.01) and ``warmup_cancelled`` (rollouts the adaptive cap cancelled in the first third of its passes' steps,
@@ -91,7 +92,7 @@ async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: 
 
     steps = args.steps
     cfg = job_config(url, out, args, max_inflight, adaptive)
-    marks: list[float] = []  # wall time at each step's end
+    marks: list[tuple[float, tuple[int, int]]] = []  # wall time and the machine's CPU ticks at each step's end
     polled: list[tuple[float, ServerLoad]] = []
     async with aiohttp.ClientSession() as http:
         async def poll() -> None:
@@ -101,14 +102,14 @@ async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: 
 
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=steps, checkpoint_dir=out / "ckpt")
-            orch.on_step = lambda _m: marks.append(time.perf_counter())
+            orch.on_step = lambda _m: marks.append((time.perf_counter(), cpu_ticks()))
             async with asyncio.TaskGroup() as tg:
                 poller = tg.create_task(poll())
                 tg.create_task(trainer.run())
                 await orch.run()
                 poller.cancel()
     first = steps // 3
-    t0, t1 = marks[first - 1], marks[-1]
+    (t0, ticks0), (t1, ticks1) = marks[first - 1], marks[-1]
     rows = [orjson.loads(line) for line in (Path(cfg.run.output_dir) / "rollouts.jsonl").read_bytes().splitlines()]
     window = [r for r in rows if r["step"] >= first]
     warmup = [r for r in rows if r["step"] < first]
@@ -122,7 +123,18 @@ async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: 
             "requests": requests, "preemption_rate": (after - before) / max(requests, 1),
             "cancelled": sum(r["failure"] == "kv_pressure" for r in window),
             "warmup_cancelled": sum(r["failure"] == "kv_pressure" for r in warmup),
-            "kv_usage_mean": statistics.fmean(usage), "kv_usage_p90": float(np.percentile(usage, 90))}
+            "kv_usage_mean": statistics.fmean(usage), "kv_usage_p90": float(np.percentile(usage, 90)),
+            "cpu_busy": (ticks1[0] - ticks0[0]) / max(ticks1[1] - ticks0[1], 1)}
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """The machine's CPU time so far, busy and in all (clock ticks, /proc/stat): near 1 busy over a pass, the
+    cores, not the simulated cache, set its pace, and caps that differ only in the cache's use cannot be told
+    apart by their throughput."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,13 +151,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                           f"{got['rollouts_per_s']:.2f} rollouts/s, preemptions {got['preemptions']} of "
                           f"{got['requests']} requests, {got['cancelled']} rollouts cancelled "
                           f"({got['warmup_cancelled']} in warm-up), KV usage mean {got['kv_usage_mean']:.2f} "
-                          f"p90 {got['kv_usage_p90']:.2f}", file=sys.stderr)
+                          f"p90 {got['kv_usage_p90']:.2f}, CPUs {got['cpu_busy']:.0%} busy", file=sys.stderr)
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
     # per setting, each figure's passes in order, then its spread: (max - min) / median
     spread = {name: {k: {"passes": [round(r[k], 4) for r in runs],
                          "spread": round((max(r[k] for r in runs) - min(r[k] for r in runs)) / med[name][k], 3)
                          if med[name][k] else 0.0}
-                     for k in ("tokens_per_s", "preemption_rate", "kv_usage_mean")}
+                     for k in ("tokens_per_s", "preemption_rate", "kv_usage_mean", "cpu_busy")}
               for name, runs in results.items()}
     statics = [med[name]["tokens_per_s"] for name, _, adaptive in settings if not adaptive]
     # the best static cap that kept to the preemption budget: what a user tuning by hand for no preemption gets

@@ -231,6 +231,8 @@ class BatchSender(Sender[list[Any]]):
             return
         if self._tell(holder.id, {"ctl": "end"}):  # the socket's linger (2 s) delivers it as the run closes
             log.info("told trainer %s that the run has ended", holder.name)
+        elif not self.unacked:  # it acknowledged every step, then left: the usual end of a trainer given max_steps
+            log.info("trainer %s acknowledged every step and has left", holder.name)
         else:
             log.warning("could not tell trainer %s that the run has ended (not connected): one waiting to be asked "
                         "for its weights waits out its own bound", holder.name)
