@@ -9,15 +9,17 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
 
 from orchestrator.inference.load import LoadUnreadable, parse_load
 from orchestrator.procs import child_env
-from orchestrator.sim.kv import KVEngine, KVLoad, KVModel
+from orchestrator.sim.kv import KVDriver, KVEngine, KVLoad, KVModel
 from orchestrator.sim.metrics import exposition
 from orchestrator.sim.server import SimServer
+from orchestrator.testing.clock import virtual_time
 
 
 def run(engine: KVEngine, limit: int = 10_000) -> tuple[list[object], float]:
@@ -234,9 +236,48 @@ async def test_a_served_simulator_shows_the_pressure_on_its_metrics() -> None:
         assert queue > 0
         async with http.get(f"{base}/metrics") as r:
             final = parse_load(await r.text())
+        async with http.get(f"{base}/sim/log") as r:
+            timing = (await r.json())["kv"]
+    assert timing["iterations"] >= 64
+    assert timing["wall_s"] >= 0.99 * timing["modeled_s"] >= 0.99 * 0.128
     assert final.preemptions > 0  # 12 requests growing to 7 blocks each in 32: admitted at 3, preempted later
     assert (final.running, final.waiting, final.usage) == (0, 0, 0.0)
     assert (final.capacity_tokens, final.finished) == (512, 12)
+
+
+async def drive(driver: KVDriver, requests: list[tuple[int, int]]) -> None:
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(driver.run())
+        await asyncio.gather(*(driver.decode(prompt, target) for prompt, target in requests))
+        driver.stop()
+
+
+@virtual_time
+async def test_the_driver_takes_each_iteration_s_modelled_time_and_says_what_it_took() -> None:
+    """Served, the engine's iterations take what the pure engine says they take (a cache that preempts
+    included), counted from each iteration's start; with nothing else on the loop, that is all they take."""
+    model = KVModel(capacity_tokens=256, block_tokens=16, step_ms=4.0, prefill_ms_per_1k=50.0)
+    requests = [(40, 60), (40, 60), (40, 60), (16, 8)]
+    twin = KVEngine(model)
+    for key, (prompt, target) in enumerate(requests):
+        twin.submit(key, prompt, target)
+    _, total_ms = run(twin)
+    driver = KVDriver(model)
+    await drive(driver, requests)
+    assert twin.preemptions > 0
+    assert driver.modeled_s == pytest.approx(total_ms / 1e3)
+    assert driver.wall_s == pytest.approx(driver.modeled_s)
+    assert driver.iterations > 0
+
+
+async def test_an_iteration_that_other_work_holds_up_is_counted_late() -> None:
+    """Work on the server's loop (answering requests) can hold an iteration past its time: the driver says so
+    (a benchmark reads it to know the simulated speed was not kept)."""
+    driver = KVDriver(KVModel(capacity_tokens=256, block_tokens=16, step_ms=2.0))
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.01, time.sleep, 0.1)  # the loop held for 100 ms while the engine runs
+    await drive(driver, [(16, 50)])
+    assert driver.wall_s - driver.modeled_s >= 0.09
 
 
 def test_the_command_refuses_a_cache_that_cannot_hold_one_request() -> None:

@@ -13,16 +13,18 @@ interleaved and repeated (``--repeats``); figures are medians.
 Measured over each pass's steady state (from the end of its first third of steps to its end): tokens/s and
 rollouts/s of the rollouts trained (rollouts.jsonl's ok rows of those steps over that wall time: a rollout the
 controller cancelled is work lost, counted as ``cancelled``), and the preemption rate: the server's
-``vllm:num_preemptions_total`` over the window (read every 0.2 s from its ``/metrics``) per generate request
-(the rows' turns), and how full the setting kept the cache (``kv_usage_mean`` and ``kv_usage_p90`` of the same
-readings), and how busy the machine's CPUs were (``cpu_busy``, /proc/stat: near 1, the cores set the pace, not the
-cache). Prints ``adaptive_to_best_static`` and ``adaptive_to_worst_static`` (tokens/s ratios;
-targets >= 0.85 and >= 1.5), ``adaptive_to_best_unpreempted_static`` (against the best static cap whose
-preemption rate kept within PREEMPTION_BUDGET; target >= 0.95), ``steady_preemption_rate`` (adaptive; target
-<= 0.01) and ``warmup_cancelled`` (rollouts the adaptive cap cancelled in the first third of its passes' steps,
-summed; target 0). ``--json``: one JSON object as the last line, with each setting's medians (``passes``), each
-figure's passes and spread (``spread``), and the machine (cores, load average). The issue's targets hold at the
-default step time and at half and double it: ``--step-ms 2.5``, ``--step-ms 10``.
+``vllm:num_preemptions_total`` over the window (read every 0.2 s from its ``/metrics``) per generate request (the
+rows' turns), and how full the setting kept the cache (``kv_usage_mean`` and ``kv_usage_p90`` of the same readings),
+and how busy the machine's CPUs were (``cpu_busy``, /proc/stat: near 1, the cores set the pace, not the cache), and
+how much longer than modelled the sim's engine iterations took (``engine_slowdown``, sim/kv.py: past ~1.1 the
+machine did not keep the simulated speed, and the pass ran a slower engine than ``--step-ms`` says). Prints
+``adaptive_to_best_static`` and ``adaptive_to_worst_static`` (tokens/s ratios; targets >= 0.85 and >= 1.5),
+``adaptive_to_best_unpreempted_static`` (against the best static cap whose preemption rate kept within
+PREEMPTION_BUDGET; target >= 0.95), ``steady_preemption_rate`` (adaptive; target <= 0.01) and ``warmup_cancelled``
+(rollouts the adaptive cap cancelled in the first third of its passes' steps, summed; target 0). ``--json``: one
+JSON object as the last line, with each setting's medians (``passes``), each figure's passes and spread
+(``spread``), and the machine (cores, load average). The issue's targets hold at the default step time and at half
+and double it: ``--step-ms 2.5``, ``--step-ms 10``.
 """
 
 from __future__ import annotations
@@ -102,14 +104,20 @@ async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: 
 
         async with Orchestrator.open(cfg) as orch:
             trainer = ReferenceTrainer(orch.sender.address, max_steps=steps, checkpoint_dir=out / "ckpt")
-            orch.on_step = lambda _m: marks.append((time.perf_counter(), cpu_ticks()))
             async with asyncio.TaskGroup() as tg:
+                def step_done(_m: object) -> None:
+                    marks.append((time.perf_counter(), cpu_ticks()))
+                    timings.append(tg.create_task(kv_timing(http, url)))
+
+                timings: list[asyncio.Task[dict[str, float]]] = []
+                orch.on_step = step_done
                 poller = tg.create_task(poll())
                 tg.create_task(trainer.run())
                 await orch.run()
                 poller.cancel()
     first = steps // 3
     (t0, ticks0), (t1, ticks1) = marks[first - 1], marks[-1]
+    kv0, kv1 = timings[first - 1].result(), timings[-1].result()
     rows = [orjson.loads(line) for line in (Path(cfg.run.output_dir) / "rollouts.jsonl").read_bytes().splitlines()]
     window = [r for r in rows if r["step"] >= first]
     warmup = [r for r in rows if r["step"] < first]
@@ -124,7 +132,15 @@ async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: 
             "cancelled": sum(r["failure"] == "kv_pressure" for r in window),
             "warmup_cancelled": sum(r["failure"] == "kv_pressure" for r in warmup),
             "kv_usage_mean": statistics.fmean(usage), "kv_usage_p90": float(np.percentile(usage, 90)),
-            "cpu_busy": (ticks1[0] - ticks0[0]) / max(ticks1[1] - ticks0[1], 1)}
+            "cpu_busy": (ticks1[0] - ticks0[0]) / max(ticks1[1] - ticks0[1], 1),
+            "engine_slowdown": (kv1["wall_s"] - kv0["wall_s"]) / max(kv1["modeled_s"] - kv0["modeled_s"], 1e-9)}
+
+
+async def kv_timing(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The sim's engine iterations so far: their modelled durations and the wall time they took (sim/log.py)."""
+    async with http.get(url.removesuffix("/v1") + "/sim/log") as resp:
+        kv: dict[str, float] = (await resp.json())["kv"]
+        return kv
 
 
 def cpu_ticks() -> tuple[int, int]:
@@ -151,13 +167,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                           f"{got['rollouts_per_s']:.2f} rollouts/s, preemptions {got['preemptions']} of "
                           f"{got['requests']} requests, {got['cancelled']} rollouts cancelled "
                           f"({got['warmup_cancelled']} in warm-up), KV usage mean {got['kv_usage_mean']:.2f} "
-                          f"p90 {got['kv_usage_p90']:.2f}, CPUs {got['cpu_busy']:.0%} busy", file=sys.stderr)
+                          f"p90 {got['kv_usage_p90']:.2f}, CPUs {got['cpu_busy']:.0%} busy, engine iterations "
+                          f"{got['engine_slowdown']:.2f}x their modelled time", file=sys.stderr)
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
     # per setting, each figure's passes in order, then its spread: (max - min) / median
     spread = {name: {k: {"passes": [round(r[k], 4) for r in runs],
                          "spread": round((max(r[k] for r in runs) - min(r[k] for r in runs)) / med[name][k], 3)
                          if med[name][k] else 0.0}
-                     for k in ("tokens_per_s", "preemption_rate", "kv_usage_mean", "cpu_busy")}
+                     for k in ("tokens_per_s", "preemption_rate", "kv_usage_mean", "cpu_busy", "engine_slowdown")}
               for name, runs in results.items()}
     statics = [med[name]["tokens_per_s"] for name, _, adaptive in settings if not adaptive]
     # the best static cap that kept to the preemption budget: what a user tuning by hand for no preemption gets

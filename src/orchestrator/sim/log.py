@@ -10,13 +10,16 @@ grow without bound); ``Counters`` keep the totals.
      "weights_path": str | null, "loads": int, "weight_version": str | null, "pause_mode": str | null,
      "counters": {"requests": int, "generated_tokens": int, "errors": int, "hangs": int, "malformed": int,
                   "drops": int, "down": int, "aborted": int, "refused_paused": int, "cache_resets": int},
+     "kv": {"iterations": int, "modeled_s": float, "wall_s": float} | null,
      "admin": [{"method": "POST", "path": "/pause", "query": {"mode": "keep"}, "body": any | null,
                 "status": 200}, ...],
      "generate": [{"status": 200, "cache_salt": str | null, "weights_path": str | null, "loads": int,
                    "pause_mode": str | null, "finish_reason": str | null, "fault": str | null,
                    "prompt_tokens": int, "completion_tokens": int}, ...]}
 
-``weight_version`` is vLLM 0.31+'s engine version string (null on other profiles). In a generate entry,
+``weight_version`` is vLLM 0.31+'s engine version string (null on other profiles). ``kv`` (null without a KV
+model): the engine iterations run so far, their modelled durations summed and the wall time they took (sim/kv.py
+``KVDriver``: more wall than modelled, the machine did not keep the simulated speed). In a generate entry,
 ``weights_path`` and ``loads`` are those the reply was sampled with (for a refused or failed request: those
 when it was answered); ``pause_mode`` is the pause in force when the request arrived (null: running);
 ``fault`` names an injected fault (``error``, ``drop``, ``down``, ``malformed:<kind>``, ``hang``) or is null; a

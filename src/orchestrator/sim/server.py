@@ -251,7 +251,13 @@ class SimServer:
         version = self.weight_version if self.profile.weight_version_routes else None
         return {"profile": self.profile.name, "dev_mode": self.dev_mode, "weights_path": self.weights_path,
                 "loads": self.loads, "weight_version": version,
-                "pause_mode": self.gate.mode, "counters": asdict(self.counters), **self.log.to_json()}
+                "pause_mode": self.gate.mode, "counters": asdict(self.counters), "kv": self._kv_timing(),
+                **self.log.to_json()}
+
+    def _kv_timing(self) -> dict[str, float] | None:
+        if self.kv is None:
+            return None
+        return {"iterations": self.kv.iterations, "modeled_s": self.kv.modeled_s, "wall_s": self.kv.wall_s}
 
     @web.middleware
     async def _outermost(self, request: web.Request,
