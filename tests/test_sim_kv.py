@@ -285,3 +285,43 @@ def test_the_command_refuses_a_cache_that_cannot_hold_one_request() -> None:
                            "--max-model-len", "2048"], capture_output=True, text=True, timeout=120, env=child_env())
     assert done.returncode == 2
     assert "--kv-capacity-tokens 1000 cannot hold one request of --max-model-len 2048" in done.stderr
+
+
+async def test_the_served_engine_runs_in_its_own_process_so_a_busy_server_loop_does_not_slow_it() -> None:
+    """As vLLM's engine core beside its API server (sim/kv_process.py): the server's loop held for a second does
+    not hold the engine's iterations (on the loop, the driver above counts such a hold as lateness)."""
+    async with SimServer.open(kv=KVModel(capacity_tokens=512, block_tokens=16, step_ms=2.0), max_model_len=512) \
+            as server:
+        assert server.kv is not None
+        decoding = asyncio.create_task(server.kv.decode(16, 50))  # 50 iterations: 100 ms modelled
+        await asyncio.sleep(0)  # it is sent ...
+        inside = await server.kv.load()  # ... and in the engine (a load is answered in order)
+        assert inside.running + inside.waiting == 1
+        time.sleep(1.0)  # noqa: ASYNC251  # the server's loop held: no reply read, no request sent
+        load = await server.kv.load()
+        assert load.finished == 1
+        assert server.kv.iterations >= 50
+        assert server.kv.wall_s < 2 * server.kv.modeled_s
+        await asyncio.wait_for(decoding, 10)
+
+
+async def test_a_keep_pause_freezes_the_engine_process_and_a_request_that_goes_away_frees_its_blocks() -> None:
+    async with SimServer.open(kv=KVModel(capacity_tokens=512, block_tokens=16, step_ms=1.0), max_model_len=512) \
+            as server:
+        assert server.kv is not None
+        server.gate.pause("keep")
+        decoding = asyncio.create_task(server.kv.decode(16, 10))
+        await asyncio.sleep(0.05)  # 50 iterations' time
+        frozen = await server.kv.load()
+        assert (frozen.running + frozen.waiting, server.kv.iterations) == (1, 0)
+        server.gate.resume()
+        await asyncio.wait_for(decoding, 10)
+        leaving = asyncio.create_task(server.kv.decode(16, 400))
+        await asyncio.sleep(0)
+        inside = await server.kv.load()
+        assert inside.running + inside.waiting == 1
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        load = await server.kv.load()
+        assert (load.running, load.usage, load.finished) == (0, 0.0, 2)

@@ -16,8 +16,9 @@ once its reply is sampled, is decoded here one token per engine iteration, as vL
   grows with the running batch, until the cache is full and preemptions recompute what was already computed.
 
 ``KVEngine`` is the pure model (no clock, no I/O: ``step()`` runs one iteration and returns its duration), so
-tests drive it deterministically; ``KVDriver`` runs it on the server's loop. ``load()`` is what the server's
-``/metrics`` reports in vLLM's Prometheus families (sim/metrics.py).
+tests drive it deterministically; ``KVDriver`` runs it on a loop, the one of the engine's own process
+(kv_process.py). ``load()`` is what the server's ``/metrics`` reports in vLLM's Prometheus families
+(sim/metrics.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import collections
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import cast
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,11 @@ class KVModel:
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_tokens)
+
+    def fits(self, prompt: int, target: int) -> bool:
+        """Whether a request can ever finish: alone, its whole context fits (vLLM refuses to start when
+        max_model_len does not fit in the cache; the server checks this at start)."""
+        return self.blocks_for(prompt + target) <= self.blocks
 
 
 @dataclass(frozen=True)
@@ -86,13 +93,8 @@ class KVEngine:
         self.preemptions = 0
         self.finished = 0  # requests that left: done or cancelled (vLLM counts an abort too)
 
-    def fits(self, prompt: int, target: int) -> bool:
-        """Whether a request can ever finish: alone, its whole context fits (vLLM refuses to start when
-        max_model_len does not fit in the cache; the server checks this at start)."""
-        return self.model.blocks_for(prompt + target) <= self.model.blocks
-
     def submit(self, key: Hashable, prompt: int, target: int) -> None:
-        if not self.fits(prompt, target):
+        if not self.model.fits(prompt, target):
             raise ValueError(f"a request of {prompt} + {target} tokens does not fit a KV cache of "
                              f"{self.model.capacity_tokens} tokens")
         self.waiting.append(_Request(key, prompt, max(target, 1)))
@@ -187,26 +189,37 @@ class KVDriver:
     def __init__(self, model: KVModel, paused: Callable[[], bool] = lambda: False, time_scale: float = 1.0) -> None:
         self.engine = KVEngine(model)
         self.paused, self.time_scale = paused, time_scale
-        self._done: dict[object, asyncio.Future[None]] = {}
+        self._done: set[asyncio.Future[None]] = set()  # submitted requests, not finished yet
         self._wake = asyncio.Event()
         self._stopped = False
         self.iterations = 0
         self.modeled_s = 0.0  # the iterations' modelled durations (times time_scale), summed
         self.wall_s = 0.0  # and how long they took
 
-    async def decode(self, prompt: int, target: int) -> None:
-        """Wait until a request of ``prompt`` tokens has generated ``target`` more (ValueError: it never could,
-        its context does not fit the cache). CancelledError: the driver stopped."""
-        key = object()
-        self.engine.submit(key, prompt, target)
-        done = self._done[key] = asyncio.get_running_loop().create_future()
+    def submit(self, prompt: int, target: int) -> asyncio.Future[None]:
+        """Put a request of ``prompt`` tokens that generates ``target`` more in the engine now; its future is
+        done when they are generated, cancelled when the driver stops (ValueError: its context never fits the
+        cache)."""
+        done = asyncio.get_running_loop().create_future()
+        self.engine.submit(done, prompt, target)
+        self._done.add(done)
         self._wake.set()
+        return done
+
+    def cancel(self, request: asyncio.Future[None]) -> None:
+        """Take a submitted request out of the engine (its client went away), freeing its blocks."""
+        self._done.discard(request)
+        if not request.done() or request.cancelled():
+            self.engine.cancel(request)
+        request.cancel()
+
+    async def decode(self, prompt: int, target: int) -> None:
+        """``submit``, and wait until the request is done (CancelledError: the driver stopped)."""
+        done = self.submit(prompt, target)
         try:
             await done
         finally:
-            self._done.pop(key, None)
-            if not done.done() or done.cancelled():  # the client went away, or the driver stopped
-                self.engine.cancel(key)
+            self.cancel(done)
 
     def stop(self) -> None:
         self._stopped = True
@@ -231,9 +244,10 @@ class KVDriver:
                 self.modeled_s += modeled
                 self.wall_s += loop.time() - start
                 for key in finished:
-                    fut = self._done.get(key)
-                    if fut is not None and not fut.done():
-                        fut.set_result(None)
+                    done = cast(asyncio.Future[None], key)  # submit() keys the engine's requests by their futures
+                    self._done.discard(done)
+                    if not done.done():
+                        done.set_result(None)
         finally:
-            for fut in self._done.values():
-                fut.cancel()
+            for done in self._done:
+                done.cancel()

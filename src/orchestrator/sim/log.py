@@ -18,8 +18,9 @@ grow without bound); ``Counters`` keep the totals.
                    "prompt_tokens": int, "completion_tokens": int}, ...]}
 
 ``weight_version`` is vLLM 0.31+'s engine version string (null on other profiles). ``kv`` (null without a KV
-model): the engine iterations run so far, their modelled durations summed and the wall time they took (sim/kv.py
-``KVDriver``: more wall than modelled, the machine did not keep the simulated speed). In a generate entry,
+model): the engine iterations run so far, their modelled durations summed and the wall time they took, as of the
+engine process's last answer (sim/kv_process.py: more wall than modelled, the machine did not keep the simulated
+speed). In a generate entry,
 ``weights_path`` and ``loads`` are those the reply was sampled with (for a refused or failed request: those
 when it was answered); ``pause_mode`` is the pause in force when the request arrived (null: running);
 ``fault`` names an injected fault (``error``, ``drop``, ``down``, ``malformed:<kind>``, ``hang``) or is null; a

@@ -38,7 +38,8 @@ from orchestrator.sim import replies
 from orchestrator.sim.admin import ADMIN_PATHS, admin_routes
 from orchestrator.sim.engine import Engine, LoadFailed, dead_error, load_error_message, sanitize
 from orchestrator.sim.gate import Gate
-from orchestrator.sim.kv import KVDriver, KVLoad, KVModel
+from orchestrator.sim.kv import KVLoad, KVModel
+from orchestrator.sim.kv_process import KVProcess
 from orchestrator.sim.log import AdminCall, Counters, GenerateCall, SimLog
 from orchestrator.sim.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from orchestrator.sim.metrics import exposition
@@ -101,8 +102,8 @@ class SimServer:
       a teacher for on-policy distillation, which scores samples with ``sampling_params.prompt_logprobs``);
     - ``faults``: injected faults (assign ``server.faults`` to change them while it runs);
     - ``kv``: a KV-cache model (kv.py): generate replies then take as long as the engine needs to decode them
-      under that capacity, preempting when it is full; ``kv_time_scale`` scales its clock. None: replies are
-      answered after their injected latency alone.
+      under that capacity, preempting when it is full, in a process of its own (kv_process.py);
+      ``kv_time_scale`` scales its clock. None: replies are answered after their injected latency alone.
     - ``weight_transfer``: ``"gloo"`` plays a server started with ``--weight-transfer-config '{"backend":
       "gloo"}'``: it receives weights over the wire (transfer.py; needs torch); None: without one.
 
@@ -138,7 +139,7 @@ class SimServer:
         self.weight_version = "default"  # vLLM 0.31+'s engine version string (/update_weight_version)
         self.counters = Counters()
         self.engine = Engine()  # broken by a failed weight load, dead at the next request that reaches it
-        self.kv = None if kv is None else KVDriver(kv, lambda: self.gate.mode == "keep", kv_time_scale)
+        self.kv = None if kv is None else KVProcess(kv, self.gate, kv_time_scale)
         if weight_transfer not in (None, "gloo"):
             raise ValueError(f"weight_transfer must be 'gloo' or None, not {weight_transfer!r}")
         self.transfer = SimTransfer(weight_transfer, self, sanitized=self.profile.sanitized_errors)
@@ -286,7 +287,7 @@ class SimServer:
         return empty_response(200)  # a paused engine is healthy too
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        load = (self.kv.engine.load() if self.kv is not None
+        load = (await self.kv.load() if self.kv is not None
                 else KVLoad(0.0, self.gate.state().inside, 0, 0))
         return web.Response(body=exposition(self.model, load, float(self._created)).encode(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
