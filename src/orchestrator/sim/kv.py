@@ -176,14 +176,18 @@ class KVEngine:
         return computed
 
 
+TIMER_GRAIN_S = 0.0015  # how late a loop's timer can fire with nothing else to do: 1 ms of epoll's rounding, and slack
+
+
 class KVDriver:
-    """Runs a ``KVEngine`` on the server's loop: ``await decode(prompt, target)`` returns once the request's
-    tokens are generated. ``run()`` iterates while there is work and ``paused()`` is false, each iteration taking
-    its modelled duration times ``time_scale`` (tests run the same schedule faster) from its start: the engine's
-    own bookkeeping is inside that time, as a real engine's scheduling is inside its step. Whatever else the
-    server's loop runs meanwhile (answering requests) can still make an iteration late: ``modeled_s`` and
-    ``wall_s`` sum the iterations' modelled and actual durations, so a benchmark can tell a simulated speed the
-    machine kept from one it could not (``GET /sim/log``'s ``kv``). Its owner runs it in a TaskGroup and ends it
+    """Runs a ``KVEngine`` on a loop (the engine process's: kv_process.py): ``await decode(prompt, target)``
+    returns once the request's tokens are generated. ``run()`` iterates while there is work and ``paused()`` is
+    false, each iteration taking its modelled duration times ``time_scale`` (tests run the same schedule faster)
+    from its start: the engine's own bookkeeping is inside that time, as a real engine's scheduling is inside its
+    step, and a timer that woke a little late (``TIMER_GRAIN_S``) does not delay the next iteration. Whatever
+    else the loop runs meanwhile can still make iterations late: ``modeled_s`` and ``wall_s`` sum their modelled
+    and actual durations, so a benchmark can tell a simulated speed the machine kept from one it could not
+    (``GET /sim/log``'s ``kv``). Its owner runs it in a TaskGroup and ends it
     with ``stop()``, which fails the requests still inside."""
 
     def __init__(self, model: KVModel, paused: Callable[[], bool] = lambda: False, time_scale: float = 1.0) -> None:
@@ -227,22 +231,34 @@ class KVDriver:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        start: float | None = None  # when the next iteration starts (None: when it is run, after idling)
+        began = 0.0  # when the previous one ended, in fact
         try:
             while not self._stopped:
                 if not self.engine.busy:
                     self._wake.clear()
                     await self._wake.wait()
+                    start = None
                     continue
                 if self.paused():  # frozen (a keep pause) until the pause ends: look again an iteration later
                     await asyncio.sleep(self.engine.model.step_ms * self.time_scale / 1e3)
+                    start = None
                     continue
-                start = loop.time()
+                if start is None:
+                    start = began = loop.time()
                 ms, finished = self.engine.step()
                 modeled = ms * self.time_scale / 1e3
-                await asyncio.sleep(max(0.0, start + modeled - loop.time()))
+                end = start + modeled
+                await asyncio.sleep(max(0.0, end - loop.time()))
+                now = loop.time()
                 self.iterations += 1
                 self.modeled_s += modeled
-                self.wall_s += loop.time() - start
+                self.wall_s += now - began  # the time the iteration took, its timer's lateness included once
+                began = now
+                # the next iteration starts where this one was due to end, unless it ended later than the loop's
+                # timers can miss by: epoll waits whole milliseconds, rounded up (selectors.py), which made
+                # 2.5 ms iterations take 3; counted from the wake-up instead, every iteration would lose that
+                start = end if now - end < TIMER_GRAIN_S else now
                 for key in finished:
                     done = cast(asyncio.Future[None], key)  # submit() keys the engine's requests by their futures
                     self._done.discard(done)
