@@ -270,6 +270,21 @@ async def test_the_driver_takes_each_iteration_s_modelled_time_and_says_what_it_
     assert driver.iterations > 0
 
 
+@virtual_time
+async def test_timers_that_fire_a_little_late_do_not_slow_the_engine() -> None:
+    """epoll waits whole milliseconds, rounded up: a timer fires up to 1 ms late with nothing else to do. Each
+    iteration starts where the last was due to end, so the engine keeps its modelled rate (counted from each
+    wake-up, 2.5 ms iterations took 3)."""
+    async def late(seconds: float) -> None:
+        await asyncio.sleep(seconds + 0.0009)
+
+    driver = KVDriver(KVModel(capacity_tokens=256, block_tokens=16, step_ms=2.5, prefill_ms_per_1k=0.0), sleep=late)
+    await drive(driver, [(16, 100)])
+    assert driver.iterations == 100
+    assert driver.modeled_s == pytest.approx(0.25)
+    assert driver.wall_s == pytest.approx(0.25 + 0.0009)  # late once, at the end: not once an iteration
+
+
 async def test_an_iteration_that_other_work_holds_up_is_counted_late() -> None:
     """Work on the server's loop (answering requests) can hold an iteration past its time: the driver says so
     (a benchmark reads it to know the simulated speed was not kept)."""

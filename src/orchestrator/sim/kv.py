@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import cast
 
@@ -190,9 +190,11 @@ class KVDriver:
     (``GET /sim/log``'s ``kv``). Its owner runs it in a TaskGroup and ends it
     with ``stop()``, which fails the requests still inside."""
 
-    def __init__(self, model: KVModel, paused: Callable[[], bool] = lambda: False, time_scale: float = 1.0) -> None:
+    def __init__(self, model: KVModel, paused: Callable[[], bool] = lambda: False, time_scale: float = 1.0,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.engine = KVEngine(model)
         self.paused, self.time_scale = paused, time_scale
+        self._sleep = sleep  # how an iteration waits out its time (tests: a timer that fires late)
         self._done: set[asyncio.Future[None]] = set()  # submitted requests, not finished yet
         self._wake = asyncio.Event()
         self._stopped = False
@@ -249,7 +251,7 @@ class KVDriver:
                 ms, finished = self.engine.step()
                 modeled = ms * self.time_scale / 1e3
                 end = start + modeled
-                await asyncio.sleep(max(0.0, end - loop.time()))
+                await self._sleep(max(0.0, end - loop.time()))
                 now = loop.time()
                 self.iterations += 1
                 self.modeled_s += modeled
