@@ -97,7 +97,8 @@ class KVProcess:
                 if child.returncode is None:
                     child.stdin.close()
                     try:
-                        await asyncio.wait_for(child.wait(), 5)
+                        async with asyncio.timeout(5):  # not wait_for: on 3.11 it can swallow a cancel
+                            await child.wait()
                     except TimeoutError:
                         child.kill()
                         await child.wait()
