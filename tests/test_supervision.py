@@ -344,7 +344,9 @@ async def test_a_hung_server_times_out_its_rollouts_leaves_rotation_and_the_run_
     facts: dict[str, Any] = {}
     async with sim_cluster(2, faults=Faults(latency_ms=10.0)) as cluster:
         hung_url = cluster.urls[0]
-        cfg = job(tmp_path, cluster.urls, data_plane, steps=100, silence_s=30.0,  # stopped once the server is back
+        # stopped once the server is back: never its last step first, which the wait below for a timed-out row
+        # may outlast (a fresh-clone CI run on a fast machine ran all of 100 steps, then waited out its guard)
+        cfg = job(tmp_path, cluster.urls, data_plane, steps=5000, silence_s=30.0,
                   inference={"request_timeout_s": REQUEST_TIMEOUT_S, "weight_sync_timeout_s": 30.0},
                   # the group timeout far above the request timeout: that one must fire
                   scheduler={"group_timeout_s": GROUP_TIMEOUT_S, "max_off_policy_steps": off_policy_steps})
