@@ -57,6 +57,12 @@ class KVModel:
         max_model_len does not fit in the cache; the server checks this at start)."""
         return self.blocks_for(prompt + target) <= self.blocks
 
+    def check_fits(self, prompt: int, target: int) -> None:
+        """ValueError naming the request and the cache unless it ``fits``."""
+        if not self.fits(prompt, target):
+            raise ValueError(f"a request of {prompt} + {target} tokens does not fit a KV cache of "
+                             f"{self.capacity_tokens} tokens")
+
 
 @dataclass(frozen=True)
 class KVLoad:
@@ -94,9 +100,7 @@ class KVEngine:
         self.finished = 0  # requests that left: done or cancelled (vLLM counts an abort too)
 
     def submit(self, key: Hashable, prompt: int, target: int) -> None:
-        if not self.model.fits(prompt, target):
-            raise ValueError(f"a request of {prompt} + {target} tokens does not fit a KV cache of "
-                             f"{self.model.capacity_tokens} tokens")
+        self.model.check_fits(prompt, target)
         self.waiting.append(_Request(key, prompt, max(target, 1)))
 
     def cancel(self, key: Hashable) -> None:

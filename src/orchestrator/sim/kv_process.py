@@ -59,9 +59,7 @@ class KVProcess:
         return self.timing[2]
 
     async def decode(self, prompt: int, target: int) -> None:
-        if not self.model.fits(prompt, target):
-            raise ValueError(f"a request of {prompt} + {target} tokens does not fit a KV cache of "
-                             f"{self.model.capacity_tokens} tokens")
+        self.model.check_fits(prompt, target)
         key, done = await self._ask({"prompt": prompt, "target": target}, "submit")
         try:
             await done
