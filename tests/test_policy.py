@@ -176,6 +176,26 @@ def test_min_tokens_holds_back_every_stop_id_and_eos_until_that_many_are_sampled
         assert not {stop, eos} & set(sample.token_ids[:30].tolist())
 
 
+def test_raw_sampling_at_temperature_one_draws_what_the_general_path_draws() -> None:
+    """Raw logprobs at temperature 1 with nothing cut (RL's sampling) take a shorter path: one exponential for the
+    draw and the reported logprobs, the min_tokens mask applied to the weights after. From the same seed it draws
+    the very tokens the general path (processed logprobs) draws, with the likeliest id masked for the first
+    ``min_tokens``, and past the mask both report the same logprobs."""
+    raw, processed = (SimPolicy(SimVocab.load(), seed=3, logprobs_mode=logprobs_mode_named(mode))
+                      for mode in ("raw_logprobs", "processed_logprobs"))
+    raw.model = processed.model = perturbed(seed=5, scale=0.3)
+    prompt = sequences(raw.model)[0][:10].tolist()
+    stop = int(np.argmax(raw.model.logits_at(Sequences(np.array(prompt), np.array([0, len(prompt)]),
+                                                       np.array([len(prompt) - 1])))[0]))  # its likeliest next id
+    sp = SamplingParams(max_tokens=40, min_tokens=20, stop_token_ids=frozenset({stop}), logprobs=1)
+    for _ in range(10):
+        a, b = raw.sample(prompt, sp), processed.sample(prompt, sp)
+        assert np.array_equal(a.token_ids, b.token_ids)
+        assert len(a.token_ids) >= 20
+        assert stop not in a.token_ids[:20].tolist()
+        assert a.logprobs[20:] == pytest.approx(b.logprobs[20:], abs=1e-9)
+
+
 def test_new_weights_forget_every_prompt_s_sampling_state() -> None:
     """A prompt seen before the weights changed is sampled from the new weights (the server keeps the state
     after each prompt it sees, for the rest of its group)."""

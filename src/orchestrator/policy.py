@@ -151,6 +151,17 @@ class Tables:
         out: np.ndarray = dense @ self.features_t
         return out
 
+    def number_rows_sum(self, after: np.ndarray, bumps: np.ndarray) -> np.ndarray:
+        """``number_logits(after, bumps).sum(axis=0)`` ``[V]``, summed before the projection onto the ids."""
+        dense = np.matmul(bumps[:, None, :], self.numbers[after])[:, 0].sum(axis=0)
+        out: np.ndarray = dense @ self.features_t
+        return out
+
+    def number_row(self, after: int, bumps: np.ndarray) -> np.ndarray:
+        """``number_logits`` of one number ``[V]``: bumps ``[NB]`` right after token ``after``."""
+        out: np.ndarray = (bumps @ self.numbers[after]) @ self.features_t
+        return out
+
     @staticmethod
     def expand(vocab: Vocab, rows: np.ndarray) -> np.ndarray:
         """Rows over token features ``[n, V + DT]`` -> rows over token ids ``[n, V]``: ``rows @ ψᵀ``."""
@@ -357,11 +368,16 @@ class Cursor:
                 self._after[before] = token
         if self._after:
             after, number = np.array(list(self._after)), np.array(list(self._after.values()))
-            self._z = self._z + self._t.number_logits(after, self._vocab.bumps[number]).sum(axis=0)
+            self._z = self._z + self._t.number_rows_sum(after, self._vocab.bumps[number])
         values = self._vocab.value[distinct[numbers[distinct]]]
         self._sum, self._count = float(values.sum()), int(values.size)  # of the distinct numbers seen
         self._mean = self._mean_logits()
         self._prev: int | None = int(ids[-1]) if ids.size else None
+
+    @property
+    def size(self) -> int:
+        """The vocabulary's size: the length of ``logits()``."""
+        return self._vocab.size
 
     def copy(self) -> Cursor:
         out = object.__new__(Cursor)
@@ -389,7 +405,7 @@ class Cursor:
             self._after[self._prev] = token
             if old != token:
                 bumps = self._vocab.bumps[token] - (0.0 if old is None else self._vocab.bumps[old])
-                self._z = self._z + self._t.number_logits(np.array([self._prev]), bumps[None])[0]
+                self._z = self._z + self._t.number_row(self._prev, bumps)
         self._prev = token
 
     def _mean_logits(self) -> np.ndarray:

@@ -50,6 +50,7 @@ from orchestrator.sim.requests import SamplingParams
 from orchestrator.sim.vocab import SimVocab
 
 LOGPROB_FLOOR = -9999.0  # vLLM floors logprobs at -9999.0
+TINY = 1e-200  # a sum of weights too small to draw from (relative to the largest weight, 1)
 PROMPT_CACHE = 256  # prompts whose cursor is kept (a group's rollouts send the same prompt)
 FileId = tuple[int, int, int, int]  # device, inode, size, mtime (ns)
 LogprobsModeName = Literal["raw_logprobs", "processed_logprobs"]  # vLLM's --logprobs-mode values simulated
@@ -178,20 +179,37 @@ class SimPolicy:
         # masked until sp.min_tokens are sampled: the stop ids and EOS, even with ignore_eos (vLLM 0.31:
         # SamplingParams.update_from_generation_config adds EOS to the ids its min-tokens processor masks)
         banned = np.array(sorted({*sp.stop_token_ids, self.vocab.eos_id}), np.int64)
+        banned = banned[banned < cursor.size]
+        # temperature 1, nothing cut, raw logprobs reported (RL's sampling): the distribution sampled from is the
+        # reported one but for min_tokens' mask, so one exponential serves both
+        plain = (self.logprobs_mode == "raw_logprobs" and sp.temperature == 1.0 and sp.top_p >= 1.0
+                 and not 0 < sp.top_k < cursor.size)
         for _ in range(max(sp.max_tokens, 1)):
             logits = cursor.logits()
-            masked = logits
-            if len(ids) < sp.min_tokens and banned.size:  # raw logprobs are reported before any processing
-                masked = logits.copy()
-                masked[banned[banned < logits.size]] = -np.inf
-            z = processed_logits(masked, sp)  # its maximum is 0
-            cdf = np.cumsum(np.exp(z))
+            masking = len(ids) < sp.min_tokens and banned.size > 0  # raw logprobs are reported before any mask
+            cdf = None
+            if plain:
+                shifted = logits - logits[int(logits.argmax())]
+                weights = np.exp(shifted)
+                lp = shifted - float(np.log(weights.sum()))
+                if masking:  # after the sum: the reported logprobs are the unmasked ones
+                    weights[banned] = 0.0  # the rest keep their ratios: the same distribution as the masked one
+                cdf = np.cumsum(weights)
+                if cdf[-1] < TINY:  # every id left is ~e^-460 below a masked one: shift to the best left instead
+                    cdf = None
+            if cdf is None:
+                masked = logits
+                if masking:
+                    masked = logits.copy()
+                    masked[banned] = -np.inf
+                z = processed_logits(masked, sp)  # its maximum is 0
+                cdf = np.cumsum(np.exp(z))
+                lp = self._reported(logits, z, float(np.log(cdf[-1])), sp)
             token = int(min(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"), cdf.size - 1))
-            lp = self._reported(logits, z, float(np.log(cdf[-1])), sp)
             ids.append(token)
             logprobs.append(float(lp[token]))
             ranks.append(1 + int(np.count_nonzero(lp > lp[token])))
-            top = np.argsort(-lp, kind="stable")[:k] if k > 1 else np.full(k, np.argmax(lp))
+            top = np.argsort(-lp, kind="stable")[:k] if k > 1 else np.full(k, lp.argmax())
             top_ids.append(top)
             top_lps.append(lp[top])
             if token in stops:
