@@ -23,8 +23,10 @@ machine did not keep the simulated speed, and the pass ran a slower engine than 
 PREEMPTION_BUDGET; target >= 0.95), ``steady_preemption_rate`` (adaptive; target <= 0.01) and ``warmup_cancelled``
 (rollouts the adaptive cap cancelled in the first third of its passes' steps, summed; target 0). ``--json``: one
 JSON object as the last line, with each setting's medians (``passes``), each figure's passes and spread
-(``spread``), and the machine (cores, load average). The issue's targets hold at the default step time and at half
-and double it: ``--step-ms 2.5``, ``--step-ms 10``.
+(``spread``), each adaptive pass's cap changes (``adaptive_caps``: from its log, each new cap in order, how many
+each rule made, the lowest and highest over the steady window; printed per pass too), and the machine (cores, load
+average). The issue's targets hold at the default step time and at half and double it: ``--step-ms 2.5``,
+``--step-ms 10``.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -87,34 +92,53 @@ def job_config(url: str, out: Path, args: argparse.Namespace, max_inflight: int,
     return load_config(path, [f"scheduler.concurrency.{s}" for s in args.setting] if adaptive else ())
 
 
+class CapTrace(logging.Handler):
+    """The adaptive cap's changes, from its log (rollouts/concurrency.py says each at INFO: "cap 17 -> 18 (grow;
+    ..."): the rule and the new cap, with the wall time. Its warnings are printed as they come."""
+
+    CHANGE = re.compile(r"cap (\d+) -> (\d+) \((\w+);")
+    FIRST = re.compile(r"first cap (\d+) rollouts")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.changes: list[tuple[float, str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            print(msg, file=sys.stderr)
+        elif m := self.CHANGE.search(msg):
+            self.changes.append((time.perf_counter(), m[3], int(m[2])))
+        elif m := self.FIRST.search(msg):
+            self.changes.append((time.perf_counter(), "start", int(m[1])))
+
+    def summary(self, t0: float) -> dict[str, Any]:
+        """The rules that moved the cap (all pass long), and its caps once the steady window began at ``t0``."""
+        caps = [cap for t, _, cap in self.changes if t >= t0]
+        before = [cap for t, _, cap in self.changes if t < t0]
+        steady = ([before[-1]] if before else []) + caps
+        return {"rules": dict(Counter(rule for _, rule, _ in self.changes)),
+                "caps": [cap for _, _, cap in self.changes],
+                "steady_cap_min": min(steady, default=None), "steady_cap_max": max(steady, default=None)}
+
+
 async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: int, adaptive: bool
                    ) -> dict[str, Any]:
-    from orchestrator.app import Orchestrator
-    from orchestrator.trainer.reference import ReferenceTrainer
-
     steps = args.steps
     cfg = job_config(url, out, args, max_inflight, adaptive)
     marks: list[tuple[float, tuple[int, int]]] = []  # wall time and the machine's CPU ticks at each step's end
     polled: list[tuple[float, ServerLoad]] = []
-    async with aiohttp.ClientSession() as http:
-        async def poll() -> None:
-            while True:
-                polled.append((time.perf_counter(), await load(http, url)))
-                await asyncio.sleep(0.2)
-
-        async with Orchestrator.open(cfg) as orch:
-            trainer = ReferenceTrainer(orch.sender.address, max_steps=steps, checkpoint_dir=out / "ckpt")
-            async with asyncio.TaskGroup() as tg:
-                def step_done(_m: object) -> None:
-                    marks.append((time.perf_counter(), cpu_ticks()))
-                    timings.append(tg.create_task(kv_timing(http, url)))
-
-                timings: list[asyncio.Task[dict[str, float]]] = []
-                orch.on_step = step_done
-                poller = tg.create_task(poll())
-                tg.create_task(trainer.run())
-                await orch.run()
-                poller.cancel()
+    timings: list[asyncio.Task[dict[str, float]]] = []
+    trace, logger = CapTrace(), logging.getLogger("orchestrator.rollouts.concurrency")
+    level = logger.level
+    if adaptive:
+        logger.setLevel(logging.INFO)
+        logger.addHandler(trace)
+    try:
+        await run_job(url, out, cfg, marks, polled, timings)
+    finally:
+        logger.removeHandler(trace)
+        logger.setLevel(level)
     first = steps // 3
     (t0, ticks0), (t1, ticks1) = marks[first - 1], marks[-1]
     kv0, kv1 = timings[first - 1].result(), timings[-1].result()
@@ -133,7 +157,36 @@ async def one_pass(url: str, out: Path, args: argparse.Namespace, max_inflight: 
             "warmup_cancelled": sum(r["failure"] == "kv_pressure" for r in warmup),
             "kv_usage_mean": statistics.fmean(usage), "kv_usage_p90": float(np.percentile(usage, 90)),
             "cpu_busy": (ticks1[0] - ticks0[0]) / max(ticks1[1] - ticks0[1], 1),
-            "engine_slowdown": (kv1["wall_s"] - kv0["wall_s"]) / max(kv1["modeled_s"] - kv0["modeled_s"], 1e-9)}
+            "engine_slowdown": (kv1["wall_s"] - kv0["wall_s"]) / max(kv1["modeled_s"] - kv0["modeled_s"], 1e-9),
+            **({"cap": trace.summary(t0)} if adaptive else {})}
+
+
+async def run_job(url: str, out: Path, cfg: JobConfig, marks: list[tuple[float, tuple[int, int]]],
+                  polled: list[tuple[float, ServerLoad]], timings: list[asyncio.Task[dict[str, float]]]) -> None:
+    """The job, with the reference trainer. Appends, at each step's end, the wall time and CPU ticks to ``marks``
+    and a task reading the engine's timing to ``timings``; and the server's load every 0.2 s to ``polled``."""
+    from orchestrator.app import Orchestrator
+    from orchestrator.trainer.reference import ReferenceTrainer
+
+    async with aiohttp.ClientSession() as http:
+        async def poll() -> None:
+            while True:
+                polled.append((time.perf_counter(), await load(http, url)))
+                await asyncio.sleep(0.2)
+
+        async with Orchestrator.open(cfg) as orch:
+            trainer = ReferenceTrainer(orch.sender.address, max_steps=cfg.run.max_steps,
+                                       checkpoint_dir=out / "ckpt")
+            async with asyncio.TaskGroup() as tg:
+                def step_done(_m: object) -> None:
+                    marks.append((time.perf_counter(), cpu_ticks()))
+                    timings.append(tg.create_task(kv_timing(http, url)))
+
+                orch.on_step = step_done
+                poller = tg.create_task(poll())
+                tg.create_task(trainer.run())
+                await orch.run()
+                poller.cancel()
 
 
 async def kv_timing(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -156,12 +209,17 @@ def cpu_ticks() -> tuple[int, int]:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     settings = [(f"static_{n}", n, False) for n in args.static] + [("adaptive", max(args.static), True)]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in settings}
+    caps: list[dict[str, Any]] = []  # the adaptive passes' cap changes (CapTrace.summary)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["HOME"] = tmp  # verifiers writes ~/.cache/verifiers
         async with sim_process(kv_flags(args)) as sim:
             for rep in range(args.repeats):
                 for name, cap, adaptive in settings:
                     got = await one_pass(sim.url, Path(tmp) / f"{name}-{rep}", args, cap, adaptive)
+                    if adaptive:
+                        caps.append(trace := got.pop("cap"))
+                        print(f"adaptive (pass {rep + 1}): caps {' '.join(map(str, trace['caps']))}; rules "
+                              f"{trace['rules']}", file=sys.stderr)
                     results[name].append(got)
                     print(f"{name} (pass {rep + 1}): {got['tokens_per_s']:.0f} tokens/s, "
                           f"{got['rollouts_per_s']:.2f} rollouts/s, preemptions {got['preemptions']} of "
@@ -195,6 +253,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "steady_preemption_rate": round(ours["preemption_rate"], 4),
             # rollouts the adaptive cap cancelled in the first third of its passes' steps, summed over passes
             "warmup_cancelled": sum(r["warmup_cancelled"] for r in results["adaptive"]),
+            "adaptive_caps": caps,
             "repeats": args.repeats, "step_ms": args.step_ms, "steps": args.steps, "settings": args.setting,
             "machine": machine()}
 
