@@ -104,6 +104,12 @@ class CapTrace(logging.Handler):
         self.changes: list[tuple[float, str, int]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
+        try:  # on the controller's loop: must not raise into it
+            self._take(record)
+        except Exception:
+            self.handleError(record)
+
+    def _take(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
         if record.levelno >= logging.WARNING:
             print(msg, file=sys.stderr)

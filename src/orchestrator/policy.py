@@ -153,7 +153,7 @@ class Tables:
 
     def number_rows_sum(self, after: np.ndarray, bumps: np.ndarray) -> np.ndarray:
         """``number_logits(after, bumps).sum(axis=0)`` ``[V]``, summed before the projection onto the ids."""
-        dense = np.matmul(bumps[:, None, :], self.numbers[after])[:, 0].sum(axis=0)
+        dense = np.matmul(bumps[:, None, :], self.numbers[after])[:, 0].sum(axis=0, dtype=np.float64)
         out: np.ndarray = dense @ self.features_t
         return out
 
