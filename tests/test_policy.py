@@ -185,8 +185,7 @@ def test_raw_sampling_at_temperature_one_draws_what_the_general_path_draws() -> 
                       for mode in ("raw_logprobs", "processed_logprobs"))
     raw.model = processed.model = perturbed(seed=5, scale=0.3)
     prompt = sequences(raw.model)[0][:10].tolist()
-    stop = int(np.argmax(raw.model.logits_at(Sequences(np.array(prompt), np.array([0, len(prompt)]),
-                                                       np.array([len(prompt) - 1])))[0]))  # its likeliest next id
+    stop = int(Cursor(raw.model, np.array(prompt)).logits().argmax())  # the likeliest id after the prompt
     sp = SamplingParams(max_tokens=40, min_tokens=20, stop_token_ids=frozenset({stop}), logprobs=1)
     for _ in range(10):
         a, b = raw.sample(prompt, sp), processed.sample(prompt, sp)
@@ -194,6 +193,27 @@ def test_raw_sampling_at_temperature_one_draws_what_the_general_path_draws() -> 
         assert len(a.token_ids) >= 20
         assert stop not in a.token_ids[:20].tolist()
         assert a.logprobs[20:] == pytest.approx(b.logprobs[20:], abs=1e-9)
+
+
+def test_a_mask_over_all_the_weight_draws_from_the_ids_left() -> None:
+    """An end of turn ~1000 nats likelier than any other id leaves the shorter path no weight to draw from once
+    min_tokens masks it (every other exponential underflows to 0): it draws as the general path does, from the
+    ids left, shifted to their best."""
+    raw, processed = (SimPolicy(SimVocab.load(), seed=3, logprobs_mode=logprobs_mode_named(mode))
+                      for mode in ("raw_logprobs", "processed_logprobs"))
+    weights = {k: v.copy() for k, v in Policy.initial().weights.items()}
+    eos = raw.vocab.eos_id
+    weights["context"][0, eos] += 1000.0
+    raw.model = processed.model = Policy(weights)
+    prompt = sequences(raw.model)[0][:10].tolist()
+    assert int(Cursor(raw.model, np.array(prompt)).logits().argmax()) == eos
+    sp = SamplingParams(max_tokens=12, min_tokens=8, logprobs=1)
+    for _ in range(5):
+        a, b = raw.sample(prompt, sp), processed.sample(prompt, sp)
+        assert np.array_equal(a.token_ids, b.token_ids)
+        assert eos not in a.token_ids[:8].tolist()
+        assert raw.vocab.sampleable[a.token_ids].all()
+        assert a.token_ids[8] == eos  # unmasked, it ends the turn at once
 
 
 def test_new_weights_forget_every_prompt_s_sampling_state() -> None:

@@ -223,9 +223,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 for name, cap, adaptive in settings:
                     got = await one_pass(sim.url, Path(tmp) / f"{name}-{rep}", args, cap, adaptive)
                     if adaptive:
-                        caps.append(trace := got.pop("cap"))
-                        print(f"adaptive (pass {rep + 1}): caps {' '.join(map(str, trace['caps']))}; rules "
-                              f"{trace['rules']}", file=sys.stderr)
+                        caps.append(summary := got.pop("cap"))
+                        print(f"adaptive (pass {rep + 1}): caps {' '.join(map(str, summary['caps']))}; rules "
+                              f"{summary['rules']}", file=sys.stderr)
                     results[name].append(got)
                     print(f"{name} (pass {rep + 1}): {got['tokens_per_s']:.0f} tokens/s, "
                           f"{got['rollouts_per_s']:.2f} rollouts/s, preemptions {got['preemptions']} of "

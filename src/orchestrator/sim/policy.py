@@ -195,7 +195,7 @@ class SimPolicy:
                 if masking:  # after the sum: the reported logprobs are the unmasked ones
                     weights[banned] = 0.0  # the rest keep their ratios: the same distribution as the masked one
                 cdf = np.cumsum(weights)
-                if cdf[-1] < TINY:  # every id left is ~e^-460 below a masked one: shift to the best left instead
+                if cdf[-1] < TINY:  # the ids left weigh under e^-460 of a masked one together: shift to their best
                     cdf = None
             if cdf is None:
                 masked = logits
