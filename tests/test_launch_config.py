@@ -1,10 +1,11 @@
 """``[launch]`` and what is made of it without a cluster: the section is checked like every other (a bad key exits 2
 naming it), roles are placed on an allocation's nodes as written, commands are filled in, and the sbatch script
-``--dry-run`` prints is valid bash with the flags the section asks for. The script runs on a real SLURM in
-test_launch_slurm.py."""
+``--dry-run`` prints is valid bash with the flags the section asks for; the allocation's runner tells a step that
+died from one that SLURM's stop reached first. The script runs on a real SLURM in test_launch_slurm.py."""
 
 from __future__ import annotations
 
+import asyncio
 import shlex
 import subprocess
 from pathlib import Path
@@ -13,8 +14,10 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import load_config
+from orchestrator.launch.allocation import Allocation, JobEnded
 from orchestrator.launch.config import fill, placeholders
 from orchestrator.launch.plan import Plan, PlanError, assign
+from orchestrator.launch.sbatch import JobFiles
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "launch_demo.toml"
@@ -119,3 +122,42 @@ def test_the_dry_run_script_is_bash_with_the_sections_flags(tmp_path: Path, caps
                     "--job-dir", str(job_dir), "--set", "run.max_steps=7"]
     assert (job_dir / "logs").is_dir()  # sbatch opens --output there before the script runs
     assert not (job_dir / "job.sbatch").exists()  # a dry run submits and keeps nothing
+
+
+@pytest.mark.parametrize("slurm_says", ["CANCELLED", "RUNNING"])
+async def test_a_trainer_that_ends_before_the_runner_hears_slurm_s_stop_is_stopped_not_failed(
+        tmp_path: Path, slurm_says: str) -> None:
+    """slurmd signals a job's steps one by one, node by node: the trainer (which exits at once on SIGTERM, status
+    130) can end before the batch step's runner is signalled. The runner asks SLURM then: a job SLURM is ending
+    is stopped, its trainer's exit part of the stop; in a job that runs on, the same exit ends it as failed."""
+    cfg = load_config(DEMO)
+    assert cfg.launch is not None
+    nodes = ["n1", "n2", "n3"]
+    plan = Plan.make(cfg.launch, nodes, {n: f"10.0.0.{i}" for i, n in enumerate(nodes)})
+    asked: list[str] = []
+
+    async def job_state(job_id: str) -> str:
+        asked.append(job_id)
+        return slurm_says
+
+    alloc = Allocation(cfg, DEMO, [], JobFiles(tmp_path / "job"), plan, "7", 0, "python3", job_state=job_state)
+    trainer = alloc.steps["trainer"]
+    trainer.proc = await asyncio.create_subprocess_exec("bash", "-c", "exit 130")
+    await trainer.proc.wait()
+    await alloc.exits.put(trainer)
+    async with asyncio.timeout(30):  # a hang guard: the watch either ends the job or takes the exit as the stop
+        if slurm_says == "RUNNING":
+            with pytest.raises(ExceptionGroup) as group:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(alloc._watch_exits(tg))
+            [ended] = group.value.exceptions
+            assert isinstance(ended, JobEnded)
+            assert (ended.state, ended.code) == ("failed", 1)
+            assert ended.why.startswith("trainer (on n3) was ended by SIGINT (status 130)"), ended.why
+        else:
+            async with asyncio.TaskGroup() as tg:
+                watch = tg.create_task(alloc._watch_exits(tg))
+                await alloc.stopped.wait()  # as SIGTERM would set it: the runner's stop takes over
+                watch.cancel()
+            assert alloc.status.steps["trainer"].state != "exited"  # the stop records it as stopped
+    assert asked == ["7"]

@@ -30,7 +30,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,10 +89,13 @@ class Allocation:
     """The runner of one job attempt in its allocation (see the module docstring)."""
 
     def __init__(self, cfg: JobConfig, config_path: Path, overrides: Sequence[str], files: JobFiles, plan: Plan,
-                 job_id: str, attempt: int, python: str) -> None:
+                 job_id: str, attempt: int, python: str,
+                 job_state: Callable[[str], Awaitable[str | None]] = slurm.ajob_state) -> None:
+        """``job_state``: SLURM's word on the job (``slurm.ajob_state``), asked when a step ends before the
+        runner heard of a stop."""
         assert cfg.launch is not None
         self.cfg, self.launch, self.config_path, self.overrides = cfg, cfg.launch, config_path, list(overrides)
-        self.files, self.plan, self.job_id, self.python = files, plan, job_id, python
+        self.files, self.plan, self.job_id, self.python, self.job_state = files, plan, job_id, python, job_state
         self.keys = Keys.make(files.keys)
         self.status = JobStatus(job_id, attempt, str(files.root), plan=plan.describe())
         self.steps = self._steps()
@@ -227,11 +230,11 @@ class Allocation:
         """Consumes step exits; restarts what may be restarted, ends the job on what cannot go on (JobEnded)."""
         while True:
             step = await self.exits.get()
-            if self.stopped.is_set():
-                continue
             assert step.proc is not None
             assert step.proc.returncode is not None
             code, st = step.proc.returncode, self.status.steps[step.name]
+            if self.stopped.is_set() or (code != 0 and await self._slurm_is_ending()):
+                continue  # the stop records it
             st.exit, st.state = code, "exited"
             how = f"{step.name} (on {', '.join(step.nodes)}) {describe_exit(code)}"
             if step.role == "orchestrator":
@@ -261,6 +264,22 @@ class Allocation:
                 log.warning("%s; %s and the job goes on with %s; its log: %s", how, what, ", ".join(alive) or "none",
                             step.log_file)
             self.status.write(self.files.status)
+
+    async def _slurm_is_ending(self) -> bool:
+        """Whether SLURM is ending the job (scancel, the time limit, a requeue) though this runner has not heard
+        its SIGTERM yet: slurmd signals the steps one by one, node by node, so a step that exits at once on
+        SIGTERM (the trainer) can end before the batch step is signalled. Its exit is then part of the stop, not
+        a fault: the stop is set as the SIGTERM would set it. slurmctld marks the job before it signals a step."""
+        try:
+            state = await self.job_state(self.job_id)
+        except slurm.SlurmError as e:
+            log.warning("cannot ask SLURM whether job %s is ending (%s): the step's exit is judged alone",
+                        self.job_id, e)
+            return self.stopped.is_set()
+        if state is not None and state != "RUNNING":
+            log.info("job %s is %s in SLURM: a step's exit is part of the stop", self.job_id, state)
+            self.stopped.set()
+        return self.stopped.is_set()
 
     async def _wait_healthy(self, servers: list[JobStep]) -> None:
         """Until every server answers ``health_path`` with 200 (JobEnded past ``ready_timeout_s``)."""

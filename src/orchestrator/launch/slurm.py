@@ -109,3 +109,8 @@ def job_state(job_id: str) -> str | None:
         raise
     fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
     return fields.get("JobState")
+
+
+async def ajob_state(job_id: str) -> str | None:
+    """``job_state`` off the event loop."""
+    return await asyncio.to_thread(job_state, job_id)
