@@ -164,8 +164,7 @@ def test_min_tokens_holds_back_every_stop_id_and_eos_until_that_many_are_sampled
     sim.model = perturbed(seed=5, scale=0.3)
     prompt = sequences(sim.model)[0][:10].tolist()
     eos = sim.vocab.eos_id
-    stop = int(np.argmax(sim.model.logits_at(Sequences(np.array(prompt), np.array([0, len(prompt)]),
-                                                       np.array([len(prompt) - 1])))[0]))  # its likeliest next id
+    stop = int(Cursor(sim.model, np.array(prompt)).logits().argmax())  # the likeliest id after the prompt
     free = [len(sim.sample(prompt, SamplingParams(max_tokens=40, stop_token_ids=frozenset({stop}))).token_ids)
             for _ in range(20)]
     held = [sim.sample(prompt, SamplingParams(max_tokens=40, min_tokens=30, stop_token_ids=frozenset({stop}),
